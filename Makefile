@@ -1,0 +1,36 @@
+# One command to set up and open the course, one to set up and test it.
+# Both are idempotent: the venv is rebuilt only when pyproject.toml or
+# constraints.txt change.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.minipaged-installed
+# JupyterLab refuses to run as root unless told to (containers, CI).
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
+
+.PHONY: setup lab test exercises clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+lab: setup
+	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --no-browser $(ROOT_FLAG) --ServerApp.root_dir=$(CURDIR) notebooks/00_setup.ipynb
+
+# Unit tests, every notebook under nbval (outputs compared), the exercise
+# sync check and the shipped exercise notebooks, and the real-browser test.
+test: setup
+	$(PY) -m pytest tests notebooks solutions \
+		--nbval --nbval-current-env --nbval-sanitize-with nbval_sanitize.cfg \
+		-p no:cacheprovider
+
+exercises: setup
+	$(PY) -m minipaged.exercises
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis artifacts

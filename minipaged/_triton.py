@@ -1,0 +1,53 @@
+"""Optional Triton import.
+
+``import minipaged`` must work where Triton has no wheels (macOS, Windows).
+Kernel entry points defined without Triton raise :class:`TritonUnavailable`
+with instructions instead of failing at import time.
+"""
+
+from __future__ import annotations
+
+import os
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
+    triton = None
+    tl = None
+    _IMPORT_ERROR: ImportError | None = exc
+else:
+    _IMPORT_ERROR = None
+
+HAVE_TRITON = triton is not None
+
+INSTALL_HINT = (
+    "Triton is not installed. On Linux run `pip install triton` (or `make lab`, "
+    "which installs the pinned version). Triton publishes no wheels for macOS or "
+    "Windows: use backend='torch' there, or run the course on Linux/WSL/Colab."
+)
+
+
+class TritonUnavailable(ImportError):
+    """Raised when a Triton-backed function is called without Triton."""
+
+
+def require_triton(what: str = "this function") -> None:
+    if not HAVE_TRITON:
+        raise TritonUnavailable(f"{what} needs Triton. {INSTALL_HINT}") from _IMPORT_ERROR
+
+
+def interpreted() -> bool:
+    """True when Triton kernels run in the CPU interpreter rather than compiled."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def unavailable(name: str):
+    """A stand-in for a kernel wrapper that explains how to get Triton."""
+
+    def stub(*args, **kwargs):
+        require_triton(name)
+
+    stub.__name__ = name
+    stub.__doc__ = f"{name} needs Triton, which is not installed. {INSTALL_HINT}"
+    return stub

@@ -1,0 +1,1 @@
+"""Widgets: pure renderers (state -> SVG or matplotlib figure) under thin ipywidgets layers."""
