@@ -1,0 +1,123 @@
+"""Chapter 00: the package imports everywhere and the Triton toolchain is checked for real."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import minipaged
+from minipaged import env
+
+pytestmark = pytest.mark.ch00
+
+
+def run_python(code: str, **env_overrides) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    environ.update(env_overrides)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=environ, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the interpreter must stay off")
+def test_import_sets_interpreter_before_triton_is_imported():
+    proc = run_python(
+        """
+        import os, sys
+        import minipaged
+        assert "triton" not in sys.modules, "importing minipaged must not import triton"
+        print(os.environ["TRITON_INTERPRET"])
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "1"
+
+
+def test_explicit_triton_interpret_setting_wins():
+    proc = run_python("import os, minipaged; print(os.environ['TRITON_INTERPRET'])", TRITON_INTERPRET="0")
+    assert proc.stdout.strip() == "0", proc.stderr
+
+
+def test_import_without_triton_and_kernel_calls_explain_how_to_get_it():
+    # A meta-path hook that makes `import triton` fail, as on macOS.
+    proc = run_python(
+        """
+        import sys
+        class NoTriton:
+            def find_spec(self, name, path=None, target=None):
+                if name == "triton" or name.startswith("triton."):
+                    raise ImportError("No module named 'triton'")
+        sys.meta_path.insert(0, NoTriton())
+        import minipaged, minipaged.kernels, minipaged.env
+        from minipaged._triton import TritonUnavailable
+        assert not minipaged.kernels.HAVE_TRITON
+        print(minipaged.env.report().triton_mode)
+        try:
+            minipaged.kernels.vector_add(None, None)
+        except TritonUnavailable as exc:
+            print("raised:", exc)
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "unavailable"
+    assert "vector_add needs Triton" in lines[1] and "pip install triton" in lines[1]
+
+
+def test_kernels_ship_inside_the_package_not_as_top_level_module():
+    import importlib.util
+
+    import minipaged.kernels
+
+    assert minipaged.kernels.__name__ == "minipaged.kernels"
+    assert importlib.util.find_spec("kernels") is None
+
+
+def test_report_names_versions_and_mode():
+    report = env.report()
+    assert report.torch == torch.__version__
+    expected = "compiled" if torch.cuda.is_available() else "interpreted"
+    assert report.triton_mode == expected
+    assert f"triton mode : {expected}" in str(report)
+
+
+def test_smoke_test_returns_correct_sum():
+    out = env.smoke_test(n=300)
+    assert out.shape == (300,)
+    assert bool((out > 1).all())
+
+
+def test_smoke_test_fails_loudly_on_all_zeros(monkeypatch):
+    import minipaged.kernels
+
+    monkeypatch.setattr(minipaged.kernels, "vector_add", lambda x, y: torch.zeros_like(x))
+    with pytest.raises(env.ToolchainError, match="all zeros"):
+        env.smoke_test(n=64)
+
+
+def test_smoke_test_fails_loudly_on_wrong_values(monkeypatch):
+    import minipaged.kernels
+
+    monkeypatch.setattr(minipaged.kernels, "vector_add", lambda x, y: x - y)
+    with pytest.raises(env.ToolchainError, match="wrong at"):
+        env.smoke_test(n=64)
+
+
+@pytest.mark.parametrize(
+    "x, y, block, match",
+    [
+        (torch.ones(4), torch.ones(5), 256, "same shape"),
+        (torch.ones(4), torch.ones(4, dtype=torch.float64), 256, "dtype"),
+        (torch.ones(4), torch.ones(4), 100, "power of two"),
+    ],
+)
+def test_vector_add_rejects_bad_input(x, y, block, match):
+    from minipaged.kernels import vector_add
+
+    with pytest.raises((ValueError, TypeError), match=match):
+        vector_add(x, y, block=block)
+
+
+def test_version_is_exposed():
+    assert minipaged.__version__

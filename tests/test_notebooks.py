@@ -1,0 +1,56 @@
+"""The notebooks are the product: committed executed, opening with goals and ending with a summary.
+
+nbval (run by `make test`) re-executes them and compares outputs; these checks
+cover what nbval can't see.
+"""
+
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+pytestmark = pytest.mark.notebooks
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAPTERS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
+EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
+
+
+def ids(path):
+    return f"{path.parent.name}/{path.name}"
+
+
+@pytest.mark.parametrize("path", CHAPTERS + SOLUTIONS + EXERCISES, ids=ids)
+def test_opens_in_the_course_kernel(path):
+    # Without a kernelspec JupyterLab asks the learner to pick a kernel.
+    nb = nbformat.read(path, as_version=4)
+    assert nb.metadata.get("kernelspec", {}).get("name") == "python3"
+    assert re.fullmatch(r"\d\d_[a-z0-9_]+\.ipynb", path.name)
+
+
+@pytest.mark.parametrize("path", CHAPTERS + SOLUTIONS, ids=ids)
+def test_committed_with_outputs_from_a_clean_top_to_bottom_run(path):
+    nb = nbformat.read(path, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code" and c.source.strip()]
+    counts = [c.execution_count for c in code]
+    assert counts == list(range(1, len(code) + 1)), f"re-run {path.name} top to bottom and commit it"
+    errors = [o for c in code for o in c.outputs if o.output_type == "error"]
+    assert not errors, f"{path.name} was committed with an error: {errors[0].ename}"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=ids)
+def test_chapter_opens_with_goals_and_ends_with_a_summary(path):
+    markdown = [c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "markdown"]
+    assert "goals" in markdown[0].lower(), "the first cell states the chapter's goals"
+    assert "summary" in markdown[-1].lower(), "the last markdown cell summarises"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=ids)
+def test_chapter_has_a_figure(path):
+    if path.name.startswith("00_"):
+        pytest.skip("chapter 00 only checks the environment")
+    nb = nbformat.read(path, as_version=4)
+    mimes = {m for c in nb.cells if c.cell_type == "code" for o in c.outputs for m in o.get("data", {})}
+    assert mimes & {"image/png", "image/svg+xml", "text/html"}, "a picture says more than a table"
