@@ -1,0 +1,156 @@
+"""The paged KV cache: per-layer K and V pools allocated once, addressed by slot.
+
+Layout per layer (vLLM's flash layout): ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+Viewed as ``[num_blocks * block_size, num_kv_heads, head_dim]``, a token's row
+index is its slot, ``block_id * block_size + offset``, so a write is one
+``index_copy_`` and a read is one ``index_select``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minipaged.block_manager import BlockAllocator, BlockTable, _count
+
+
+@dataclass
+class MemoryReport:
+    num_seqs: int
+    block_size: int
+    total_blocks: int
+    used_blocks: int
+    free_blocks: int
+    effective_tokens: int  # tokens the sequences actually hold
+    tail_waste: int  # reserved but unused slots in the sequences' last blocks
+    bytes_per_block: int  # K and V, all layers
+    block_table_bytes: int  # the padded int32 [num_seqs, max_blocks] tensor the kernel reads
+
+    @property
+    def utilisation(self) -> float:
+        """Effective tokens over allocated slots. Above 1 only when forks share blocks."""
+        return self.effective_tokens / (self.used_blocks * self.block_size) if self.used_blocks else 0.0
+
+    @property
+    def kv_bytes_used(self) -> int:
+        return self.used_blocks * self.bytes_per_block
+
+    def __str__(self) -> str:
+        mib = 2**20
+        return "\n".join(
+            [
+                f"sequences          {self.num_seqs}",
+                f"blocks used/total  {self.used_blocks}/{self.total_blocks} ({self.free_blocks} free, block_size {self.block_size})",
+                f"effective tokens   {self.effective_tokens}",
+                f"tail waste         {self.tail_waste} slots",
+                f"utilisation        {self.utilisation:.2%}",
+                f"bytes per block    {self.bytes_per_block:,}",
+                f"KV bytes used      {self.kv_bytes_used:,} ({self.kv_bytes_used / mib:.2f} MiB)",
+                f"block-table bytes  {self.block_table_bytes:,}",
+            ]
+        )
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device="cpu",
+    ):
+        for name, value in [("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)]:
+            if _count(value, name) == 0:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        # The whole pool is allocated here, once; afterwards allocation is bookkeeping only.
+        self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        """K and V of one block over all layers."""
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.k_caches[0].element_size()
+
+    def new_table(self, seq_id=None) -> BlockTable:
+        return BlockTable(self.allocator, seq_id)
+
+    def _check_layer(self, layer) -> int:
+        layer = _count(layer, "layer")
+        if layer >= self.num_layers:
+            raise IndexError(f"layer {layer} is out of range: the cache has {self.num_layers} layers")
+        return layer
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store token i's K/V at ``slot_mapping[i]``; a slot of -1 is skipped (padding)."""
+        layer = self._check_layer(layer)
+        row = (self.num_kv_heads, self.head_dim)
+        for name, t in [("key", key), ("value", value)]:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 3 or tuple(t.shape[1:]) != row:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [num_tokens, {row[0]}, {row[1]}]")
+            if t.dtype != self.dtype:
+                raise TypeError(f"{name} has dtype {t.dtype}, but the cache holds {self.dtype}")
+            if t.device != self.device:
+                raise ValueError(f"{name} is on {t.device}, but the cache is on {self.device}")
+        if key.shape[0] != value.shape[0]:
+            raise ValueError(f"key has {key.shape[0]} tokens but value has {value.shape[0]}")
+        if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dtype not in (torch.int32, torch.int64):
+            raise TypeError("slot_mapping must be an int32 or int64 torch.Tensor")
+        if slot_mapping.shape != (key.shape[0],):
+            raise ValueError(f"slot_mapping has shape {tuple(slot_mapping.shape)}, expected ({key.shape[0]},): one slot per token")
+        if slot_mapping.device != self.device:
+            raise ValueError(f"slot_mapping is on {slot_mapping.device}, but the cache is on {self.device}")
+        if slot_mapping.numel() and not (-1 <= int(slot_mapping.min()) and int(slot_mapping.max()) < self.num_slots):
+            raise IndexError(f"slot_mapping holds values outside -1 .. {self.num_slots - 1} (the pool has {self.num_slots} slots)")
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep].long()
+        self.k_caches[layer].view(-1, *row).index_copy_(0, slots, key[keep])
+        self.v_caches[layer].view(-1, *row).index_copy_(0, slots, value[keep])
+
+    def gather(self, layer: int, table: BlockTable) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference read: one sequence's K and V as contiguous ``[num_tokens, heads, head_dim]``."""
+        layer = self._check_layer(layer)
+        if table.allocator is not self.allocator:
+            raise ValueError("table belongs to another allocator: its block ids mean nothing in this cache")
+        slots = table.slots().to(self.device)
+        row = (self.num_kv_heads, self.head_dim)
+        return (
+            self.k_caches[layer].view(-1, *row).index_select(0, slots),
+            self.v_caches[layer].view(-1, *row).index_select(0, slots),
+        )
+
+    def memory_report(self, tables: list[BlockTable]) -> MemoryReport:
+        width = max((t.num_blocks for t in tables), default=0)
+        return MemoryReport(
+            num_seqs=len(tables),
+            block_size=self.block_size,
+            total_blocks=self.num_blocks,
+            used_blocks=self.allocator.num_used,
+            free_blocks=self.allocator.num_free,
+            effective_tokens=sum(t.num_tokens for t in tables),
+            tail_waste=sum(t.tail_waste for t in tables),
+            bytes_per_block=self.bytes_per_block,
+            block_table_bytes=len(tables) * width * 4,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedKVCache(num_layers={self.num_layers}, num_blocks={self.num_blocks}, block_size={self.block_size}, "
+            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, device={self.device})"
+        )
