@@ -8,8 +8,12 @@ import minipaged  # noqa: F401  (sets TRITON_INTERPRET before any @triton.jit)
 from minipaged._triton import HAVE_TRITON, unavailable
 
 if HAVE_TRITON:
+    from .cache_ops import write_kv
+    from .paged_attention import paged_decode_attention
     from .vector_add import vector_add
 else:
     vector_add = unavailable("vector_add")
+    paged_decode_attention = unavailable("paged_decode_attention")
+    write_kv = unavailable("write_kv")
 
-__all__ = ["HAVE_TRITON", "vector_add"]
+__all__ = ["HAVE_TRITON", "paged_decode_attention", "vector_add", "write_kv"]

@@ -1,0 +1,305 @@
+"""Paged decode attention in Triton: one query token per sequence, K/V read through a block table.
+
+Layout (vLLM's flash layout, see CONTRIBUTING.md):
+
+* ``q``            ``[num_seqs, num_heads, head_dim]``, the current token of every sequence
+* ``k_cache``      ``[num_blocks, block_size, num_kv_heads, head_dim]`` (``v_cache`` the same)
+* ``block_tables`` ``int32 [num_seqs, max_blocks_per_seq]``, logical block -> physical block
+* ``seq_lens``     ``int32 [num_seqs]``, context length *including* the current token
+
+Design, in the order the chapter builds it:
+
+1. **One program per (sequence, KV head).** With grouped-query attention the
+   ``num_heads // num_kv_heads`` query heads of a group read the *same* K/V, so one
+   program loads each K/V tile once and serves the whole group with ``tl.dot``.
+   ``tl.dot`` needs every dimension ≥ 16, so the group is padded to ``GROUP_PAD``
+   rows (padding rows hold zeros and are never stored).
+2. **Walk the sequence tile by tile.** A tile is ``TILE = max(block_size, 16)``
+   tokens. Each token's physical block comes from the block table
+   (``block_tables[seq, token // block_size]``); when ``block_size >= 16`` a tile is
+   exactly one block and all its tokens share one block id.
+3. **Online softmax in fp32.** A running max ``m``, running denominator ``l`` and
+   unnormalised output ``acc`` are rescaled whenever a tile raises the max, so the
+   softmax never needs all scores at once.
+4. **Split-KV (flash-decoding).** With few sequences and long contexts the grid
+   above has too few programs to keep a GPU busy. A third grid axis cuts each
+   sequence into ``num_splits`` ranges; each program writes its partial
+   ``(m, l, acc)`` to a workspace and a second kernel merges them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minipaged._triton import interpreted
+
+# Head dims the kernel takes: tl.arange needs a power of two, tl.dot needs >= 16,
+# and above 256 one K tile no longer fits comfortably in registers/shared memory.
+HEAD_DIMS = (16, 32, 64, 128, 256)
+MAX_BLOCK_SIZE = 256
+# Split-KV heuristic: a split should stream at least this many tokens, or the
+# extra reduction pass costs more than the parallelism gains.
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 64
+# Stands in for the SM count when there is no GPU, so the heuristic is deterministic on a CPU.
+CPU_PARALLELISM = 8
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    scale,
+    stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vh, stride_vd,
+    stride_bts, stride_btb,
+    stride_os, stride_oh, stride_od,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two >= 16 (tl.dot's M)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,  # tokens per loop step: max(BLOCK_SIZE, 16), so tl.dot's K >= 16
+    NUM_SPLITS: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # do tl.dot in fp32 (the interpreter's bf16 dot is wrong; fp32 inputs)
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    rows = tl.arange(0, GROUP_PAD)  # query heads of this group, padded
+    row_ok = rows < GROUP
+    heads = kv_head * GROUP + rows
+    dims = tl.arange(0, HEAD_DIM)
+
+    q = tl.load(
+        q_ptr + seq * stride_qs + heads[:, None] * stride_qh + dims[None, :] * stride_qd,
+        mask=row_ok[:, None], other=0.0,
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # This program's share of the sequence: whole tiles, so splits never share a tile.
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, TILE), NUM_SPLITS)
+    start = split * tiles_per_split * TILE
+    end = tl.minimum(start + tiles_per_split * TILE, seq_len)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # running max of the scores
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)  # running sum of exp(score - m_i)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)  # running sum of exp(score - m_i) * v
+
+    block_table = block_tables_ptr + seq * stride_bts
+    offs = tl.arange(0, TILE)
+    for tile_start in range(start, end, TILE):
+        tokens = tile_start + offs
+        valid = tokens < end  # the last tile of a sequence (or split) is partial
+        # Logical block -> physical block. Only blocks the sequence owns are looked up:
+        # entries past its end may hold anything. int64 before the multiply by the
+        # block stride, so a large pool cannot overflow 32-bit offsets.
+        block_ids = tl.load(block_table + (tokens // BLOCK_SIZE) * stride_btb, mask=valid, other=0).to(tl.int64)
+        in_block = tokens % BLOCK_SIZE
+        k = tl.load(
+            k_cache_ptr + block_ids[:, None] * stride_kb + in_block[:, None] * stride_kt
+            + kv_head * stride_kh + dims[None, :] * stride_kd,
+            mask=valid[:, None], other=0.0,
+        )
+        v = tl.load(
+            v_cache_ptr + block_ids[:, None] * stride_vb + in_block[:, None] * stride_vt
+            + kv_head * stride_vh + dims[None, :] * stride_vd,
+            mask=valid[:, None], other=0.0,
+        )
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [GROUP_PAD, TILE], fp32
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        # Every tile holds at least one valid token, so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp(m_i - m_new)  # rescales what was summed under the old max
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]
+        tl.store(
+            out_ptr + seq * stride_os + heads[:, None] * stride_oh + dims[None, :] * stride_od,
+            out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None],
+        )
+    else:
+        # Workspace is contiguous [num_seqs, num_heads, NUM_SPLITS(, HEAD_DIM)]. An empty
+        # split (short sequence) stores m=-inf, l=0, acc=0 and weighs nothing in the merge.
+        part = (seq * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
+        tl.store(part_m_ptr + part, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
+    stride_os, stride_oh, stride_od,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # NUM_SPLITS rounded up to a power of two for tl.arange
+    HEAD_DIM: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    part = (seq * tl.num_programs(1) + head) * NUM_SPLITS + splits
+    ok = splits < NUM_SPLITS
+
+    m = tl.load(part_m_ptr + part, mask=ok, other=float("-inf"))
+    l = tl.load(part_l_ptr + part, mask=ok, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
+
+    # Bring every split to the common max, exactly as the online softmax does per tile.
+    m_max = tl.max(m, axis=0)
+    weight = tl.exp(m - m_max)  # 0 for padding and for empty splits (m = -inf)
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l * weight, axis=0)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + dims * stride_od, out.to(out_ptr.dtype.element_ty))
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, parallelism: int) -> int:
+    """How many splits per sequence: enough programs to fill ``parallelism`` units twice, no more.
+
+    Splitting only pays when the plain grid (``num_seqs * num_kv_heads`` programs) is
+    smaller than the machine and each split still streams ``MIN_TOKENS_PER_SPLIT`` tokens.
+    """
+    programs = num_seqs * num_kv_heads
+    if programs >= parallelism:
+        return 1
+    wanted = triton.cdiv(2 * parallelism, programs)
+    affordable = max(1, max_seq_len // MIN_TOKENS_PER_SPLIT)
+    return max(1, min(wanted, affordable, MAX_SPLITS))
+
+
+def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_splits) -> tuple[int, int]:
+    """Raise a clear error for anything the kernel can't take; return (min, max) of seq_lens."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables), ("seq_lens", seq_lens)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 3:
+        raise ValueError(f"q must be [num_seqs, num_heads, head_dim], got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4:
+        raise ValueError(f"k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got shape {tuple(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} differs from k_cache shape {tuple(k_cache.shape)}")
+    num_seqs, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim:
+        raise ValueError(f"q has head_dim {head_dim} but the caches have head_dim {cache_head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}) for grouped-query attention")
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables must be [num_seqs={num_seqs}, max_blocks_per_seq], got shape {tuple(block_tables.shape)}")
+    if seq_lens.shape != (num_seqs,):
+        raise ValueError(f"seq_lens must be [num_seqs={num_seqs}], got shape {tuple(seq_lens.shape)}")
+
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"q must be float32, float16 or bfloat16, got {q.dtype}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"k_cache and v_cache must have q's dtype {q.dtype}, got {k_cache.dtype} and {v_cache.dtype}")
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must be int32 (or int64), got {t.dtype}")
+    devices = {t.device for t in (q, k_cache, v_cache, block_tables, seq_lens)}
+    if len(devices) > 1:
+        raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
+
+    if not _is_power_of_two(block_size) or block_size > MAX_BLOCK_SIZE:
+        raise ValueError(f"block_size must be a power of two up to {MAX_BLOCK_SIZE} (tl.arange needs one), got {block_size}")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS} (a power of two >= 16 for tl.arange and tl.dot), got {head_dim}")
+    if num_splits is not None and (not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS):
+        raise ValueError(f"num_splits must be None or an int in 1..{MAX_SPLITS}, got {num_splits!r}")
+    if num_seqs == 0:
+        return 0, 0
+
+    # One host sync for all value checks: lengths in range, and every block a sequence
+    # owns points into the pool (an out-of-range id would read outside k_cache).
+    max_blocks_per_seq = block_tables.shape[1]
+    owned = torch.arange(max_blocks_per_seq, device=block_tables.device)[None, :] < (seq_lens[:, None] + block_size - 1) // block_size
+    bad_ids = ((block_tables < 0) | (block_tables >= num_blocks)) & owned
+    lo, hi, n_bad = torch.stack([seq_lens.min().long(), seq_lens.max().long(), bad_ids.sum()]).tolist()
+    if lo < 1:
+        raise ValueError(f"seq_lens must be >= 1 (the current token is in the cache), got min {lo}")
+    if hi > max_blocks_per_seq * block_size:
+        raise IndexError(
+            f"seq_lens max {hi} needs {triton.cdiv(hi, block_size)} blocks, but block_tables has only "
+            f"{max_blocks_per_seq} columns (block_size {block_size})"
+        )
+    if n_bad:
+        raise IndexError(f"block_tables has {n_bad} entries for owned blocks outside the pool [0, {num_blocks})")
+    return lo, hi
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, num_splits=None):
+    """Decode attention for one new token per sequence, reading K/V through ``block_tables``.
+
+    Returns ``[num_seqs, num_heads, head_dim]`` in ``q.dtype``. ``scale`` defaults to
+    ``head_dim ** -0.5``. ``num_splits=None`` picks unsplit or split-KV with
+    :func:`choose_num_splits`; an int forces it (1 = unsplit).
+    """
+    _, max_len = _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_splits)
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_seqs == 0:
+        return out
+    scale = head_dim**-0.5 if scale is None else float(scale)
+    if num_splits is None:
+        parallelism = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else CPU_PARALLELISM
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_len, parallelism)
+
+    group = num_heads // num_kv_heads
+    seq_lens = seq_lens.contiguous()
+    if num_splits == 1:
+        part_m = part_l = part_acc = out  # unused: the kernel writes the result directly
+    else:
+        part_m = torch.empty(num_seqs, num_heads, num_splits, device=q.device, dtype=torch.float32)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(num_seqs, num_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
+
+    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens,
+        out, part_m, part_l, part_acc,
+        scale,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        TILE=max(16, block_size),
+        NUM_SPLITS=num_splits,
+        DOT_FP32=interpreted() or q.dtype == torch.float32,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            part_m, part_l, part_acc, out, *out.stride(),
+            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+        )
+    return out
+
+
+def decode_bytes(q, k_cache, block_tables, seq_lens) -> int:
+    """Bytes a decode step must move at least: the K and V rows it reads, q in, out out.
+
+    The benchmark divides this by the measured time to get achieved bandwidth.
+    """
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    kv = 2 * int(seq_lens.sum()) * num_kv_heads * head_dim * k_cache.element_size()
+    return kv + 2 * q.numel() * q.element_size() + block_tables.numel() * block_tables.element_size()
+
+
+__all__ = ["paged_decode_attention", "choose_num_splits", "decode_bytes", "HEAD_DIMS"]
