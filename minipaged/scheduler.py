@@ -1,0 +1,244 @@
+"""Continuous batching: at every step, decide which sequences run and how many tokens each computes.
+
+The rules, in the order :meth:`Scheduler.schedule` applies them:
+
+1. **Running sequences first, decodes before prefill chunks.** A decode is one
+   token and a user is waiting on it; a prefill chunk can absorb whatever
+   budget is left.
+2. **A token budget per step** (``max_num_batched_tokens``) bounds the work of
+   one forward pass. A long prompt is cut into chunks across steps (chunked
+   prefill), so it cannot stall the decodes of everyone else.
+3. **Growth before admission.** A running sequence that needs a new block and
+   finds the pool empty preempts the *youngest* running sequence (latest
+   arrival) by recompute: its blocks are freed, its tokens kept, and it goes
+   back to the front of the waiting queue to re-prefill prompt + generated
+   tokens later. Older requests therefore always make progress.
+4. **FCFS admission with a watermark.** The head of the waiting queue is
+   admitted only if its first chunk's blocks are free *and* a watermark of
+   blocks stays free afterwards, as headroom for the running sequences to
+   grow into. If the head does not fit, nobody behind it jumps the queue.
+
+Public state that the engine, metrics and the dashboard read:
+``waiting`` (deque of :class:`~minipaged.sequence.Sequence`, front = next to
+admit), ``running`` (list, in admission order), ``allocator``, ``config``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from minipaged.block_manager import BlockAllocator, BlockTable
+from minipaged.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine and scheduler are configured by; the defaults fit the tiny model on a CPU."""
+
+    block_size: int = 16
+    num_blocks: int = 64
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 256  # tokens computed in one forward pass, all sequences together
+    watermark: float = 0.01  # fraction of blocks admission leaves free for running sequences to grow into
+    chunked_prefill: bool = True
+    preemption_mode: str = "recompute"
+    backend: str = "torch"  # attention backend of the model forward: "torch" or "triton"
+
+    def __post_init__(self):
+        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {value!r}")
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"EngineConfig.watermark must be in [0, 1), got {self.watermark!r}")
+        if self.preemption_mode != "recompute":
+            raise ValueError(f"EngineConfig.preemption_mode must be 'recompute', got {self.preemption_mode!r}")
+        if self.backend not in ("torch", "triton"):
+            raise ValueError(f"EngineConfig.backend must be 'torch' or 'triton', got {self.backend!r}")
+
+    @property
+    def watermark_blocks(self) -> int:
+        return int(self.watermark * self.num_blocks)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan: which sequences compute how many tokens, and where their K/V goes."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens each sequence computes this step
+    slot_mappings: list[torch.Tensor] = field(default_factory=list)  # int64 cache slots of those tokens
+    admitted: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+def can_admit(num_free_blocks: int, blocks_needed: int, watermark_blocks: int, num_running: int, max_num_seqs: int) -> bool:
+    """May a waiting request whose first chunk needs ``blocks_needed`` new blocks start now?
+
+    It must fit a free seat (``max_num_seqs``) and leave ``watermark_blocks``
+    free afterwards: admitting right up to the last block would make the next
+    decode step of the running sequences preempt someone at once.
+    """
+    return num_running < max_num_seqs and num_free_blocks - blocks_needed >= watermark_blocks
+
+
+def pick_victim(running: list[Sequence]) -> Sequence:
+    """The youngest running request (latest arrival; on a tie, the later admitted), so older ones always progress.
+
+    ``running`` is in admission order.
+    """
+    return max(reversed(running), key=lambda s: s.arrival_time)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, allocator: BlockAllocator):
+        self.config = config
+        self.allocator = allocator
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request, after checking that it could ever run alone.
+
+        The most K/V a request holds is prompt + max_tokens - 1 tokens (the
+        last sampled token is never fed back). If those blocks exceed the pool
+        minus the watermark, it could never be admitted, even to an empty pool.
+        """
+        longest = seq.num_prompt_tokens + seq.sampling_params.max_tokens - 1
+        need = -(-longest // self.config.block_size)
+        room = self.config.num_blocks - self.config.watermark_blocks
+        if need > room:
+            raise ValueError(
+                f"request {seq.seq_id!r} needs up to {need} blocks ({seq.num_prompt_tokens} prompt + "
+                f"{seq.sampling_params.max_tokens} max_tokens, block_size {self.config.block_size}) but the pool has "
+                f"{self.config.num_blocks} blocks, {room} after the watermark: raise num_blocks or lower max_tokens"
+            )
+        if not self.config.chunked_prefill and longest > self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"request {seq.seq_id!r} may need to (re)compute {longest} tokens in one step, more than "
+                f"max_num_batched_tokens={self.config.max_num_batched_tokens}: enable chunked_prefill or raise the budget"
+            )
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """How many of ``seq``'s uncomputed tokens fit this step (0: none)."""
+        n = min(seq.num_uncomputed_tokens, budget)
+        if not self.config.chunked_prefill and n < seq.num_uncomputed_tokens:
+            return 0  # without chunking, a prefill runs whole or not at all
+        return n
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+
+        # 1. Running sequences: decodes first, then unfinished prefill chunks.
+        pending = sorted(self.running, key=lambda s: s.is_prefill)  # stable: arrival order within each kind
+        while pending:
+            seq = pending.pop(0)
+            n = self._chunk(seq, budget)
+            if n == 0:
+                continue
+            # Make room by preempting the youngest running sequence (maybe seq itself, never an older one).
+            while not self.allocator.can_allocate(seq.block_table.blocks_needed(n)):
+                victim = pick_victim(self.running)
+                if victim in out.seqs:  # scheduled earlier this step: take its tokens back
+                    i = out.seqs.index(victim)
+                    budget += out.num_new_tokens[i]
+                    del out.seqs[i], out.num_new_tokens[i], out.slot_mappings[i]
+                elif victim in pending:
+                    pending.remove(victim)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.seqs.append(seq)
+                out.num_new_tokens.append(n)
+                out.slot_mappings.append(seq.block_table.append_tokens(n))
+                budget -= n
+
+        # 2. Admission, FCFS. Not in a step that had to preempt: the pool is already short.
+        while self.waiting and budget > 0 and not out.preempted:
+            seq = self.waiting[0]
+            n = self._chunk(seq, budget)
+            table = BlockTable(self.allocator, seq.seq_id)
+            if n == 0 or not can_admit(
+                self.allocator.num_free,
+                table.blocks_needed(n),
+                self.config.watermark_blocks,
+                len(self.running),
+                self.config.max_num_seqs,
+            ):
+                break
+            self.waiting.popleft()
+            seq.block_table = table
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.admitted.append(seq)
+            out.seqs.append(seq)
+            out.num_new_tokens.append(n)
+            out.slot_mappings.append(table.append_tokens(n))
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute-style preemption: drop the K/V, keep the tokens, queue at the front."""
+        self.allocator.emit(
+            "preempt", None, seq.seq_id, num_blocks=seq.block_table.num_blocks, num_tokens=seq.num_tokens
+        )
+        self._release(seq)
+        self.running.remove(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.PREEMPTED
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.block_table is not None:
+            seq.block_table.release()
+            seq.block_table = None
+
+    def postprocess(self, out: SchedulerOutput, sampled: dict, now: float) -> list[Sequence]:
+        """Advance the sequences after the forward pass; return those that finished.
+
+        ``sampled`` maps seq_id to the token sampled for every sequence whose
+        chunk reached its last token (the others were mid-prefill).
+        """
+        finished = []
+        for seq, n in zip(out.seqs, out.num_new_tokens):
+            seq.num_computed_tokens += n
+            if seq.seq_id in sampled and seq.append_token(sampled[seq.seq_id], now):
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_time = now
+                self._release(seq)
+                self.running.remove(seq)
+                finished.append(seq)
+        return finished
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a waiting or running request now; its blocks return to the pool at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        else:
+            raise ValueError(f"request {seq.seq_id!r} is neither waiting nor running ({seq.status.value})")
+        self._release(seq)
+        seq.status = SequenceStatus.ABORTED

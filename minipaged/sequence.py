@@ -1,0 +1,124 @@
+"""Requests as the engine sees them: a growing list of token ids plus bookkeeping.
+
+A :class:`Sequence` moves through
+
+    WAITING --admit--> RUNNING --last token--> FINISHED
+                          |
+                          +--preempt--> PREEMPTED (back at the *front* of the waiting queue)
+    any state --abort--> ABORTED
+
+One counter drives everything the scheduler does: ``num_computed_tokens``,
+how many of ``token_ids`` already have their K/V in the paged cache. Prefill,
+chunked prefill, decode and recompute after preemption are then one rule:
+compute the tokens that are not yet computed (as many as the budget allows),
+and when that reaches the end of the sequence, sample the next token.
+
+Timestamps (``arrival_time``, ``token_times``, ``finish_time``) are in the
+engine's clock, virtual or wall (see :mod:`minipaged.workload`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, its blocks freed, its tokens kept
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token. ``temperature == 0`` is greedy (argmax)."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    seed: int | None = None  # with temperature > 0: a per-request generator makes sampling replayable
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__}")
+        if isinstance(self.stop_token_ids, int):
+            self.stop_token_ids = (self.stop_token_ids,)
+        self.stop_token_ids = tuple(self.stop_token_ids)
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+
+
+class Sequence:
+    """One request: its prompt, the tokens generated so far, its block table and its timings."""
+
+    def __init__(self, seq_id, prompt_token_ids: list[int], sampling_params: SamplingParams, arrival_time: float = 0.0):
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids must hold at least one token")
+        self.seq_id = seq_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.sampling_params = sampling_params
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_table = None  # a minipaged.block_manager.BlockTable while it holds blocks
+        self.arrival_time = arrival_time
+        self.token_times: list[float] = []  # when each output token was sampled
+        self.finish_time: float | None = None
+        self.num_preemptions = 0
+        self.generator = None
+        if sampling_params.temperature > 0 and sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(sampling_params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose K/V is not in the cache yet: the prompt (or a rest of it) in prefill, 1 in decode."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (SequenceStatus.FINISHED, SequenceStatus.ABORTED)
+
+    @property
+    def first_token_time(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+    def append_token(self, token_id: int, now: float) -> bool:
+        """Record a sampled token; return True if the sequence is now done (length or stop token)."""
+        self.token_ids.append(token_id)
+        self.token_times.append(now)
+        return token_id in self.sampling_params.stop_token_ids or self.num_output_tokens >= self.sampling_params.max_tokens
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(seq_id={self.seq_id!r}, status={self.status.value}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )

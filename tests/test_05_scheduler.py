@@ -1,0 +1,244 @@
+"""Scheduler invariants under random workloads, driven by a fake model so they run fast.
+
+The fake "model" samples token = f(seq_id, length): deterministic, so a
+request's output must not depend on how it was batched, chunked or preempted.
+"""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minipaged.block_manager import BlockAllocator
+from minipaged.scheduler import EngineConfig, Scheduler, can_admit, pick_victim
+from minipaged.sequence import SamplingParams, Sequence, SequenceStatus
+
+pytestmark = pytest.mark.ch05
+
+VOCAB = 50
+
+
+def fake_token(seq: Sequence) -> int:
+    return (31 * hash(seq.seq_id) + 7 * seq.num_tokens) % VOCAB
+
+
+def alone(seq: Sequence) -> list[int]:
+    """What the fake model generates for ``seq`` with nobody else around."""
+    out = []
+    for k in range(seq.sampling_params.max_tokens):
+        out.append((31 * hash(seq.seq_id) + 7 * (seq.num_prompt_tokens + k)) % VOCAB)
+        if out[-1] in seq.sampling_params.stop_token_ids:
+            break
+    return out
+
+
+def step(sched: Scheduler, now: float):
+    """One engine step with the fake model; checks the per-step invariants."""
+    out = sched.schedule()
+    cfg = sched.config
+    assert out.num_batched_tokens <= cfg.max_num_batched_tokens
+    assert len(sched.running) <= cfg.max_num_seqs
+    assert all(n >= 1 for n in out.num_new_tokens)
+    assert len({id(s) for s in out.seqs}) == len(out.seqs)
+    for seq, n, slots in zip(out.seqs, out.num_new_tokens, out.slot_mappings):
+        assert seq.status is SequenceStatus.RUNNING
+        assert seq.block_table.num_tokens == seq.num_computed_tokens + n
+        assert len(slots) == n
+        if not cfg.chunked_prefill:
+            assert n == seq.num_uncomputed_tokens
+    # The running set fits the pool: exactly its blocks are in use, no more (no leak), no less.
+    held = [b for s in sched.running for b in s.block_table.blocks]
+    assert len(held) == len(set(held)) == sched.allocator.num_used
+    assert all(s.block_table is None for s in sched.waiting)
+    sampled = {s.seq_id: fake_token(s) for s, n in zip(out.seqs, out.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens}
+    return out, sched.postprocess(out, sampled, now)
+
+
+requests = st.lists(
+    st.tuples(st.integers(1, 40), st.integers(1, 20), st.integers(0, 30)),  # prompt_len, max_tokens, arrival step
+    min_size=1,
+    max_size=12,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    num_blocks=st.integers(2, 40),
+    max_num_seqs=st.integers(1, 6),
+    budget=st.integers(1, 64),
+    watermark=st.sampled_from([0.0, 0.05, 0.2]),
+    chunked=st.booleans(),
+    reqs=requests,
+    aborts=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 11)), max_size=3),
+    stop=st.sets(st.integers(0, VOCAB - 1), max_size=2),
+)
+def test_random_workload_invariants(block_size, num_blocks, max_num_seqs, budget, watermark, chunked, reqs, aborts, stop):
+    cfg = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=budget, watermark=watermark, chunked_prefill=chunked)
+    sched = Scheduler(cfg, BlockAllocator(num_blocks, block_size))
+    seqs = []
+    for i, (p, m, t) in enumerate(reqs):
+        seq = Sequence(i, [(i + j) % VOCAB for j in range(p)], SamplingParams(max_tokens=m, stop_token_ids=tuple(stop)), float(t))
+        seqs.append(seq)
+    arrivals = sorted(seqs, key=lambda s: s.arrival_time)
+    accepted, finished, aborted = [], [], set()
+    for tick in range(2000):
+        while arrivals and arrivals[0].arrival_time <= tick:
+            seq = arrivals.pop(0)
+            try:
+                sched.add(seq)
+                accepted.append(seq)
+            except ValueError:  # too big for this pool or budget: rejected up front, nothing changed
+                assert seq.status is SequenceStatus.WAITING and seq not in sched.waiting
+        for when, idx in aborts:
+            if when == tick and idx < len(accepted) and not accepted[idx].is_finished:
+                sched.abort(accepted[idx])
+                aborted.add(accepted[idx].seq_id)
+                assert accepted[idx].block_table is None
+        if not arrivals and not sched.has_unfinished():
+            break
+        _, done = step(sched, float(tick))
+        finished += done
+    else:
+        pytest.fail("the run did not terminate: some admitted request never finished")
+    # Every admitted request finished or was aborted, and every block is back.
+    assert {s.seq_id for s in finished} | aborted == {s.seq_id for s in accepted}
+    assert sched.allocator.num_free == num_blocks
+    for seq in finished:
+        assert seq.status is SequenceStatus.FINISHED
+        assert seq.output_token_ids == alone(seq)
+
+
+def test_preempts_youngest_and_keeps_tokens():
+    # 4 blocks of 2 slots; two requests that each grow to 4 blocks cannot both stay.
+    cfg = EngineConfig(block_size=2, num_blocks=4, max_num_seqs=4, max_num_batched_tokens=16, watermark=0.0)
+    sched = Scheduler(cfg, BlockAllocator(4, 2))
+    old = Sequence("old", [1, 2, 3], SamplingParams(max_tokens=5), arrival_time=0.0)
+    young = Sequence("young", [4, 5, 6], SamplingParams(max_tokens=5), arrival_time=1.0)
+    events = []
+    sched.allocator.subscribe(lambda e: events.append(e) if e.kind == "preempt" else None)
+    sched.add(old)
+    sched.add(young)
+    preempted = []
+    for t in range(40):
+        if not sched.has_unfinished():
+            break
+        out, _ = step(sched, float(t))
+        preempted += out.preempted
+    assert preempted and all(s is young for s in preempted)
+    assert [e.seq_id for e in events] == ["young"] * len(preempted)
+    assert young.num_preemptions == len(preempted)
+    assert old.status is young.status is SequenceStatus.FINISHED
+    assert len(young.output_token_ids) == 5
+
+
+def test_preempted_goes_to_front_and_recomputes_everything():
+    cfg = EngineConfig(block_size=2, num_blocks=3, max_num_seqs=4, max_num_batched_tokens=16, watermark=0.0)
+    sched = Scheduler(cfg, BlockAllocator(3, 2))
+    a = Sequence("a", [1, 2], SamplingParams(max_tokens=4), arrival_time=0.0)
+    b = Sequence("b", [3, 4], SamplingParams(max_tokens=4), arrival_time=1.0)
+    c = Sequence("c", [5], SamplingParams(max_tokens=1), arrival_time=2.0)
+    for s in (a, b):
+        sched.add(s)
+    step(sched, 0.0)  # both prefilled, 1 block each, 1 token generated each
+    sched.add(c)
+    out, _ = step(sched, 1.0)  # a and b each need a 2nd block: only 1 free, so b (younger) goes
+    assert out.preempted == [b]
+    assert list(sched.waiting) == [b, c]  # in front of the later arrival
+    assert b.status is SequenceStatus.PREEMPTED and b.num_computed_tokens == 0 and b.block_table is None
+    assert b.output_token_ids  # its generated token is kept...
+    while b.status is not SequenceStatus.RUNNING:
+        length = b.num_tokens
+        out, _ = step(sched, 2.0)
+    assert out.num_new_tokens[out.seqs.index(b)] == length == 3  # ...and recomputed with the prompt
+
+
+def test_chunked_prefill_splits_a_long_prompt():
+    cfg = EngineConfig(block_size=4, num_blocks=32, max_num_batched_tokens=8)
+    sched = Scheduler(cfg, BlockAllocator(32, 4))
+    seq = Sequence(0, list(range(20)), SamplingParams(max_tokens=2))
+    sched.add(seq)
+    chunks = []
+    while sched.has_unfinished():
+        out, _ = step(sched, 0.0)
+        chunks.append(out.num_new_tokens[0])
+    assert chunks == [8, 8, 4, 1]
+
+
+def test_without_chunking_a_prompt_waits_for_a_whole_budget():
+    cfg = EngineConfig(block_size=4, num_blocks=32, max_num_batched_tokens=12, chunked_prefill=False)
+    sched = Scheduler(cfg, BlockAllocator(32, 4))
+    a = Sequence("a", [1] * 4, SamplingParams(max_tokens=3))
+    b = Sequence("b", [1] * 10, SamplingParams(max_tokens=3))
+    sched.add(a)
+    sched.add(b)
+    out, _ = step(sched, 0.0)
+    assert out.seqs == [a]  # b's 10 tokens do not fit the 8 left, and it will not be split
+    out, _ = step(sched, 1.0)
+    assert out.seqs == [a, b] and out.num_new_tokens == [1, 10]
+
+
+def test_watermark_holds_back_admission():
+    cfg = EngineConfig(block_size=4, num_blocks=10, watermark=0.2)  # keep 2 blocks free
+    sched = Scheduler(cfg, BlockAllocator(10, 4))
+    a = Sequence("a", [1] * 24, SamplingParams(max_tokens=2))  # 6 blocks
+    b = Sequence("b", [1] * 8, SamplingParams(max_tokens=2))  # 2 more would leave 2: allowed
+    c = Sequence("c", [1] * 4, SamplingParams(max_tokens=2))  # 1 more would leave 1: refused
+    for s in (a, b, c):
+        sched.add(s)
+    out = sched.schedule()
+    assert out.admitted == [a, b] and list(sched.waiting) == [c]
+
+
+def test_admission_and_victim_helpers():
+    assert can_admit(num_free_blocks=5, blocks_needed=3, watermark_blocks=2, num_running=0, max_num_seqs=4)
+    assert not can_admit(num_free_blocks=5, blocks_needed=4, watermark_blocks=2, num_running=0, max_num_seqs=4)
+    assert not can_admit(num_free_blocks=50, blocks_needed=1, watermark_blocks=0, num_running=4, max_num_seqs=4)
+    seqs = [Sequence(i, [1], SamplingParams(), arrival_time=t) for i, t in enumerate([0.0, 3.0, 1.0, 3.0])]
+    assert pick_victim(seqs) is seqs[3]  # latest arrival; the tie goes to the later admitted
+
+
+def test_abort_frees_blocks_and_unknown_abort_is_an_error():
+    cfg = EngineConfig(block_size=4, num_blocks=8)
+    sched = Scheduler(cfg, BlockAllocator(8, 4))
+    a = Sequence("a", [1] * 10, SamplingParams(max_tokens=4))
+    sched.add(a)
+    step(sched, 0.0)
+    assert sched.allocator.num_free == 5
+    sched.abort(a)
+    assert sched.allocator.num_free == 8 and a.status is SequenceStatus.ABORTED
+    with pytest.raises(ValueError, match="neither waiting nor running"):
+        sched.abort(a)
+
+
+def test_request_too_big_for_the_pool_is_refused_up_front():
+    cfg = EngineConfig(block_size=4, num_blocks=4)
+    sched = Scheduler(cfg, BlockAllocator(4, 4))
+    with pytest.raises(ValueError, match="needs up to 5 blocks"):
+        sched.add(Sequence(0, [1] * 16, SamplingParams(max_tokens=2)))
+    assert not sched.waiting
+    sched.add(Sequence(1, [1] * 16, SamplingParams(max_tokens=1)))  # 16 tokens: exactly 4 blocks
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=2.5), "max_tokens"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(stop_token_ids=(-3,)), "stop_token_ids"),
+    ],
+)
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_bad_config():
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        EngineConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="watermark"):
+        EngineConfig(watermark=1.0)
+    with pytest.raises(ValueError, match="preemption_mode"):
+        EngineConfig(preemption_mode="teleport")
