@@ -25,7 +25,7 @@ lab: setup
 # Unit tests, every notebook under nbval (outputs compared), the exercise
 # sync check and the shipped exercise notebooks, and the real-browser test.
 test: setup
-	$(PY) -m pytest tests notebooks solutions \
+	$(PY) -m pytest tests $(wildcard notebooks solutions) \
 		--nbval --nbval-current-env --nbval-sanitize-with nbval_sanitize.cfg \
 		-p no:cacheprovider
 
