@@ -1,0 +1,758 @@
+"""Pictures of the paged KV cache: pure renderers (state -> SVG string) and a live widget.
+
+Three renderers, each a pure function of plain data, so they are unit-tested
+without a browser and give the same bytes for the same state:
+
+- :func:`render_block_map`: every sequence's *logical* blocks (one row per
+  sequence) joined by coloured lines to the *physical* cells of the pool.
+- :func:`render_pool`: the pool grid alone (free, used, shared).
+- :func:`render_timeline`: utilisation and fragmentation step by step.
+
+They read a :class:`PoolSnapshot`, a frozen copy of an allocator and its block
+tables. :class:`BlockMapView` puts the renderers under ipywidgets controls
+(Step, Play/Pause, speed, Reset) and redraws whenever the allocator publishes
+an event, so it also follows a simulation that a notebook cell steps by hand.
+
+Every SVG root carries a ``class`` (``minipaged-blockmap``, ``minipaged-pool``,
+``minipaged-timeline``) and a ``data-step`` attribute; cells, logical blocks and
+links carry ``data-*`` attributes. Tests (and the browser test) select on those.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+from dataclasses import dataclass, field
+from html import escape
+
+__all__ = [
+    "PALETTE",
+    "PoolSnapshot",
+    "seq_color",
+    "render_block_map",
+    "render_pool",
+    "render_timeline",
+    "history_series",
+    "BlockMapView",
+]
+
+# A fixed, colour-blind-friendly-ish palette (Tableau 10 minus grey). A sequence
+# keeps its colour for its whole life: int ids index it, other ids hash into it.
+PALETTE = (
+    "#4e79a7",
+    "#f28e2b",
+    "#59a14f",
+    "#e15759",
+    "#76b7b2",
+    "#edc948",
+    "#b07aa1",
+    "#ff9da7",
+    "#9c755f",
+)
+FREE_COLOR = "#eeeeee"  # a free cell
+USED_COLOR = "#bab0ac"  # held, but by no table in the snapshot (a cached prefix, say)
+SHARED_COLOR = "#6b3fa0"  # held by more than one sequence (refcount > 1)
+TEXT_COLOR = "#222222"
+FONT = "font-family:ui-monospace,Menlo,Consolas,monospace"
+
+
+def seq_color(seq_id) -> str:
+    """The palette colour of a sequence: the same id gives the same colour in every picture."""
+    if isinstance(seq_id, bool):
+        seq_id = int(seq_id)
+    if isinstance(seq_id, int):
+        return PALETTE[seq_id % len(PALETTE)]
+    return PALETTE[zlib.crc32(str(seq_id).encode()) % len(PALETTE)]
+
+
+def _tint(hex_color: str, amount: float = 0.72) -> str:
+    """``hex_color`` mixed with white: the background of a cell whose fill bar is ``hex_color``."""
+    r, g, b = (int(hex_color[i : i + 2], 16) for i in (1, 3, 5))
+    r, g, b = (round(c + (255 - c) * amount) for c in (r, g, b))
+    return f"#{r:02x}{g:02x}{b:02x}"
+
+
+def _fmt(x: float) -> str:
+    """Short, stable number formatting for SVG attributes."""
+    s = f"{x:.2f}".rstrip("0").rstrip(".")
+    return "0" if s in ("-0", "") else s
+
+
+# ---------------------------------------------------------------------------
+# The state the renderers draw
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PoolSnapshot:
+    """A frozen copy of a block pool and the block tables that point into it.
+
+    ``tables`` maps a sequence id to its physical block ids in logical order;
+    ``num_tokens`` maps it to how many tokens it holds. The order of
+    ``tables`` is the order of rows in the picture.
+    """
+
+    num_blocks: int
+    block_size: int
+    refcounts: tuple[int, ...]
+    tables: dict = field(default_factory=dict)
+    num_tokens: dict = field(default_factory=dict)
+    step: int = 0
+
+    def __post_init__(self):
+        if self.num_blocks < 0 or self.block_size < 1:
+            raise ValueError(f"need num_blocks >= 0 and block_size >= 1, got {self.num_blocks}, {self.block_size}")
+        if len(self.refcounts) != self.num_blocks:
+            raise ValueError(f"refcounts has {len(self.refcounts)} entries for {self.num_blocks} blocks")
+        object.__setattr__(self, "refcounts", tuple(int(r) for r in self.refcounts))
+        object.__setattr__(self, "tables", {s: tuple(int(b) for b in bl) for s, bl in self.tables.items()})
+        tokens = {s: int(self.num_tokens.get(s, len(bl) * self.block_size)) for s, bl in self.tables.items()}
+        object.__setattr__(self, "num_tokens", tokens)
+        for s, blocks in self.tables.items():
+            for b in blocks:
+                if not 0 <= b < self.num_blocks:
+                    raise ValueError(f"table of seq {s!r} points at block {b}, outside 0..{self.num_blocks - 1}")
+
+    @classmethod
+    def from_allocator(cls, allocator, tables=(), step: int = 0) -> PoolSnapshot:
+        """Copy the state of ``allocator`` and its ``tables``.
+
+        ``tables`` is a mapping ``seq_id -> BlockTable`` (or ``-> list of block
+        ids``), or an iterable of ``BlockTable`` objects with a ``seq_id``.
+        """
+        if hasattr(tables, "items"):
+            items = list(tables.items())
+        else:
+            items = [(getattr(t, "seq_id", i), t) for i, t in enumerate(tables)]
+        block_size = allocator.block_size
+        blocks, tokens = {}, {}
+        for seq_id, table in items:
+            if table is None:
+                continue
+            bl = list(getattr(table, "blocks", table))
+            blocks[seq_id] = bl
+            tokens[seq_id] = int(getattr(table, "num_tokens", len(bl) * block_size))
+        refcounts = getattr(allocator, "refcounts", None)
+        if refcounts is None:
+            refcounts = [allocator.refcount(b) for b in range(allocator.num_blocks)]
+        return cls(allocator.num_blocks, block_size, tuple(refcounts), blocks, tokens, step)
+
+    # -- derived quantities the pictures show --------------------------------
+
+    def logical_fill(self, seq_id, logical_index: int) -> int:
+        """Tokens of ``seq_id`` in its logical block ``logical_index`` (the tail block may be partial)."""
+        rest = self.num_tokens[seq_id] - logical_index * self.block_size
+        return max(0, min(self.block_size, rest))
+
+    @property
+    def owners(self) -> dict[int, list]:
+        """Physical block id -> the sequences whose tables point at it, in row order."""
+        out: dict[int, list] = {}
+        for seq_id, blocks in self.tables.items():
+            for b in blocks:
+                if seq_id not in out.setdefault(b, []):
+                    out[b].append(seq_id)
+        return out
+
+    @property
+    def fills(self) -> tuple[int, ...]:
+        """Tokens written in each physical block (the fullest view when sequences share it)."""
+        fill = [0] * self.num_blocks
+        for seq_id, blocks in self.tables.items():
+            for i, b in enumerate(blocks):
+                fill[b] = max(fill[b], self.logical_fill(seq_id, i))
+        return tuple(fill)
+
+    @property
+    def num_used(self) -> int:
+        return sum(1 for r in self.refcounts if r > 0)
+
+    @property
+    def num_shared(self) -> int:
+        return sum(1 for r in self.refcounts if r > 1)
+
+    @property
+    def tail_waste(self) -> int:
+        """Reserved but empty slots in the last block of every sequence (internal fragmentation)."""
+        return sum(len(bl) * self.block_size - self.num_tokens[s] for s, bl in self.tables.items())
+
+
+# ---------------------------------------------------------------------------
+# Pool grid (shared by render_pool and render_block_map)
+# ---------------------------------------------------------------------------
+
+CELL = 34  # px, one pool cell
+GAP = 4
+
+
+def _grid_columns(num_blocks: int, columns: int | None) -> int:
+    if columns is not None:
+        if columns < 1:
+            raise ValueError(f"columns must be >= 1, got {columns}")
+        return columns
+    return max(1, min(16, math.ceil(math.sqrt(max(num_blocks, 1)) * 1.5)))
+
+
+def _cell_xy(block_id: int, cols: int, x0: float, y0: float) -> tuple[float, float]:
+    row, col = divmod(block_id, cols)
+    return x0 + col * (CELL + GAP), y0 + row * (CELL + GAP)
+
+
+def _pool_cells(snap: PoolSnapshot, cols: int, x0: float, y0: float, show_refcount: str) -> list[str]:
+    """SVG for every pool cell: background by state, a fill bar for tokens used, id and refcount."""
+    owners, fills = snap.owners, snap.fills
+    out = []
+    for b in range(snap.num_blocks):
+        x, y = _cell_xy(b, cols, x0, y0)
+        ref = snap.refcounts[b]
+        held_by = owners.get(b, [])
+        if ref == 0:
+            state, bar, bg = "free", FREE_COLOR, FREE_COLOR
+        elif ref > 1 or len(held_by) > 1:
+            state, bar = "shared", SHARED_COLOR
+            bg = _tint(bar)
+        elif held_by:
+            state, bar = "used", seq_color(held_by[0])
+            bg = _tint(bar)
+        else:
+            state, bar = "used", USED_COLOR
+            bg = _tint(bar, 0.5)
+        fill = fills[b] if held_by else (snap.block_size if ref > 0 else 0)
+        frac = fill / snap.block_size
+        seqs = " ".join(escape(str(s)) for s in held_by)
+        stroke = ' stroke="#333" stroke-width="2"' if state == "shared" else ' stroke="#999" stroke-width="1"'
+        out.append(
+            f'<g class="cell cell-{state}" data-block="{b}" data-refcount="{ref}" data-fill="{fill}"'
+            f' data-seqs="{seqs}" data-state="{state}">'
+            f"<title>block {b}: {state}, refcount {ref}, {fill}/{snap.block_size} slots"
+            f"{' (seq ' + seqs + ')' if seqs else ''}</title>"
+            f'<rect class="bg" x="{_fmt(x)}" y="{_fmt(y)}" width="{CELL}" height="{CELL}" rx="3" fill="{bg}"{stroke}/>'
+        )
+        if frac > 0:
+            h = CELL * frac
+            out.append(
+                f'<rect class="fill" x="{_fmt(x)}" y="{_fmt(y + CELL - h)}" width="{CELL}" height="{_fmt(h)}"'
+                f' rx="3" fill="{bar}" fill-opacity="0.85" data-fraction="{_fmt(frac)}"/>'
+            )
+        text_fill = "#ffffff" if frac >= 0.5 else TEXT_COLOR
+        out.append(
+            f'<text class="block-id" x="{_fmt(x + CELL / 2)}" y="{_fmt(y + CELL / 2 + 4)}" text-anchor="middle"'
+            f' font-size="11" fill="{text_fill}">{b}</text>'
+        )
+        if show_refcount == "always" or (show_refcount == "shared" and ref > 1):
+            out.append(
+                f'<text class="refcount" x="{_fmt(x + CELL - 3)}" y="{_fmt(y + 10)}" text-anchor="end"'
+                f' font-size="9" font-weight="bold" fill="{text_fill if frac >= 0.9 else TEXT_COLOR}">×{ref}</text>'
+            )
+        out.append("</g>")
+    return out
+
+
+def _svg_open(css_class: str, width: float, height: float, step: int, extra: str = "") -> str:
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="{css_class}" data-step="{step}"{extra}'
+        f' width="{_fmt(width)}" height="{_fmt(height)}" viewBox="0 0 {_fmt(width)} {_fmt(height)}"'
+        f' style="{FONT};background:#ffffff">'
+    )
+
+
+def _legend(x: float, y: float) -> list[str]:
+    items = [("free", FREE_COLOR), ("used (colour = sequence)", PALETTE[0]), ("shared (refcount > 1)", SHARED_COLOR)]
+    out, cx = [], x
+    for label, color in items:
+        out.append(f'<rect x="{_fmt(cx)}" y="{_fmt(y - 9)}" width="10" height="10" fill="{color}" stroke="#999"/>')
+        out.append(f'<text x="{_fmt(cx + 14)}" y="{_fmt(y)}" font-size="10" fill="{TEXT_COLOR}">{escape(label)}</text>')
+        cx += 14 + 6.2 * len(label) + 14
+    return out
+
+
+def render_pool(snapshot: PoolSnapshot, *, columns: int | None = None, show_refcount: str = "shared") -> str:
+    """The physical pool as a grid: one cell per block, its fill bar showing tokens used.
+
+    ``show_refcount`` is ``"shared"`` (label cells whose refcount is above 1),
+    ``"always"`` or ``"never"``.
+    """
+    if show_refcount not in ("shared", "always", "never"):
+        raise ValueError(f"show_refcount must be 'shared', 'always' or 'never', got {show_refcount!r}")
+    snap = snapshot
+    cols = _grid_columns(snap.num_blocks, columns)
+    rows = max(1, math.ceil(snap.num_blocks / cols))
+    x0, y0 = 8, 24
+    width = max(x0 * 2 + cols * (CELL + GAP) - GAP, 420)
+    height = y0 + rows * (CELL + GAP) - GAP + 28
+    head = (
+        f"pool: {snap.num_used}/{snap.num_blocks} blocks used, {snap.num_shared} shared, "
+        f"block_size {snap.block_size}"
+    )
+    parts = [
+        _svg_open("minipaged-pool", width, height, snap.step, f' data-used="{snap.num_used}"'),
+        f'<text class="caption" x="{x0}" y="15" font-size="12" fill="{TEXT_COLOR}">{escape(head)}</text>',
+        *_pool_cells(snap, cols, x0, y0, show_refcount),
+        *_legend(x0, height - 8),
+        "</svg>",
+    ]
+    return "".join(parts)
+
+
+def render_block_map(
+    snapshot: PoolSnapshot,
+    *,
+    columns: int | None = None,
+    show_refcount: str = "shared",
+    max_rows: int = 24,
+) -> str:
+    """Logical blocks of every sequence (left) linked by colour and lines to physical cells (right).
+
+    Each logical block shows its index and how full it is; the line from it
+    ends on the pool cell its block table names. Sequences beyond ``max_rows``
+    are summarised in one line so the picture keeps a readable height.
+    """
+    if show_refcount not in ("shared", "always", "never"):
+        raise ValueError(f"show_refcount must be 'shared', 'always' or 'never', got {show_refcount!r}")
+    snap = snapshot
+    cols = _grid_columns(snap.num_blocks, columns)
+    pool_rows = max(1, math.ceil(snap.num_blocks / cols))
+    seq_ids = list(snap.tables)
+    shown, hidden = seq_ids[:max_rows], seq_ids[max_rows:]
+    longest = max((len(snap.tables[s]) for s in shown), default=0)
+
+    lcell, lgap, label_w, row_h = 22, 3, 78, 28
+    top = 40
+    logical_w = label_w + max(longest, 1) * (lcell + lgap)
+    pool_x0 = logical_w + 70
+    pool_w = cols * (CELL + GAP) - GAP
+    width = max(pool_x0 + pool_w + 10, 480)
+    rows_h = max(len(shown), 1) * row_h + (row_h if hidden else 0)
+    height = top + max(rows_h, pool_rows * (CELL + GAP)) + 30
+
+    parts = [
+        _svg_open(
+            "minipaged-blockmap",
+            width,
+            height,
+            snap.step,
+            f' data-used="{snap.num_used}" data-seqs="{len(seq_ids)}"',
+        ),
+        f'<text class="caption" x="8" y="16" font-size="12" fill="{TEXT_COLOR}">'
+        f"{escape(f'step {snap.step}: {len(seq_ids)} sequences, {snap.num_used}/{snap.num_blocks} blocks used, tail waste {snap.tail_waste} slots')}</text>",
+        f'<text x="8" y="32" font-size="10" fill="#666">logical blocks (block table)</text>',
+        f'<text x="{_fmt(pool_x0)}" y="32" font-size="10" fill="#666">physical pool (block id, fill, ×refcount)</text>',
+    ]
+    links, logical = [], []
+    for row, seq_id in enumerate(shown):
+        color = seq_color(seq_id)
+        y = top + row * row_h
+        sid = escape(str(seq_id))
+        n_tok = snap.num_tokens[seq_id]
+        logical.append(
+            f'<g class="seq" data-seq="{sid}" data-color="{color}" data-tokens="{n_tok}">'
+            f'<text x="8" y="{_fmt(y + 15)}" font-size="11" fill="{color}" font-weight="bold">seq {sid}</text>'
+            f'<text x="8" y="{_fmt(y + 25)}" font-size="8" fill="#666">{n_tok} tok</text>'
+        )
+        for i, b in enumerate(snap.tables[seq_id]):
+            x = label_w + i * (lcell + lgap)
+            fill = snap.logical_fill(seq_id, i)
+            frac = fill / snap.block_size
+            logical.append(
+                f'<g class="lblock" data-seq="{sid}" data-logical="{i}" data-block="{b}" data-fill="{fill}">'
+                f"<title>seq {sid} logical block {i} -> physical block {b} ({fill}/{snap.block_size} slots)</title>"
+                f'<rect x="{_fmt(x)}" y="{_fmt(y)}" width="{lcell}" height="{lcell}" rx="2"'
+                f' fill="{_tint(color)}" stroke="{color}"/>'
+            )
+            if frac > 0:
+                w = lcell * frac
+                logical.append(
+                    f'<rect class="fill" x="{_fmt(x)}" y="{_fmt(y)}" width="{_fmt(w)}" height="{lcell}" rx="2"'
+                    f' fill="{color}" data-fraction="{_fmt(frac)}"/>'
+                )
+            logical.append(
+                f'<text x="{_fmt(x + lcell / 2)}" y="{_fmt(y + 15)}" text-anchor="middle" font-size="9"'
+                f' fill="{"#fff" if frac >= 0.5 else TEXT_COLOR}">{i}</text></g>'
+            )
+            cx, cy = _cell_xy(b, cols, pool_x0, top)
+            x1, y1 = x + lcell / 2, y + lcell
+            x2, y2 = cx + CELL / 2, cy + CELL / 2
+            links.append(
+                f'<path class="link" data-seq="{sid}" data-logical="{i}" data-block="{b}" stroke="{color}"'
+                f' d="M{_fmt(x1)},{_fmt(y1)} C{_fmt(x1)},{_fmt(y1 + 12)} {_fmt(x2 - 40)},{_fmt(y2)} {_fmt(x2)},{_fmt(y2)}"'
+                f' fill="none" stroke-width="1.2" stroke-opacity="0.55"/>'
+            )
+        logical.append("</g>")
+    if hidden:
+        y = top + len(shown) * row_h
+        logical.append(
+            f'<text class="more" x="8" y="{_fmt(y + 15)}" font-size="10" fill="#666">'
+            f"… and {len(hidden)} more sequences</text>"
+        )
+    parts += logical
+    parts += _pool_cells(snap, cols, pool_x0, top, show_refcount)
+    parts.append('<g class="links">' + "".join(links) + "</g>")  # drawn last: on top of the cells
+    parts += _legend(8, height - 8)
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+# ---------------------------------------------------------------------------
+# Timeline
+# ---------------------------------------------------------------------------
+
+METRIC_COLORS = {
+    "utilisation": "#4e79a7",
+    "utilization": "#4e79a7",
+    "tail_waste": "#f28e2b",
+    "internal_fragmentation": "#f28e2b",
+    "external_fragmentation": "#e15759",
+    "free": "#59a14f",
+}
+
+
+def _flatten(record, prefix="") -> dict:
+    out = {}
+    if dataclasses.is_dataclass(record) and not isinstance(record, type):
+        record = dataclasses.asdict(record)
+    for k, v in dict(record).items():
+        name = f"{prefix}{k}"
+        if isinstance(v, dict) or (dataclasses.is_dataclass(v) and not isinstance(v, type)):
+            out.update(_flatten(v, name + "."))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[name] = float(v)
+    return out
+
+
+def history_series(history) -> dict[str, list[float]]:
+    """Numeric series from a history in any of the shapes the course uses.
+
+    Accepts a mapping ``name -> list of numbers`` (nested mappings become
+    ``"outer.inner"``), a list of per-step records (dicts or dataclasses), or
+    an object with ``as_dict()``/``to_dict()``. Non-numeric fields are dropped.
+    """
+    if history is None:
+        return {}
+    for attr in ("as_dict", "to_dict"):
+        if hasattr(history, attr) and callable(getattr(history, attr)):
+            history = getattr(history, attr)()
+            break
+    if dataclasses.is_dataclass(history) and not isinstance(history, type):
+        history = dataclasses.asdict(history)
+    if hasattr(history, "items"):
+        out = {}
+        for k, v in history.items():
+            if hasattr(v, "items"):
+                for kk, vv in history_series(v).items():
+                    out[f"{k}.{kk}"] = vv
+            else:
+                try:
+                    vals = [float(x) for x in v]
+                except (TypeError, ValueError):
+                    continue
+                out[str(k)] = vals
+        return out
+    records = [_flatten(r) for r in history]
+    names: list[str] = []
+    for r in records:
+        names += [k for k in r if k not in names]
+    return {n: [r.get(n, math.nan) for r in records] for n in names}
+
+
+def _split(name: str) -> tuple[str, str]:
+    """``"contiguous.utilisation"`` -> ("contiguous", "utilisation"); a bare name has system ""."""
+    for sep in (".", "/", ":"):
+        if sep in name:
+            system, metric = name.rsplit(sep, 1)
+            return system, metric
+    return "", name
+
+
+def render_timeline(
+    history,
+    *,
+    series: list[str] | None = None,
+    events=(),
+    width: int = 560,
+    height: int = 200,
+    title: str = "utilisation and fragmentation per step",
+    step: int | None = None,
+) -> str:
+    """Series over steps as SVG polylines, with vertical markers for events.
+
+    ``history`` is anything :func:`history_series` accepts. ``series`` picks
+    and orders the names to draw (default: every series). The y axis runs
+    from 0 to 1 (fractions) or to the largest value when a series exceeds 1.
+    Series are coloured by metric and dashed by system, so ``paged.utilisation``
+    and ``contiguous.utilisation`` share a colour and differ in dash.
+    ``events`` is an iterable of ``(step, kind)`` pairs or dicts with
+    ``step`` and ``kind`` keys (``"preempt"`` is drawn red).
+    """
+    data = history_series(history)
+    names = list(data) if series is None else [n for n in series if n in data]
+    n_steps = max((len(data[n]) for n in names), default=0)
+    finite = [v for n in names for v in data[n] if math.isfinite(v)]
+    ymax = max([1.0] + finite)
+    ymin = min([0.0] + finite)
+    left, right, top, bottom = 40, 10, 24, 22
+    legend_rows = math.ceil(len(names) / 3)
+    plot_w, plot_h = width - left - right, height - top - bottom
+    total_h = height + 14 * legend_rows
+
+    def sx(i: float) -> float:
+        return left + (plot_w * i / (n_steps - 1) if n_steps > 1 else plot_w / 2)
+
+    def sy(v: float) -> float:
+        return top + plot_h * (1 - (v - ymin) / ((ymax - ymin) or 1))
+
+    shown_step = n_steps if step is None else step
+    parts = [
+        _svg_open("minipaged-timeline", width, total_h, shown_step, f' data-points="{n_steps}"'),
+        f'<text class="caption" x="{left}" y="15" font-size="12" fill="{TEXT_COLOR}">{escape(title)}</text>',
+        f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="#fafafa" stroke="#ccc"/>',
+    ]
+    for frac in (0, 0.25, 0.5, 0.75, 1):
+        v = ymin + (ymax - ymin) * frac
+        y = sy(v)
+        parts.append(f'<line x1="{left}" y1="{_fmt(y)}" x2="{left + plot_w}" y2="{_fmt(y)}" stroke="#e4e4e4"/>')
+        parts.append(
+            f'<text x="{left - 4}" y="{_fmt(y + 3)}" text-anchor="end" font-size="9" fill="#666">{_fmt(v)}</text>'
+        )
+    parts.append(
+        f'<text x="{left + plot_w}" y="{top + plot_h + 14}" text-anchor="end" font-size="9" fill="#666">'
+        f"step {max(n_steps - 1, 0)}</text>"
+    )
+    parts.append(f'<text x="{left}" y="{top + plot_h + 14}" font-size="9" fill="#666">step 0</text>')
+
+    for ev in events or ():
+        if hasattr(ev, "items"):
+            ev_step, kind = ev.get("step"), ev.get("kind", "event")
+        else:
+            ev_step, kind = ev[0], ev[1] if len(ev) > 1 else "event"
+        if ev_step is None or n_steps == 0:
+            continue
+        x = sx(min(max(float(ev_step), 0), max(n_steps - 1, 0)))
+        color = "#d62728" if kind == "preempt" else "#7f7f7f"
+        parts.append(
+            f'<line class="event" data-kind="{escape(str(kind))}" data-step="{_fmt(float(ev_step))}"'
+            f' x1="{_fmt(x)}" y1="{top}" x2="{_fmt(x)}" y2="{top + plot_h}" stroke="{color}"'
+            f' stroke-width="1" stroke-dasharray="2,2"><title>{escape(str(kind))} at step {ev_step}</title></line>'
+        )
+
+    systems: list[str] = []
+    for n in names:
+        system = _split(n)[0]
+        if system not in systems:
+            systems.append(system)
+    dashes = ("", "6,3", "2,2", "8,3,2,3")
+    for k, n in enumerate(names):
+        system, metric = _split(n)
+        color = METRIC_COLORS.get(metric, PALETTE[k % len(PALETTE)])
+        dash = dashes[systems.index(system) % len(dashes)]
+        pts = " ".join(f"{_fmt(sx(i))},{_fmt(sy(v))}" for i, v in enumerate(data[n]) if math.isfinite(v))
+        dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
+        parts.append(
+            f'<polyline class="series" data-series="{escape(n)}" points="{pts}" fill="none" stroke="{color}"'
+            f' stroke-width="1.8"{dash_attr}/>'
+        )
+        lx = left + (k % 3) * (plot_w / 3)
+        ly = height + 14 * (k // 3) + 2
+        parts.append(
+            f'<line x1="{_fmt(lx)}" y1="{_fmt(ly - 4)}" x2="{_fmt(lx + 18)}" y2="{_fmt(ly - 4)}" stroke="{color}"'
+            f' stroke-width="2"{dash_attr}/>'
+            f'<text x="{_fmt(lx + 22)}" y="{_fmt(ly)}" font-size="10" fill="{TEXT_COLOR}">{escape(n)}</text>'
+        )
+    if not names:
+        parts.append(
+            f'<text x="{left + plot_w / 2}" y="{top + plot_h / 2}" text-anchor="middle" font-size="11"'
+            f' fill="#999">no history yet</text>'
+        )
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+# ---------------------------------------------------------------------------
+# The live widget
+# ---------------------------------------------------------------------------
+
+
+def _default_snapshot(sim, step: int) -> PoolSnapshot:
+    tables = getattr(sim, "tables", {})
+    if callable(tables):
+        tables = tables()
+    return PoolSnapshot.from_allocator(sim.allocator, tables, step=step)
+
+
+def _default_history(sim):
+    return getattr(sim, "history", None)
+
+
+class BlockMapView:
+    """A live block map of a steppable simulation, with Step, Play/Pause, speed and Reset.
+
+    ``source`` is either a simulation (an object with ``step()``, ``allocator``,
+    ``tables`` and optionally ``history``) or a zero-argument function that
+    builds one; with a function, Reset builds a fresh simulation, otherwise
+    Reset calls ``sim.reset()`` when the simulation has one. ``step()`` ends
+    the run by returning ``False`` or raising ``StopIteration``.
+
+    The view subscribes to the allocator's events: whenever blocks come and go,
+    outside a Step click too, the picture is redrawn. ``static()`` returns the
+    current picture as plain HTML for notebooks read without a kernel, and the
+    widget's own display carries the same HTML as a fallback.
+    """
+
+    def __init__(
+        self,
+        source,
+        *,
+        snapshot=None,
+        history=None,
+        series: list[str] | None = None,
+        columns: int | None = None,
+        interval: int = 300,
+        title: str = "block map",
+    ):
+        import ipywidgets as widgets
+
+        if hasattr(source, "step"):
+            self._factory, self.sim = None, source
+        elif callable(source):
+            self._factory, self.sim = source, source()
+        else:
+            raise TypeError(f"source must be a simulation with step() or a function that builds one, got {source!r}")
+        self._snapshot_fn = snapshot or _default_snapshot
+        self._history_fn = history or _default_history
+        self._series, self._columns, self.title = series, columns, title
+        self.steps = 0
+        self.finished = False
+        self.events: list[tuple[int, str]] = []  # (step, kind) of notable allocator events
+        self._in_step = False
+        self._unsubscribe = None
+
+        self.out = widgets.Output()
+        self.step_button = widgets.Button(description="Step", icon="step-forward", tooltip="advance one step")
+        self.reset_button = widgets.Button(description="Reset", icon="undo", tooltip="start again")
+        self.play = widgets.Play(value=0, min=0, max=10**9, step=1, interval=interval, show_repeat=False)
+        self.speed = widgets.IntSlider(value=interval, min=50, max=1500, step=50, description="ms/step")
+        widgets.link((self.speed, "value"), (self.play, "interval"))
+        self.status = widgets.HTML()
+        self.map_html = widgets.HTML()
+        self.timeline_html = widgets.HTML()
+        self.step_button.add_class("minipaged-step")
+        self.reset_button.add_class("minipaged-reset")
+        self.play.add_class("minipaged-play")
+
+        capture = self.out.capture()
+        self.step_button.on_click(capture(lambda _b: self.step()))
+        self.reset_button.on_click(capture(lambda _b: self.reset()))
+        self.play.observe(capture(self._on_play), names="value")
+
+        controls = widgets.HBox([self.step_button, self.play, self.speed, self.reset_button])
+        self.widget = widgets.VBox(
+            [controls, self.status, self.map_html, self.timeline_html, self.out],
+            layout=widgets.Layout(width="100%"),
+        )
+        self.widget.add_class("minipaged-blockmap-view")
+        self._subscribe()
+        self.redraw()
+
+    # -- state -----------------------------------------------------------------
+
+    def snapshot(self) -> PoolSnapshot:
+        return self._snapshot_fn(self.sim, self.steps)
+
+    def _subscribe(self):
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        allocator = getattr(self.sim, "allocator", None)
+        if allocator is not None and hasattr(allocator, "subscribe"):
+            self._unsubscribe = allocator.subscribe(self.out.capture()(self._on_event))
+
+    def _on_event(self, event) -> None:
+        kind = getattr(event, "kind", str(event))
+        if kind not in ("allocate", "free", "incref", "decref"):
+            self.events.append((self.steps, kind))  # preempt, cow, fork ... become timeline markers
+        if not self._in_step:  # someone stepped the simulation outside the widget
+            self.redraw()
+
+    # -- actions ---------------------------------------------------------------
+
+    def step(self) -> bool:
+        """Advance the simulation one step and redraw; False once it has finished."""
+        if self.finished:
+            return False
+        self._in_step = True
+        try:
+            more = self.sim.step()
+        except StopIteration:
+            more = False
+        finally:
+            self._in_step = False
+        self.steps += 1
+        if more is False:
+            self.finished = True
+            self.play.playing = False
+            self.step_button.disabled = True
+        self.redraw()
+        return not self.finished
+
+    def _on_play(self, change) -> None:
+        if change["new"] > change["old"] and not self.finished:
+            self.step()
+
+    def reset(self) -> None:
+        """Start the simulation again (a fresh one from the factory, or ``sim.reset()``)."""
+        self.play.playing = False
+        if self._factory is not None:
+            self.sim = self._factory()
+        elif hasattr(self.sim, "reset"):
+            self.sim.reset()
+        else:
+            raise RuntimeError("this simulation has no reset(); pass a function that builds one instead")
+        self.steps, self.finished, self.events = 0, False, []
+        self.step_button.disabled = False
+        with self.play.hold_trait_notifications():
+            self.play.value = 0
+        self._subscribe()
+        self.redraw()
+
+    # -- drawing -----------------------------------------------------------------
+
+    def render(self) -> tuple[str, str]:
+        """The block map and the timeline SVGs of the current state."""
+        snap = self.snapshot()
+        block_map = render_block_map(snap, columns=self._columns)
+        timeline = render_timeline(
+            self._history_fn(self.sim), series=self._series, events=self.events, step=self.steps
+        )
+        return block_map, timeline
+
+    def redraw(self) -> None:
+        block_map, timeline = self.render()
+        state = "finished" if self.finished else "running"
+        self.status.value = f"<b>{escape(self.title)}</b> · step {self.steps} · {state}"
+        self.map_html.value = block_map
+        self.timeline_html.value = timeline
+
+    def static(self):
+        """The current picture as an ``IPython.display.HTML`` (readable without a kernel)."""
+        from IPython.display import HTML
+
+        return HTML(self._static_html())
+
+    def _static_html(self) -> str:
+        block_map, timeline = self.render()
+        return f'<div class="minipaged-static">{block_map}<br/>{timeline}</div>'
+
+    def close(self) -> None:
+        """Stop listening to the allocator and close the widgets."""
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        self.play.playing = False
+        self.widget.close()
+
+    def _repr_mimebundle_(self, **kwargs):
+        bundle = self.widget._repr_mimebundle_(**kwargs) or {}
+        # JupyterLab shows the live widget; a viewer without widgets (GitHub) shows this picture.
+        bundle = dict(bundle)
+        bundle["text/html"] = self._static_html()
+        return bundle
