@@ -1,0 +1,119 @@
+"""Chapter 01 figures: where KV-cache memory goes, fixed reservation against paging.
+
+Three pure renderers (arguments -> matplotlib Figure, nothing global touched)
+and one live explorer that redraws them from ipywidgets controls.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from minipaged import accounting as acc
+
+# one colour per kind of memory, shared by every figure in the chapter
+COLORS = {
+    "effective KV": "#4c72b0",
+    "tail waste": "#dd8452",
+    "reservation waste": "#c44e52",
+    "block table": "#8172b3",
+    "unused": "#dddddd",
+}
+
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def plot_waste_vs_block_size(distribution: acc.LengthDistribution, block_sizes: Sequence[int] = BLOCK_SIZES,
+                             n_samples: int = 2000, seed: int = 0) -> Figure:
+    """Wasted share of the allocated slots, 1 − U, against B; fixed reservation as a dashed line."""
+    lengths = distribution.sample(n_samples, seed)
+    waste = [100 * (1 - acc.utilisation(lengths, b)) for b in block_sizes]
+    fixed = 100 * (1 - acc.fixed_utilisation(lengths, distribution.max_len))
+    fig = Figure(figsize=(6.4, 3.6), layout="constrained")
+    ax = fig.add_subplot()
+    ax.plot(block_sizes, waste, "o-", color=COLORS["tail waste"], label="paged: tail waste")
+    ax.axhline(fixed, ls="--", color=COLORS["reservation waste"], label=f"fixed {distribution.max_len}: {fixed:.1f}%")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(block_sizes), [str(b) for b in block_sizes])
+    ax.set_ylim(0, 100)
+    ax.set_xlabel("block size B (tokens)")
+    ax.set_ylabel("wasted slots (% of allocated)")
+    ax.set_title(f"{distribution.name} lengths, {n_samples} sequences (seed {seed})")
+    ax.legend(loc="center left")
+    return fig
+
+
+def plot_fixed_vs_paged(lengths: Sequence[int], max_len: int, block_size: int) -> Figure:
+    """One row per sequence: slots held under fixed reservation (top) and paging (bottom)."""
+    lengths = [int(n) for n in lengths]
+    acc.fixed_slots(lengths, max_len)  # validates lengths <= max_len
+    fig = Figure(figsize=(7.2, 0.55 * len(lengths) + 1.4), layout="constrained")
+    ax = fig.add_subplot()
+    h = 0.38
+    for i, n in enumerate(lengths):
+        y = len(lengths) - 1 - i
+        tail = acc.tail_waste(n, block_size)
+        ax.barh(y + h / 2, n, h, color=COLORS["effective KV"], label="tokens" if i == 0 else None)
+        ax.barh(y + h / 2, max_len - n, h, left=n, color=COLORS["reservation waste"],
+                label="reserved, empty (fixed)" if i == 0 else None)
+        ax.barh(y - h / 2, n, h, color=COLORS["effective KV"])
+        ax.barh(y - h / 2, tail, h, left=n, color=COLORS["tail waste"], label="tail waste (paged)" if i == 0 else None)
+        for k in range(1, acc.blocks_needed(n, block_size)):  # block boundaries
+            ax.vlines(k * block_size, y - h, y, color="white", lw=0.4)
+    ax.set_yticks(range(len(lengths)), [f"n={n}" for n in reversed(lengths)])
+    ax.set_xlim(0, max_len)
+    ax.set_xlabel("token slots (upper bar: fixed reservation; lower bar: paged, white lines = block edges)")
+    fixed, paged = acc.fixed_slots(lengths, max_len), acc.paged_slots(lengths, block_size)
+    ax.set_title(f"fixed {max_len}: {fixed} slots   vs   paged B={block_size}: {paged} slots   ({sum(lengths)} used)")
+    ax.legend(ncols=3, fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.22))
+    return fig
+
+
+def plot_capacity_breakdown(report: acc.CapacityReport) -> Figure:
+    """Two stacked bars, each the whole budget, split into the parts of ``Breakdown``."""
+    fig = Figure(figsize=(7.2, 2.6), layout="constrained")
+    ax = fig.add_subplot()
+    for y, part in ((1, report.fixed), (0, report.paged)):
+        left = 0.0
+        for name, value in part.parts().items():
+            share = 100 * value / report.budget_bytes if report.budget_bytes else 0.0
+            ax.barh(y, share, left=left, color=COLORS[name], label=name if y == 1 else None)
+            left += share
+    ax.set_yticks([1, 0], [f"fixed {report.max_len}\n{report.fixed.num_seqs} seqs",
+                           f"paged B={report.block_size}\n{report.paged.num_seqs} seqs"])
+    ax.set_xlim(0, 100)
+    ax.set_xlabel(f"% of {report.budget_bytes / 2**30:g} GiB KV budget")
+    ax.set_title(f"{report.model.name}, {report.distribution.name} lengths (max_len {report.max_len})")
+    ax.legend(ncols=5, fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    return fig
+
+
+def memory_explorer(model="Llama-3-8B", budget_bytes: int = 16 * 2**30, dtype=None, seed: int = 0,
+                    distributions: dict[str, acc.LengthDistribution] | None = None):
+    """Live view: block size, max length and distribution controls redraw the waste and capacity figures."""
+    import ipywidgets as W
+    from IPython.display import display
+
+    dists = distributions or acc.default_distributions()
+    block = W.SelectionSlider(options=list(BLOCK_SIZES), value=16, description="block size")
+    max_len = W.SelectionSlider(options=[512, 1024, 2048, 4096, 8192], value=2048, description="max_len")
+    which = W.Dropdown(options=list(dists), description="lengths")
+    summary = W.HTML()
+    out = W.Output()
+
+    @out.capture(clear_output=True, wait=True)
+    def redraw(_change=None):
+        dist = dists[which.value].with_max_len(max_len.value)
+        report = acc.capacity(model, budget_bytes, block.value, max_len.value, dist, dtype=dtype, seed=seed)
+        summary.value = (f"<b>{report.model.name}</b>: fixed admits {report.fixed.num_seqs}, "
+                         f"paged admits {report.paged.num_seqs} sequences ({report.gain:.2f}x)")
+        display(plot_waste_vs_block_size(dist, seed=seed), plot_capacity_breakdown(report))
+
+    for w in (block, max_len, which):
+        w.observe(redraw, names="value")
+    redraw()
+    box = W.VBox([W.HBox([block, max_len, which]), summary, out])
+    box.redraw = redraw  # for tests and for calling by hand
+    return box

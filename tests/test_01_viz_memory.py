@@ -1,0 +1,86 @@
+"""Chapter 01 renderers, checked without a browser: they return figures holding the right data."""
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from minipaged import accounting as acc  # noqa: E402
+from minipaged.viz import memory as vm  # noqa: E402
+
+pytestmark = pytest.mark.ch01
+
+WORKED = [37, 91, 128, 201, 511]
+
+
+def test_waste_vs_block_size_plots_one_minus_utilisation():
+    dist = acc.ChatLengths(max_len=1024)
+    fig = vm.plot_waste_vs_block_size(dist, block_sizes=(4, 16, 64), n_samples=300, seed=5)
+    assert isinstance(fig, Figure)
+    ax = fig.axes[0]
+    paged, fixed = ax.lines[0], ax.lines[1]
+    lengths = dist.sample(300, 5)
+    assert list(paged.get_xdata()) == [4, 16, 64]
+    expected = [100 * (1 - acc.utilisation(lengths, b)) for b in (4, 16, 64)]
+    np.testing.assert_allclose(paged.get_ydata(), expected)
+    assert np.all(np.diff(paged.get_ydata()) >= 0)  # bigger blocks waste more here
+    np.testing.assert_allclose(fixed.get_ydata()[0], 100 * (1 - acc.fixed_utilisation(lengths, 1024)))
+    assert "B" in ax.get_xlabel()
+
+
+def _bars(ax):
+    return [(round(p.get_x(), 6), round(p.get_width(), 6), p.get_facecolor()) for p in ax.patches]
+
+
+def test_fixed_vs_paged_bars_match_the_worked_example():
+    fig = vm.plot_fixed_vs_paged(WORKED, 512, 16)
+    ax = fig.axes[0]
+    assert len(ax.patches) == 4 * len(WORKED)
+    widths = [p.get_width() for p in ax.patches]
+    tokens = sum(widths[0::4])
+    reserved_empty = sum(widths[1::4])
+    tail = sum(widths[3::4])
+    assert tokens == sum(WORKED) == 968
+    assert tokens + reserved_empty == 2560
+    assert tokens + tail == 992
+    assert "2560" in ax.get_title() and "992" in ax.get_title()
+    assert [t.get_text() for t in ax.get_yticklabels()] == [f"n={n}" for n in reversed(WORKED)]
+
+
+def test_fixed_vs_paged_rejects_too_long():
+    with pytest.raises(ValueError, match="max_len"):
+        vm.plot_fixed_vs_paged([600], 512, 16)
+
+
+def test_capacity_breakdown_bars_sum_to_the_budget():
+    report = acc.capacity("Llama-3-8B", 4 * 2**30, 32, 2048, acc.LongTailLengths(), seed=1)
+    fig = vm.plot_capacity_breakdown(report)
+    ax = fig.axes[0]
+    assert len(ax.patches) == 10  # 5 parts x 2 schemes
+    fixed, paged = ax.patches[:5], ax.patches[5:]
+    for bars, part in ((fixed, report.fixed), (paged, report.paged)):
+        assert sum(p.get_width() for p in bars) == pytest.approx(100)
+        assert bars[0].get_width() == pytest.approx(100 * part.effective_kv / report.budget_bytes)
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert f"{report.paged.num_seqs} seqs" in labels[1] and f"{report.fixed.num_seqs} seqs" in labels[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == list(vm.COLORS)
+
+
+def test_explorer_redraws_on_slider_change():
+    box = vm.memory_explorer("Llama-3-8B", budget_bytes=2**30)
+    controls, summary, out = box.children
+    block, max_len, which = controls.children
+    before = summary.value
+    assert "Llama-3-8B" in before and "paged admits" in before
+    block.value = 256
+    assert summary.value != before
+    r = acc.capacity("Llama-3-8B", 2**30, 256, 2048, acc.ChatLengths())
+    assert f"paged admits {r.paged.num_seqs}" in summary.value
+    which.value = "uniform"
+    max_len.value = 4096
+    r = acc.capacity("Llama-3-8B", 2**30, 256, 4096, acc.UniformLengths(max_len=4096))
+    assert f"fixed admits {r.fixed.num_seqs}," in summary.value
+    assert f"paged admits {r.paged.num_seqs}" in summary.value
