@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 lab: setup
-	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --no-browser $(ROOT_FLAG) --ServerApp.root_dir=$(CURDIR) notebooks/00_setup.ipynb
+	$(VENV)/bin/jupyter lab --ip=127.0.0.1 $(ROOT_FLAG) --ServerApp.root_dir=$(CURDIR) notebooks/00_setup.ipynb
 
 # Unit tests, every notebook under nbval (outputs compared), the exercise
 # sync check and the shipped exercise notebooks, and the real-browser test.
