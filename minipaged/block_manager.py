@@ -178,13 +178,14 @@ class BlockTable:
         """
         n = _count(n, "n")
         self.blocks += self.allocator.allocate_many(self.blocks_needed(n), self.seq_id)
-        positions = torch.arange(self.num_tokens, self.num_tokens + n, dtype=torch.int64)
+        start = self.num_tokens
         self.num_tokens += n
-        return self._slots(positions)
+        return self._slots(range(start, start + n))
 
-    def _slots(self, positions: torch.Tensor) -> torch.Tensor:
-        blocks = torch.tensor(self.blocks, dtype=torch.int64)
-        return blocks[positions // self.block_size] * self.block_size + positions % self.block_size
+    def _slots(self, positions: range) -> torch.Tensor:
+        # A Python loop plus one tensor: decode appends one token, where a chain of tensor ops costs more.
+        B, blocks = self.block_size, self.blocks
+        return torch.tensor([blocks[p // B] * B + p % B for p in positions], dtype=torch.int64)
 
     def slot(self, position: int) -> int:
         position = operator.index(position)
@@ -194,7 +195,7 @@ class BlockTable:
 
     def slots(self) -> torch.Tensor:
         """Slots of every token, in order: where a contiguous read gathers from."""
-        return self._slots(torch.arange(self.num_tokens, dtype=torch.int64))
+        return self._slots(range(self.num_tokens))
 
     @property
     def tail_waste(self) -> int:
