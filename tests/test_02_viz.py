@@ -18,6 +18,8 @@ from minipaged.viz.blockmap import (
     SHARED_COLOR,
     BlockMapView,
     PoolSnapshot,
+    counter_events,
+    default_series,
     history_series,
     render_block_map,
     render_pool,
@@ -457,3 +459,50 @@ def test_a_failing_step_leaves_the_view_where_it_was():
     assert view.steps == 0 and not view.finished and not view._in_step
     view.step_button.click()  # in a notebook the traceback lands in view.out (Output.capture)
     assert view.steps == 0
+
+
+# ---------------------------------------------------------------------------
+# With the chapter's trace simulator
+# ---------------------------------------------------------------------------
+
+
+def small_trace_sim():
+    from minipaged.trace import TraceSimulator, make_trace
+
+    trace = make_trace(40, rate=0.5, prompt_min=8, prompt_max=48, output_mean=24, max_len=128, seed=0)
+    return TraceSimulator(trace, num_slots=512, block_size=16, max_len=128)
+
+
+def test_default_series_and_preemption_markers_from_a_trace_history():
+    sim = small_trace_sim()
+    history = sim.run()
+    names = default_series(history)
+    assert names[:3] == ["paged.utilisation", "max_reservation.utilisation", "grow_in_place.utilisation"]
+    assert "grow_in_place.external_fragmentation" in names  # the only system that fragments externally
+    assert "paged.external_fragmentation" not in names
+    marks = counter_events(history, "paged.preempted", "preempt")
+    preempted = sim.series("paged", "preempted")
+    assert len(marks) == sum(1 for a, b in zip([0] + preempted, preempted) if b > a) > 0
+    assert all(preempted[i] > (preempted[i - 1] if i else 0) for i, _ in marks)
+    root = parse(render_timeline(history, series=names, events=marks))
+    assert int(root.get("data-points")) == len(history)
+    assert len(find_class(root, "event")) == len(marks)
+
+
+def test_view_over_the_trace_simulator_matches_its_paged_pool():
+    view = BlockMapView(small_trace_sim)
+    for _ in range(12):
+        view.step()
+    sim = view.sim
+    root = svg_root(view.map_html)
+    assert root.get("data-step") == "12" and int(root.get("data-used")) == sim.allocator.num_used > 0
+    rows = [g.get("data-seq") for g in find_class(root, "seq", "g")]
+    assert rows == [str(s) for s in sim.tables][: len(rows)]
+    by_id = cells(root)
+    for seq_id, table in sim.tables.items():
+        for b in table.blocks:
+            assert by_id[b].get("data-state") == "used" and by_id[b].get("data-seqs") == str(seq_id)
+    timeline = svg_root(view.timeline_html)
+    assert int(timeline.get("data-points")) == len(sim.history) == 12
+    view.reset()
+    assert view.sim is not sim and svg_root(view.map_html).get("data-used") == "0"

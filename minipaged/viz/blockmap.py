@@ -34,11 +34,14 @@ __all__ = [
     "render_pool",
     "render_timeline",
     "history_series",
+    "default_series",
+    "counter_events",
     "BlockMapView",
 ]
 
-# A fixed, colour-blind-friendly-ish palette (Tableau 10 minus grey). A sequence
-# keeps its colour for its whole life: int ids index it, other ids hash into it.
+# A fixed palette of 12 distinguishable colours (none of them the shared purple or
+# the free grey). A sequence keeps its colour for its whole life: int ids index
+# the palette, other ids hash into it.
 PALETTE = (
     "#4e79a7",
     "#f28e2b",
@@ -46,9 +49,12 @@ PALETTE = (
     "#e15759",
     "#76b7b2",
     "#edc948",
-    "#b07aa1",
     "#ff9da7",
     "#9c755f",
+    "#1f77b4",
+    "#bcbd22",
+    "#17becf",
+    "#8c564b",
 )
 FREE_COLOR = "#eeeeee"  # a free cell
 USED_COLOR = "#bab0ac"  # held, but by no table in the snapshot (a cached prefix, say)
@@ -317,7 +323,9 @@ def render_block_map(
     shown, hidden = seq_ids[:max_rows], seq_ids[max_rows:]
     longest = max((len(snap.tables[s]) for s in shown), default=0)
 
-    lcell, lgap, label_w, row_h = 22, 3, 78, 28
+    # Logical cells shrink for long tables so the map keeps a readable width.
+    pitch = min(25.0, max(9.0, 400 / max(longest, 1)))
+    lcell, lgap, label_w, row_h = pitch - 3, 3, 78, 28
     top = 40
     logical_w = label_w + max(longest, 1) * (lcell + lgap)
     pool_x0 = logical_w + 70
@@ -339,7 +347,7 @@ def render_block_map(
         f'<text x="8" y="32" font-size="10" fill="#666">logical blocks (block table)</text>',
         f'<text x="{_fmt(pool_x0)}" y="32" font-size="10" fill="#666">physical pool (block id, fill, ×refcount)</text>',
     ]
-    links, logical = [], []
+    links, ends, logical = [], [], []
     for row, seq_id in enumerate(shown):
         color = seq_color(seq_id)
         y = top + row * row_h
@@ -357,26 +365,32 @@ def render_block_map(
             logical.append(
                 f'<g class="lblock" data-seq="{sid}" data-logical="{i}" data-block="{b}" data-fill="{fill}">'
                 f"<title>seq {sid} logical block {i} -> physical block {b} ({fill}/{snap.block_size} slots)</title>"
-                f'<rect x="{_fmt(x)}" y="{_fmt(y)}" width="{lcell}" height="{lcell}" rx="2"'
+                f'<rect x="{_fmt(x)}" y="{_fmt(y)}" width="{_fmt(lcell)}" height="{_fmt(lcell)}" rx="2"'
                 f' fill="{_tint(color)}" stroke="{color}"/>'
             )
             if frac > 0:
                 w = lcell * frac
                 logical.append(
-                    f'<rect class="fill" x="{_fmt(x)}" y="{_fmt(y)}" width="{_fmt(w)}" height="{lcell}" rx="2"'
+                    f'<rect class="fill" x="{_fmt(x)}" y="{_fmt(y)}" width="{_fmt(w)}" height="{_fmt(lcell)}" rx="2"'
                     f' fill="{color}" data-fraction="{_fmt(frac)}"/>'
                 )
-            logical.append(
-                f'<text x="{_fmt(x + lcell / 2)}" y="{_fmt(y + 15)}" text-anchor="middle" font-size="9"'
-                f' fill="{"#fff" if frac >= 0.5 else TEXT_COLOR}">{i}</text></g>'
-            )
+            if lcell >= 14:
+                logical.append(
+                    f'<text x="{_fmt(x + lcell / 2)}" y="{_fmt(y + 15)}" text-anchor="middle" font-size="9"'
+                    f' fill="{"#fff" if frac >= 0.5 else TEXT_COLOR}">{i}</text>'
+                )
+            logical.append("</g>")
             cx, cy = _cell_xy(b, cols, pool_x0, top)
             x1, y1 = x + lcell / 2, y + lcell
-            x2, y2 = cx + CELL / 2, cy + CELL / 2
+            x2, y2 = cx + 5, cy + CELL - 5  # the cell's lower-left corner, clear of its labels
             links.append(
                 f'<path class="link" data-seq="{sid}" data-logical="{i}" data-block="{b}" stroke="{color}"'
-                f' d="M{_fmt(x1)},{_fmt(y1)} C{_fmt(x1)},{_fmt(y1 + 12)} {_fmt(x2 - 40)},{_fmt(y2)} {_fmt(x2)},{_fmt(y2)}"'
-                f' fill="none" stroke-width="1.2" stroke-opacity="0.55"/>'
+                f' d="M{_fmt(x1)},{_fmt(y1)} C{_fmt(x1)},{_fmt(y1 + 14)} {_fmt(x2 - 60)},{_fmt(y2)} {_fmt(x2)},{_fmt(y2)}"'
+                f' fill="none" stroke-width="1.2" stroke-opacity="0.6"/>'
+            )
+            ends.append(
+                f'<circle class="link-end" data-seq="{sid}" data-block="{b}" cx="{_fmt(x2)}" cy="{_fmt(y2)}" r="3"'
+                f' fill="{color}" stroke="#ffffff" stroke-width="1"/>'
             )
         logical.append("</g>")
     if hidden:
@@ -386,8 +400,10 @@ def render_block_map(
             f"… and {len(hidden)} more sequences</text>"
         )
     parts += logical
+    # Links run beneath the pool cells; a dot in the sequence's colour marks where each one lands.
+    parts.append('<g class="links">' + "".join(links) + "</g>")
     parts += _pool_cells(snap, cols, pool_x0, top, show_refcount)
-    parts.append('<g class="links">' + "".join(links) + "</g>")  # drawn last: on top of the cells
+    parts.append('<g class="link-ends">' + "".join(ends) + "</g>")
     parts += _legend(8, height - 8)
     parts.append("</svg>")
     return "".join(parts)
@@ -455,6 +471,28 @@ def history_series(history) -> dict[str, list[float]]:
     return {n: [r.get(n, math.nan) for r in records] for n in names}
 
 
+FRACTION_METRICS = ("utilisation", "utilization", "tail_waste_fraction", "external_fragmentation")
+
+
+def default_series(history) -> list[str]:
+    """The series a fragmentation timeline shows by default: utilisation and fragmentation fractions.
+
+    Utilisation of every system, then external fragmentation of the systems
+    where it is ever above zero. Falls back to every series when none of
+    those names is present.
+    """
+    data = history_series(history)
+    util = [n for n in data if _split(n)[1] in FRACTION_METRICS[:3]]
+    frag = [n for n in data if _split(n)[1] == "external_fragmentation" and any(v > 0 for v in data[n])]
+    return util + frag if util or frag else list(data)
+
+
+def counter_events(history, name: str, kind: str) -> list[tuple[int, str]]:
+    """``(index, kind)`` wherever the cumulative counter ``name`` goes up (a preemption, say)."""
+    values = history_series(history).get(name, [])
+    return [(i, kind) for i, (a, b) in enumerate(zip([0.0] + values, values)) if b > a]
+
+
 def _split(name: str) -> tuple[str, str]:
     """``"contiguous.utilisation"`` -> ("contiguous", "utilisation"); a bare name has system ""."""
     for sep in (".", "/", ":"):
@@ -491,7 +529,9 @@ def render_timeline(
     ymax = max([1.0] + finite)
     ymin = min([0.0] + finite)
     left, right, top, bottom = 40, 10, 24, 22
-    legend_rows = math.ceil(len(names) / 3)
+    longest_name = max((len(n) for n in names), default=0)
+    legend_cols = max(1, min(3, int((width - left - right) // (longest_name * 6.2 + 34))))
+    legend_rows = math.ceil(len(names) / legend_cols)
     plot_w, plot_h = width - left - right, height - top - bottom
     total_h = height + 14 * legend_rows
 
@@ -551,8 +591,8 @@ def render_timeline(
             f'<polyline class="series" data-series="{escape(n)}" points="{pts}" fill="none" stroke="{color}"'
             f' stroke-width="1.8"{dash_attr}/>'
         )
-        lx = left + (k % 3) * (plot_w / 3)
-        ly = height + 14 * (k // 3) + 2
+        lx = left + (k % legend_cols) * (plot_w / legend_cols)
+        ly = height + 14 * (k // legend_cols) + 2
         parts.append(
             f'<line x1="{_fmt(lx)}" y1="{_fmt(ly - 4)}" x2="{_fmt(lx + 18)}" y2="{_fmt(ly - 4)}" stroke="{color}"'
             f' stroke-width="2"{dash_attr}/>'
@@ -720,9 +760,13 @@ class BlockMapView:
         """The block map and the timeline SVGs of the current state."""
         snap = self.snapshot()
         block_map = render_block_map(snap, columns=self._columns)
-        timeline = render_timeline(
-            self._history_fn(self.sim), series=self._series, events=self.events, step=self.steps
-        )
+        history = self._history_fn(self.sim)
+        series = self._series if self._series is not None else default_series(history)
+        events = list(self.events)
+        for name in history_series(history):
+            if _split(name)[1] == "preempted" and _split(name)[0] in ("", "paged"):
+                events += counter_events(history, name, "preempt")
+        timeline = render_timeline(history, series=series, events=sorted(events, key=lambda e: e[0]), step=self.steps)
         return block_map, timeline
 
     def redraw(self) -> None:
