@@ -1,0 +1,102 @@
+"""The baseline before vLLM: static batches, each member reserving K/V for the maximum length.
+
+How serving systems batched before paging:
+
+* Every request reserves room for ``max_model_len`` tokens when it starts,
+  because its final length is unknown and its K/V must be contiguous.
+* So a batch holds as many requests as max-length reservations fit in the
+  KV memory (capped by ``max_num_seqs``).
+* The batch prefills all its prompts together, then decodes until its
+  *longest* member is done. A member that finishes early keeps its
+  reservation, and the queue waits for the whole batch.
+
+To isolate scheduling and memory, everything else is the same as the paged
+engine: the same :class:`~minipaged.engine.Engine` loop, model forward and
+KV pool. A reservation is a block table whose blocks are all allocated up
+front, and a finished member simply stops computing (real static batching
+kept computing padding; skipping it flatters the baseline).
+"""
+
+from __future__ import annotations
+
+from minipaged.block_manager import BlockTable
+from minipaged.engine import Engine
+from minipaged.scheduler import EngineConfig, Scheduler, SchedulerOutput
+from minipaged.sequence import Sequence, SequenceStatus
+
+
+class StaticBatchScheduler(Scheduler):
+    def __init__(self, config: EngineConfig, allocator, max_model_len: int):
+        super().__init__(config, allocator)
+        self.max_model_len = max_model_len
+        self.blocks_per_reservation = -(-max_model_len // config.block_size)
+        self.batch_size = min(config.max_num_seqs, config.num_blocks // self.blocks_per_reservation)
+        if self.batch_size == 0:
+            raise ValueError(
+                f"one reservation of max_model_len={max_model_len} tokens needs {self.blocks_per_reservation} blocks "
+                f"but the pool has {config.num_blocks}"
+            )
+        self.batch: list[Sequence] = []  # the current batch, finished members included
+
+    def add(self, seq: Sequence) -> None:
+        longest = seq.num_prompt_tokens + seq.sampling_params.max_tokens - 1
+        if longest > self.max_model_len:
+            raise ValueError(f"request {seq.seq_id!r} may reach {longest} tokens, past max_model_len={self.max_model_len}")
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        if not self.batch:  # the previous batch is over: start the next
+            while self.waiting and len(self.batch) < self.batch_size:
+                seq = self.waiting.popleft()
+                seq.block_table = BlockTable(self.allocator, seq.seq_id)
+                seq.block_table.blocks = self.allocator.allocate_many(self.blocks_per_reservation, seq.seq_id)
+                seq.status = SequenceStatus.RUNNING
+                self.batch.append(seq)
+                self.running.append(seq)
+                out.admitted.append(seq)
+        for seq in self.running:  # whole prompts at once, then one token each: no budget, no chunks
+            n = seq.num_uncomputed_tokens
+            out.seqs.append(seq)
+            out.num_new_tokens.append(n)
+            out.slot_mappings.append(seq.block_table.append_tokens(n))  # inside the reservation: allocates nothing
+        return out
+
+    def postprocess(self, out: SchedulerOutput, sampled: dict, now: float) -> list[Sequence]:
+        finished = []
+        for seq, n in zip(out.seqs, out.num_new_tokens):
+            seq.num_computed_tokens += n
+            if seq.seq_id in sampled and seq.append_token(sampled[seq.seq_id], now):
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_time = now
+                self.running.remove(seq)  # stops computing, but its reservation stays until the batch ends
+                finished.append(seq)
+        self._end_batch_if_done()
+        return finished
+
+    def abort(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        else:
+            raise ValueError(f"request {seq.seq_id!r} is neither waiting nor running ({seq.status.value})")
+        seq.status = SequenceStatus.ABORTED
+        self._end_batch_if_done()
+
+    def _end_batch_if_done(self) -> None:
+        """Once no member is left running, every reservation of the batch goes back at once."""
+        if not self.running:
+            for seq in self.batch:
+                if seq.block_table is not None:
+                    seq.block_table.release()
+                    seq.block_table = None
+            self.batch = []
+
+
+def static_engine(model, config: EngineConfig, max_model_len: int, clock=None) -> Engine:
+    """An :class:`Engine` whose scheduler batches statically with max-length reservations."""
+    engine = Engine(model, config, clock)
+    engine.scheduler = StaticBatchScheduler(engine.config, engine.cache.allocator, max_model_len)
+    return engine
