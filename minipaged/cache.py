@@ -37,7 +37,6 @@ class MemoryReport:
         return self.used_blocks * self.bytes_per_block
 
     def __str__(self) -> str:
-        mib = 2**20
         return "\n".join(
             [
                 f"sequences          {self.num_seqs}",
@@ -46,10 +45,17 @@ class MemoryReport:
                 f"tail waste         {self.tail_waste} slots",
                 f"utilisation        {self.utilisation:.2%}",
                 f"bytes per block    {self.bytes_per_block:,}",
-                f"KV bytes used      {self.kv_bytes_used:,} ({self.kv_bytes_used / mib:.2f} MiB)",
+                f"KV bytes used      {self.kv_bytes_used:,} ({_binary(self.kv_bytes_used)})",
                 f"block-table bytes  {self.block_table_bytes:,}",
             ]
         )
+
+
+def _binary(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
 
 
 class PagedKVCache:
