@@ -636,7 +636,13 @@ class BlockMapView:
     outside a Step click too, the picture is redrawn. ``static()`` returns the
     current picture as plain HTML for notebooks read without a kernel, and the
     widget's own display carries the same HTML as a fallback.
+
+    Subclasses (the chapter 05 dashboard) name their panels in ``PANELS`` and
+    return one SVG per panel from :meth:`render`.
     """
+
+    PANELS: tuple[str, ...] = ("map", "timeline")
+    CSS_CLASS = "minipaged-blockmap-view"
 
     def __init__(
         self,
@@ -673,8 +679,7 @@ class BlockMapView:
         self.speed = widgets.IntSlider(value=interval, min=50, max=1500, step=50, description="ms/step")
         widgets.link((self.speed, "value"), (self.play, "interval"))
         self.status = widgets.HTML()
-        self.map_html = widgets.HTML()
-        self.timeline_html = widgets.HTML()
+        self.panels = {name: widgets.HTML() for name in self.PANELS}
         self.step_button.add_class("minipaged-step")
         self.reset_button.add_class("minipaged-reset")
         self.play.add_class("minipaged-play")
@@ -686,12 +691,24 @@ class BlockMapView:
 
         controls = widgets.HBox([self.step_button, self.play, self.speed, self.reset_button])
         self.widget = widgets.VBox(
-            [controls, self.status, self.map_html, self.timeline_html, self.out],
+            [controls, self.status, *self._layout(widgets), self.out],
             layout=widgets.Layout(width="100%"),
         )
-        self.widget.add_class("minipaged-blockmap-view")
+        self.widget.add_class(self.CSS_CLASS)
         self._subscribe()
         self.redraw()
+
+    def _layout(self, widgets) -> list:
+        """The panel widgets, in display order (a subclass may arrange them in boxes)."""
+        return [self.panels[name] for name in self.PANELS]
+
+    @property
+    def map_html(self):
+        return self.panels["map"]
+
+    @property
+    def timeline_html(self):
+        return self.panels["timeline"]
 
     # -- state -----------------------------------------------------------------
 
@@ -756,8 +773,8 @@ class BlockMapView:
 
     # -- drawing -----------------------------------------------------------------
 
-    def render(self) -> tuple[str, str]:
-        """The block map and the timeline SVGs of the current state."""
+    def render(self) -> dict[str, str]:
+        """One SVG per panel of the current state: the block map and the timeline."""
         snap = self.snapshot()
         block_map = render_block_map(snap, columns=self._columns)
         history = self._history_fn(self.sim)
@@ -767,14 +784,16 @@ class BlockMapView:
             if _split(name)[1] == "preempted" and _split(name)[0] in ("", "paged"):
                 events += counter_events(history, name, "preempt")
         timeline = render_timeline(history, series=series, events=sorted(events, key=lambda e: e[0]), step=self.steps)
-        return block_map, timeline
+        return {"map": block_map, "timeline": timeline}
+
+    def status_text(self) -> str:
+        return f"step {self.steps} · {'finished' if self.finished else 'running'}"
 
     def redraw(self) -> None:
-        block_map, timeline = self.render()
-        state = "finished" if self.finished else "running"
-        self.status.value = f"<b>{escape(self.title)}</b> · step {self.steps} · {state}"
-        self.map_html.value = block_map
-        self.timeline_html.value = timeline
+        svgs = self.render()
+        self.status.value = f"<b>{escape(self.title)}</b> · {escape(self.status_text())}"
+        for name, html in svgs.items():
+            self.panels[name].value = html
 
     def static(self):
         """The current picture as an ``IPython.display.HTML`` (readable without a kernel)."""
@@ -783,8 +802,9 @@ class BlockMapView:
         return HTML(self._static_html())
 
     def _static_html(self) -> str:
-        block_map, timeline = self.render()
-        return f'<div class="minipaged-static">{block_map}<br/>{timeline}</div>'
+        svgs = self.render()
+        head = f"<p><b>{escape(self.title)}</b> · {escape(self.status_text())}</p>"
+        return f'<div class="minipaged-static">{head}' + "<br/>".join(svgs[n] for n in self.PANELS) + "</div>"
 
     def close(self) -> None:
         """Stop listening to the allocator and close the widgets."""
