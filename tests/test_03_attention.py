@@ -1,0 +1,313 @@
+"""Paged attention (decode, prefill, chunked prefill) and write_kv against contiguous attention.
+
+Every cache is built the same way: each sequence's blocks are drawn from a random
+permutation of the pool, and every slot no sequence wrote holds NaN, so a read
+through a wrong entry (or a NaN multiplied by a 0 weight) shows up as NaN.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minipaged._triton import HAVE_TRITON
+from minipaged.attention import contiguous_attention, paged_attention, paged_prefill_attention, write_kv
+
+pytestmark = pytest.mark.ch03
+
+# Outputs are computed in float32 from the same stored values on both sides,
+# so the error is the final rounding to the input dtype plus summation order.
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+HEADS = {"MHA": (4, 4), "GQA": (8, 2), "MQA": (4, 1)}
+
+
+def paged_setup(seq_lens, block_size, num_kv_heads, head_dim, dtype=torch.float32, spare_blocks=3, seed=0):
+    """Random K/V per sequence, written into a NaN-filled pool through random block tables.
+
+    Returns ``(k_cache, v_cache, block_tables, ks, vs)``; ``ks[i]`` is sequence i's contiguous K.
+    """
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(need) + spare_blocks
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    v_cache = k_cache.clone()
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    unowned = perm[sum(need) :]
+    # Padding points at an unowned (all-NaN) block where there is one: it must never be read.
+    pad = unowned[0] if unowned else 0
+    block_tables = torch.full((len(seq_lens), max(need) + 1), pad, dtype=torch.int32)
+    ks, vs = [], []
+    for i, n in enumerate(seq_lens):
+        blocks, perm = perm[: need[i]], perm[need[i] :]
+        block_tables[i, : need[i]] = torch.tensor(blocks, dtype=torch.int32)
+        k = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype)
+        v = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype)
+        pos = torch.arange(n)
+        slots = block_tables[i].long()[pos // block_size] * block_size + pos % block_size
+        write_kv(k, v, k_cache, v_cache, slots)
+        ks.append(k)
+        vs.append(v)
+    return k_cache, v_cache, block_tables, ks, vs
+
+
+def decode_case(seq_lens, block_size, heads, head_dim=16, dtype=torch.float32, seed=0):
+    num_heads, num_kv_heads = heads
+    k_cache, v_cache, block_tables, ks, vs = paged_setup(seq_lens, block_size, num_kv_heads, head_dim, dtype, seed=seed)
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    expected = torch.cat([contiguous_attention(q[i : i + 1], ks[i], vs[i]) for i in range(len(seq_lens))])
+    return (q, k_cache, v_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32)), expected
+
+
+def prefill_case(seq_lens, query_lens, block_size, heads, head_dim=16, dtype=torch.float32, seed=0):
+    num_heads, num_kv_heads = heads
+    k_cache, v_cache, block_tables, ks, vs = paged_setup(seq_lens, block_size, num_kv_heads, head_dim, dtype, seed=seed)
+    q = torch.randn(sum(query_lens), num_heads, head_dim, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    expected = torch.cat(
+        [contiguous_attention(q[starts[i] : starts[i + 1]], ks[i], vs[i]) for i in range(len(seq_lens))]
+    )
+    args = (q, k_cache, v_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32), starts)
+    return args, expected
+
+
+def assert_close(actual, expected, dtype):
+    assert actual.dtype == expected.dtype == dtype
+    assert actual.shape == expected.shape
+    assert not actual.isnan().any(), "NaN leaked in from a slot the sequence does not own"
+    err = (actual.float() - expected.float()).abs().max().item()
+    assert err <= TOL[dtype], f"max abs error {err:.3g} > {TOL[dtype]} for {dtype}"
+
+
+# --------------------------------------------------------------------------- reference sanity
+
+
+def test_contiguous_attention_matches_explicit_softmax():
+    """The reference itself, against softmax(q k^T / sqrt(d)) v written out by hand with repeated KV heads."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(3, 4, 8, generator=g), torch.randn(7, 2, 8, generator=g), torch.randn(7, 2, 8, generator=g)
+    k4, v4 = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k4) / 8**0.5
+    causal = torch.arange(7)[None, :] <= torch.arange(4, 7)[:, None]  # queries are positions 4, 5, 6
+    scores = scores.masked_fill(~causal, float("-inf"))
+    expected = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v4)
+    assert torch.allclose(contiguous_attention(q, k, v), expected, atol=1e-6)
+    # The last query sees everything: the same as non-causal attention for that row.
+    assert torch.allclose(contiguous_attention(q, k, v, causal=False)[-1], expected[-1], atol=1e-6)
+
+
+# --------------------------------------------------------------------------- decode
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
+@pytest.mark.parametrize("backend", ["loop", "torch"])
+def test_decode_matches_contiguous(backend, heads, dtype):
+    # 1, a block minus one, exactly a block, a block plus one, and a few blocks plus a bit.
+    args, expected = decode_case([1, 7, 8, 9, 29], block_size=8, heads=heads, dtype=dtype)
+    assert_close(paged_attention(*args, backend=backend), expected, dtype)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seq_lens=st.lists(st.integers(1, 70), min_size=1, max_size=6),
+    block_size=st.sampled_from([1, 2, 3, 4, 8, 16, 32]),
+    num_kv_heads=st.sampled_from([1, 2, 4]),
+    group=st.sampled_from([1, 2, 4]),
+    seed=st.integers(0, 1000),
+)
+def test_decode_any_lengths_and_block_sizes(seq_lens, block_size, num_kv_heads, group, seed):
+    args, expected = decode_case(seq_lens, block_size, (num_kv_heads * group, num_kv_heads), head_dim=8, seed=seed)
+    assert_close(paged_attention(*args, backend="torch"), expected, torch.float32)
+
+
+def test_decode_small_gather_budget_chunks_the_batch(monkeypatch):
+    """The torch backend splits the batch to keep its gather in cache; every chunking gives the same answer."""
+    import minipaged.attention as attention
+
+    args, expected = decode_case([5, 40, 1, 33, 16, 2], block_size=4, heads=(8, 2))
+    for budget in [1, 2 * 40 * 2 * 16 * 4 * 2, 1 << 30]:  # one seq, two seqs, all at once
+        monkeypatch.setattr(attention, "GATHER_BUDGET_BYTES", budget)
+        assert_close(paged_attention(*args), expected, torch.float32)
+
+
+def test_loop_and_torch_backends_agree():
+    args, _ = decode_case([3, 50, 17], block_size=16, heads=(8, 2), seed=5)
+    assert torch.allclose(paged_attention(*args, backend="loop"), paged_attention(*args, backend="torch"), atol=1e-6)
+
+
+def test_scale_is_used():
+    args, _ = decode_case([9, 4], block_size=4, heads=(4, 2))
+    q, k_cache, v_cache, block_tables, seq_lens = args
+    ks = [k_cache[block_tables[0, :3].long()].flatten(0, 1)[:9], k_cache[block_tables[1, :1].long()].flatten(0, 1)[:4]]
+    vs = [v_cache[block_tables[0, :3].long()].flatten(0, 1)[:9], v_cache[block_tables[1, :1].long()].flatten(0, 1)[:4]]
+    expected = torch.cat([contiguous_attention(q[i : i + 1], ks[i], vs[i], scale=0.3) for i in range(2)])
+    for backend in ["loop", "torch"]:
+        out = paged_attention(*args, scale=0.3, backend=backend)
+        assert_close(out, expected, torch.float32)
+        assert not torch.allclose(out, paged_attention(*args, backend=backend))
+
+
+def test_moving_a_block_and_its_table_entry_changes_nothing():
+    """Copy a block's contents to a free block and repoint the table: the read follows the table."""
+    args, expected = decode_case([30, 5], block_size=8, heads=(4, 2))
+    q, k_cache, v_cache, block_tables, seq_lens = args
+    old, new = int(block_tables[0, 1]), int(block_tables[0, -1])  # the padding entry is an unowned block
+    for cache in (k_cache, v_cache):
+        cache[new] = cache[old]
+        cache[old] = float("nan")
+    block_tables[0, 1] = new
+    for backend in ["loop", "torch"]:
+        assert_close(paged_attention(q, k_cache, v_cache, block_tables, seq_lens, backend=backend), expected, torch.float32)
+
+
+# --------------------------------------------------------------------------- prefill
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
+@pytest.mark.parametrize("backend", ["loop", "torch"])
+def test_prefill_matches_contiguous(backend, heads, dtype):
+    # Whole prompts (q_len == seq_len), a chunk after earlier chunks, a single token, a chunk across blocks.
+    args, expected = prefill_case([1, 13, 21, 9, 30], [1, 13, 6, 1, 17], block_size=8, heads=heads, dtype=dtype)
+    assert_close(paged_prefill_attention(*args, backend=backend), expected, dtype)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    data=st.data(),
+    block_size=st.sampled_from([1, 3, 4, 16]),
+    heads=st.sampled_from(list(HEADS.values())),
+)
+def test_prefill_any_chunks(data, block_size, heads):
+    seq_lens = data.draw(st.lists(st.integers(1, 40), min_size=1, max_size=4))
+    query_lens = [data.draw(st.integers(1, n)) for n in seq_lens]
+    args, expected = prefill_case(seq_lens, query_lens, block_size, heads, head_dim=8)
+    assert_close(paged_prefill_attention(*args, backend="torch"), expected, torch.float32)
+
+
+@pytest.mark.parametrize("backend", ["loop", "torch"])
+@pytest.mark.parametrize("chunk", [1, 5, 16])
+def test_chunked_prefill_equals_one_causal_pass(backend, chunk):
+    """Write a prompt chunk by chunk, attending after each write: the rows must equal one causal pass."""
+    n, block_size, (num_heads, num_kv_heads), head_dim = 37, 8, (8, 2), 16
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(n, num_heads, head_dim, generator=g)
+    k = torch.randn(n, num_kv_heads, head_dim, generator=g)
+    v = torch.randn(n, num_kv_heads, head_dim, generator=g)
+    k_cache = torch.full((9, block_size, num_kv_heads, head_dim), float("nan"))
+    v_cache = k_cache.clone()
+    block_tables = torch.tensor([[7, 2, 5, 0, 8]], dtype=torch.int32)
+    rows = []
+    for start in range(0, n, chunk):
+        end = min(start + chunk, n)
+        pos = torch.arange(start, end)
+        write_kv(k[start:end], v[start:end], k_cache, v_cache, block_tables[0].long()[pos // block_size] * block_size + pos % block_size)
+        starts = torch.tensor([0, end - start], dtype=torch.int32)
+        seq_lens = torch.tensor([end], dtype=torch.int32)
+        rows.append(paged_prefill_attention(q[start:end], k_cache, v_cache, block_tables, seq_lens, starts, backend=backend))
+    assert_close(torch.cat(rows), contiguous_attention(q, k, v), torch.float32)
+
+
+def test_prefill_of_one_token_per_sequence_is_decode():
+    args, _ = decode_case([4, 17, 1], block_size=4, heads=(4, 2))
+    starts = torch.arange(4, dtype=torch.int32)
+    assert torch.allclose(paged_prefill_attention(*args, starts), paged_attention(*args), atol=1e-6)
+
+
+# --------------------------------------------------------------------------- write path
+
+
+def test_write_kv_lands_at_slots_and_skips_minus_one():
+    k_cache = torch.zeros(4, 2, 1, 3)
+    v_cache = torch.zeros(4, 2, 1, 3)
+    key = torch.arange(1, 10, dtype=torch.float32).view(3, 1, 3)
+    slots = torch.tensor([5, -1, 0])
+    write_kv(key, -key, k_cache, v_cache, slots)
+    flat = k_cache.view(-1, 1, 3)
+    assert torch.equal(flat[5], key[0]) and torch.equal(flat[0], key[2])  # slot 5 = block 2, offset 1
+    assert torch.equal(k_cache[2, 1], key[0]) and torch.equal(v_cache[2, 1], -key[0])
+    assert int((k_cache != 0).any(-1).sum()) == 2  # the -1 token went nowhere
+
+
+def test_write_kv_rejects_bad_slots_before_writing():
+    k_cache, v_cache = torch.zeros(2, 4, 1, 2), torch.zeros(2, 4, 1, 2)
+    key = torch.ones(2, 1, 2)
+    with pytest.raises(IndexError, match="slot_mapping"):
+        write_kv(key, key, k_cache, v_cache, torch.tensor([0, 8]))
+    with pytest.raises(TypeError, match="slot_mapping"):
+        write_kv(key, key, k_cache, v_cache, torch.tensor([0.0, 1.0]))
+    with pytest.raises(TypeError, match="dtype"):
+        write_kv(key.half(), key.half(), k_cache, v_cache, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="key"):
+        write_kv(torch.ones(2, 2, 2), torch.ones(2, 2, 2), k_cache, v_cache, torch.tensor([0, 1]))
+    assert not k_cache.any() and not v_cache.any()  # nothing was written
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def good_decode_args():
+    args, _ = decode_case([5, 9], block_size=4, heads=(4, 2))
+    return list(args)
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (lambda a: a.__setitem__(0, a[0][0]), ValueError, "q must be 3-D"),
+        (lambda a: a.__setitem__(0, a[0][..., :8]), ValueError, "head_dim"),
+        (lambda a: a.__setitem__(0, torch.randn(2, 3, 16)), ValueError, "multiple of"),
+        (lambda a: a.__setitem__(0, a[0][:1]), ValueError, "block_tables must be"),
+        (lambda a: a.__setitem__(1, a[1][..., :1, :]), ValueError, "v_cache"),
+        (lambda a: a.__setitem__(0, a[0].half()), TypeError, "share a dtype"),
+        (lambda a: a.__setitem__(0, a[0].long()), TypeError, "q must be a floating"),
+        (lambda a: a.__setitem__(3, a[3].long()), TypeError, "block_tables must be int32"),
+        (lambda a: a.__setitem__(4, a[4].float()), TypeError, "seq_lens must be int32"),
+        (lambda a: a.__setitem__(4, a[4][:1]), ValueError, "seq_lens must be"),
+        (lambda a: a.__setitem__(4, torch.tensor([5, 0], dtype=torch.int32)), ValueError, ">= 1"),
+        (lambda a: a.__setitem__(4, torch.tensor([5, 99], dtype=torch.int32)), ValueError, "room for only"),
+        (lambda a: a[3].__setitem__((1, 0), 1000), IndexError, r"block_tables\[1, 0\]"),
+        (lambda a: a.__setitem__(0, a[0].to("meta")), ValueError, "share a device"),
+        (lambda a: a.__setitem__(3, a[3].to("meta")), ValueError, "block_tables is on meta"),
+        (lambda a: a.__setitem__(2, a[2].tolist()), TypeError, "v_cache must be a torch.Tensor"),
+    ],
+)
+@pytest.mark.parametrize("backend", ["loop", "torch"])
+def test_decode_errors_name_the_argument(change, error, match, backend):
+    args = good_decode_args()
+    change(args)
+    with pytest.raises(error, match=match):
+        paged_attention(*args, backend=backend)
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        paged_attention(*good_decode_args(), backend="cuda")
+
+
+def test_prefill_errors_name_query_start_loc():
+    args, _ = prefill_case([6, 9], [2, 3], block_size=4, heads=(4, 2))
+    q, k_cache, v_cache, block_tables, seq_lens, starts = args
+    with pytest.raises(ValueError, match="query_start_loc must run from 0"):
+        paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, torch.tensor([0, 2, 4], dtype=torch.int32))
+    with pytest.raises(ValueError, match="sequence 0 has 7 query tokens"):
+        q10 = torch.zeros(10, *q.shape[1:])
+        paged_prefill_attention(q10, k_cache, v_cache, block_tables, seq_lens, torch.tensor([0, 7, 10], dtype=torch.int32))
+    with pytest.raises(TypeError, match="query_start_loc must be int32"):
+        paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, starts.float())
+    with pytest.raises(ValueError, match="query_start_loc is on meta"):
+        paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, starts.to("meta"))
+    with pytest.raises(ValueError, match="block_tables must be"):
+        paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, torch.tensor([0, 5], dtype=torch.int32))
+
+
+# --------------------------------------------------------------------------- triton backend (small shapes)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_triton_backend_matches_on_decode_and_prefill():
+    """The same call with backend='triton' reaches the chapter-04 kernels (interpreted on CPU)."""
+    args, expected = decode_case([1, 9, 20], block_size=8, heads=(4, 2), head_dim=16)
+    assert_close(paged_attention(*args, backend="triton"), expected, torch.float32)
+    args, expected = prefill_case([6, 11], [6, 3], block_size=8, heads=(4, 2), head_dim=16)
+    assert_close(paged_prefill_attention(*args, backend="triton"), expected, torch.float32)
