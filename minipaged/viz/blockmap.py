@@ -330,7 +330,7 @@ def render_block_map(
     logical_w = label_w + max(longest, 1) * (lcell + lgap)
     pool_x0 = logical_w + 70
     pool_w = cols * (CELL + GAP) - GAP
-    width = max(pool_x0 + pool_w + 10, 480)
+    width = max(pool_x0 + max(pool_w, 270) + 10, 480)  # room for the pool caption
     rows_h = max(len(shown), 1) * row_h + (row_h if hidden else 0)
     height = top + max(rows_h, pool_rows * (CELL + GAP)) + 30
 
