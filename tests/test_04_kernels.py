@@ -246,7 +246,7 @@ def test_decode_rejects_bad_num_splits():
         paged_decode_attention(**_bad(lambda a: None), num_splits=0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to mix with the CPU")
 def test_decode_rejects_mixed_devices():
     with pytest.raises(ValueError, match="one device"):
         paged_decode_attention(**_bad(lambda a: a.update(seq_lens=a["seq_lens"].cpu())))
