@@ -355,42 +355,46 @@ def screenshot(page, locator, name: str) -> Path:
 
 
 # ---------------------------------------------------------------------------
-# Chapter 02: BlockMapView
+# The live views: chapter 02's BlockMapView and chapter 05's EngineDashboard
 # ---------------------------------------------------------------------------
 
-VIEW = ".minipaged-blockmap-view"
-MAP = f"{VIEW} svg.minipaged-blockmap"
+BLOCKMAP_VIEW = ".minipaged-blockmap-view"
+DASHBOARD = ".minipaged-dashboard"
 
 
-def check_blockmap_view(page, lab: Lab, rel: str, shot: str) -> None:
+def check_live_view(page, lab: Lab, rel: str, view_selector: str, shot: str) -> None:
+    """Run ``rel``, then Step and Play the first live view matching ``view_selector``; its block map must move."""
     copy = lab.root / rel  # what the browser opens; the repository's file is never served
     original = copy.read_bytes()
-    open_and_run_all(page, lab, rel, MAP)
+    svg = f"{view_selector} svg.minipaged-blockmap"
+    open_and_run_all(page, lab, rel, svg)
     wait_for_kernel_idle(page)
-    view = page.locator(VIEW).first
+    view = page.locator(view_selector).first
     view.scroll_into_view_if_needed()
-    first = svg_state(page, MAP)
+    step_button = page.locator(f"{view_selector} .minipaged-step").first
+    first = svg_state(page, svg)
 
     # Step: one click, one step, and the pool shows it.
-    page.locator(f"{VIEW} .minipaged-step").first.click()
-    stepped = wait_for_change(page, MAP, first, first["step"] + 1)
+    step_button.click()
+    stepped = wait_for_change(page, svg, first, first["step"] + 1)
     assert stepped["step"] == first["step"] + 1
     for _ in range(3):  # a step may leave the pool as it was; a few must not
         if stepped["cells"] != first["cells"]:
             break
-        page.locator(f"{VIEW} .minipaged-step").first.click()
-        stepped = wait_for_change(page, MAP, first, stepped["step"] + 1)
+        step_button.click()
+        stepped = wait_for_change(page, svg, first, stepped["step"] + 1)
     assert stepped["cells"] != first["cells"], "Step advanced data-step but the pool cells never changed"
 
     # Play: the front end's timer steps the kernel until paused.
-    page.locator(f"{VIEW} .minipaged-play button:has(i.fa-play)").first.click()
-    played = wait_for_change(page, MAP, stepped, stepped["step"] + 8)
-    page.locator(f"{VIEW} .minipaged-play button:has(i.fa-pause)").first.click()
+    page.locator(f"{view_selector} .minipaged-play button:has(i.fa-play)").first.click()
+    played = wait_for_change(page, svg, stepped, stepped["step"] + 8)
+    page.locator(f"{view_selector} .minipaged-play button:has(i.fa-pause)").first.click()
     assert played["cells"] != stepped["cells"], "Play advanced data-step but the pool cells never changed"
 
-    timeline = svg_state(page, f"{VIEW} svg.minipaged-timeline")
+    timeline = svg_state(page, f"{view_selector} svg.minipaged-timeline")
     assert timeline["step"] >= played["step"], "the timeline did not follow the steps"
-    assert not no_tracebacks_in(page, VIEW), f"a widget callback raised: {no_tracebacks_in(page, VIEW)}"
+    errors = no_tracebacks_in(page, view_selector)
+    assert not errors, f"a widget callback raised: {errors}"
     assert not page.js_errors, f"JavaScript errors on the page: {page.js_errors}"
     screenshot(page, view, shot)
     assert copy.read_bytes() == original, f"the browser session saved {rel}: autosave must stay off"
@@ -398,4 +402,4 @@ def check_blockmap_view(page, lab: Lab, rel: str, shot: str) -> None:
 
 def test_ch02_blockmap_steps_and_plays(lab, page):
     require_notebook(CH02, "BlockMapView")
-    check_blockmap_view(page, lab, CH02, "ch02.png")
+    check_live_view(page, lab, CH02, BLOCKMAP_VIEW, "ch02.png")
