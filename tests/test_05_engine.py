@@ -1,0 +1,185 @@
+"""The engine end to end with the tiny model: outputs, memory, metrics, errors, and the static baseline."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from minipaged.engine import Engine
+from minipaged.metrics import percentiles, summarize
+from minipaged.model import LlamaConfig, LlamaForCausalLM, generate_contiguous
+from minipaged.scheduler import EngineConfig
+from minipaged.sequence import SamplingParams, SequenceStatus
+from minipaged.static_batching import static_engine
+from minipaged.workload import TraceRequest, VirtualClock, load_trace, make_workload, poisson_arrivals, save_trace
+
+pytestmark = pytest.mark.ch05
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.set_num_threads(1)  # tiny matmuls; threads only add contention
+    return LlamaForCausalLM(LlamaConfig(), seed=0).eval()
+
+
+def random_requests(rng, n, vocab, max_prompt=40, max_out=12):
+    return [([rng.randrange(vocab) for _ in range(rng.randint(1, max_prompt))], rng.randint(1, max_out)) for _ in range(n)]
+
+
+def drive(engine, requests, rng, abort_prob=0.0, arrivals_per_step=2):
+    """Add requests a few per step, abort some at random; return the ids that were aborted."""
+    pending, aborted = list(enumerate(requests)), set()
+    while pending or engine.has_unfinished():
+        for _ in range(arrivals_per_step):
+            if pending:
+                i, (prompt, n) = pending.pop(0)
+                engine.add_request(prompt, SamplingParams(max_tokens=n), request_id=f"r{i}")
+        live = [rid for rid, s in engine.requests.items() if not s.is_finished]
+        if live and rng.random() < abort_prob:
+            rid = rng.choice(live)
+            engine.abort(rid)
+            aborted.add(rid)
+        if engine.has_unfinished():
+            engine.step()
+    return aborted
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_outputs_match_contiguous_under_preemption_chunking_and_aborts(model, chunked):
+    rng = random.Random(5 + chunked)
+    # 20 blocks of 4 slots for up to 8 sequences that each grow to ~13 blocks: preemption is certain.
+    config = EngineConfig(block_size=4, num_blocks=20, max_num_seqs=8, max_num_batched_tokens=64 if not chunked else 24,
+                          chunked_prefill=chunked)
+    engine = Engine(model, config)
+    requests = random_requests(rng, 16, model.config.vocab_size)
+    aborted = drive(engine, requests, rng, abort_prob=0.08)
+    assert engine.metrics.num_preemptions > 0
+    assert engine.cache.allocator.num_free == config.num_blocks  # nothing leaked
+    if chunked:
+        assert any(0 < r.num_prefill_tokens and r.num_batched_tokens == 24 for r in engine.metrics.history)
+    finished = 0
+    for i, (prompt, n) in enumerate(requests):
+        seq = engine.requests[f"r{i}"]
+        if f"r{i}" in aborted:
+            assert seq.status is SequenceStatus.ABORTED and seq.block_table is None
+            continue
+        assert seq.status is SequenceStatus.FINISHED
+        assert seq.output_token_ids == generate_contiguous(model, prompt, n), f"request r{i} differs"
+        finished += 1
+    assert finished >= 8
+
+
+def test_static_batching_outputs_match_and_batches_wait_for_the_longest(model):
+    rng = random.Random(11)
+    requests = random_requests(rng, 10, model.config.vocab_size, max_prompt=20, max_out=10)
+    config = EngineConfig(block_size=4, num_blocks=24, max_num_seqs=8)
+    engine = static_engine(model, config, max_model_len=30)  # 8 blocks per reservation: batches of 3
+    assert engine.scheduler.batch_size == 3
+    for i, (prompt, n) in enumerate(requests):
+        engine.add_request(prompt, SamplingParams(max_tokens=n), request_id=i)
+    while engine.has_unfinished():
+        out = engine.step()
+        if out.admitted:  # a new batch starts only when the previous one is completely done
+            assert len(out.admitted) <= 3
+            assert all(engine.requests[i].status is SequenceStatus.FINISHED for i in range(min(out.admitted)))
+        assert engine.cache.allocator.num_used in (0, 8 * len(engine.scheduler.batch))
+    for i, (prompt, n) in enumerate(requests):
+        assert engine.requests[i].output_token_ids == generate_contiguous(model, prompt, n)
+    assert engine.cache.allocator.num_free == config.num_blocks
+
+
+def test_triton_backend_matches(model):
+    pytest.importorskip("triton")
+    engine = Engine(model, EngineConfig(block_size=16, num_blocks=8, max_num_batched_tokens=16, backend="triton"))
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3], [2, 7, 1, 8]]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=3))
+    assert outs == [generate_contiguous(model, p, 3) for p in prompts]
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(model):
+    params = SamplingParams(max_tokens=8, temperature=0.8, seed=123)
+    alone = Engine(model).generate([[5, 6, 7]], params)[0]
+    crowd = Engine(model).generate([[9] * 30, [5, 6, 7], [1, 2]], params)[1]
+    assert alone == crowd
+    other = Engine(model).generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0.8, seed=124))[0]
+    assert other != alone
+    assert alone != Engine(model).generate([[5, 6, 7]], SamplingParams(max_tokens=8))[0]  # not greedy
+
+
+def test_stop_token_ends_a_request_early(model):
+    greedy = generate_contiguous(model, [1, 2, 3], 8)
+    stop = greedy[3]
+    out = Engine(model).generate([[1, 2, 3]], SamplingParams(max_tokens=8, stop_token_ids=(stop,)))[0]
+    assert out == greedy[: greedy.index(stop) + 1]
+
+
+def test_clear_errors_leave_the_engine_unchanged(model):
+    engine = Engine(model, EngineConfig(block_size=4, num_blocks=4))
+    with pytest.raises(ValueError, match="pool has 4 blocks"):
+        engine.add_request([1] * 15, SamplingParams(max_tokens=4))  # needs 18 slots = 5 blocks
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request([1, model.config.vocab_size])
+    assert not engine.requests and not engine.has_unfinished()
+    rid = engine.add_request([1, 2], SamplingParams(max_tokens=2), request_id="a")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request([1, 2], request_id="a")
+    with pytest.raises(KeyError, match="no request with id 'nope'"):
+        engine.abort("nope")
+    while engine.has_unfinished():
+        engine.step()
+    with pytest.raises(ValueError, match="already finished"):
+        engine.abort(rid)
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.add_request([1], SamplingParams(max_tokens=-1))
+
+
+def test_abort_frees_blocks_at_once(model):
+    engine = Engine(model, EngineConfig(block_size=4, num_blocks=16))
+    rid = engine.add_request(list(range(20)), SamplingParams(max_tokens=5))
+    engine.step()
+    assert engine.cache.allocator.num_free == 11
+    engine.abort(rid)
+    assert engine.cache.allocator.num_free == 16 and not engine.has_unfinished()
+
+
+def test_virtual_clock_runs_are_deterministic_and_metrics_follow_events(model):
+    workload = make_workload(12, rate=40.0, preset="chat", seed=3)
+    workload = [TraceRequest(r.arrival_time, min(r.prompt_len, 40), min(r.output_len, 12)) for r in workload]
+    config = EngineConfig(block_size=8, num_blocks=16, max_num_batched_tokens=64)
+    runs = []
+    for _ in range(2):
+        engine = Engine(model, config, VirtualClock())
+        events = []
+        engine.cache.allocator.subscribe(lambda e: events.append(e.kind))
+        seqs = engine.run(workload, progress=False)
+        runs.append(summarize(seqs))
+        h = engine.metrics.history
+        assert engine.metrics.num_preemptions == engine.scheduler.num_preemptions == events.count("preempt")
+        assert sum(r.preemptions for r in h) == engine.metrics.num_preemptions
+        assert sum(r.finished for r in h) == len(workload)
+        assert [r.step for r in h] == list(range(len(h)))
+        assert all(a.time < b.time for a, b in zip(h, h[1:]))
+        assert max(r.kv_used_blocks for r in h) <= config.num_blocks and h[-1].kv_used_blocks == 0
+        assert all(s.arrival_time == w.arrival_time for s, w in zip(seqs, workload))  # the clock starts at 0
+        assert all(s.first_token_time >= s.arrival_time for s in seqs)
+    assert runs[0] == runs[1]
+    assert runs[0]["ttft_p50"] <= runs[0]["ttft_p90"] <= runs[0]["ttft_p99"]
+
+
+def test_percentiles_and_workloads(tmp_path):
+    assert percentiles([1.0, 2.0, 3.0, 4.0, 5.0]) == {50: 3.0, 90: 4.6, 99: pytest.approx(4.96)}
+    assert all(math.isnan(v) for v in percentiles([]).values())
+    gen = torch.Generator().manual_seed(0)
+    arrivals = poisson_arrivals(4000, 20.0, gen)
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    assert arrivals[0] == 0.0 and all(g >= 0 for g in gaps)
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 20.0, rel=0.05)  # mean gap 1/rate
+    trace = make_workload(50, rate=5.0, preset="longtail", seed=1)
+    assert trace == make_workload(50, rate=5.0, preset="longtail", seed=1)
+    assert all(4 <= r.prompt_len <= 384 and 2 <= r.output_len <= 256 for r in trace)
+    assert all(r.arrival_time == 0.0 for r in make_workload(5, rate=math.inf))
+    save_trace(trace, tmp_path / "t.json")
+    assert load_trace(tmp_path / "t.json") == trace
+    with pytest.raises(ValueError, match="preset"):
+        make_workload(3, 1.0, preset="nope")
