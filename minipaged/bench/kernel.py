@@ -53,7 +53,7 @@ def _torch_paged_attention():
 
 def copy_bandwidth(device, nbytes=1 << 30) -> float:
     """GB/s of a device-to-device copy (bytes read + bytes written), the roofline for decode."""
-    import triton
+    import triton.testing
 
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -77,62 +77,51 @@ def cpu_check() -> int:
     return 0 if err < 1e-4 else 1
 
 
-def gpu_bench(dtype, block_size, save_path) -> int:
-    import triton
+def measure(provider, batch, context_len, block_size, dtype, torch_paged) -> tuple[float, float]:
+    """Median milliseconds of one decode step, and the bytes it must move."""
     import triton.testing
 
     from minipaged.kernels import paged_decode_attention
     from minipaged.kernels.paged_attention import decode_bytes
 
-    device = "cuda"
+    q, k_cache, v_cache, block_tables, seq_lens = make_decode_batch(batch, context_len, block_size, dtype, "cuda")
+    if provider == "triton":
+        fn = lambda: paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)  # noqa: E731
+    elif provider == "triton-unsplit":
+        fn = lambda: paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_splits=1)  # noqa: E731
+    elif provider == "torch":
+        fn = lambda: torch_paged(q, k_cache, v_cache, block_tables, seq_lens)  # noqa: E731
+    else:  # "sdpa": the same tokens laid out contiguously per sequence, as a non-paged cache holds them
+        k = k_cache[block_tables.long()].flatten(1, 2)[:, :context_len].transpose(1, 2).contiguous()
+        v = v_cache[block_tables.long()].flatten(1, 2)[:, :context_len].transpose(1, 2).contiguous()
+        fn = lambda: torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)  # noqa: E731
+    return triton.testing.do_bench(fn, return_mode="median"), decode_bytes(q, k_cache, block_tables, seq_lens)
+
+
+def gpu_bench(dtype, block_size) -> int:
     torch_paged = _torch_paged_attention()
-    copy_gbps = copy_bandwidth(device)
+    copy_gbps = copy_bandwidth("cuda")
     print(f"device {torch.cuda.get_device_name()}: copy bandwidth {copy_gbps:.0f} GB/s (read + write)")
     print(f"layer: {NUM_HEADS} heads on {NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}, {dtype}, block_size {block_size}")
     if torch_paged is None:
         print("minipaged.attention is not importable: the 'torch' baseline is skipped")
-
     providers = ["triton", "triton-unsplit", "sdpa"] + (["torch"] if torch_paged else [])
-    configs = [
-        triton.testing.Benchmark(
-            x_names=["context_len"], x_vals=[512, 2048, 8192, 32768], line_arg="provider",
-            line_vals=providers, line_names=providers, ylabel="fraction of copy bandwidth",
-            plot_name=f"decode-batch{batch}-{dtype}".replace("torch.", ""), args={"batch": batch},
-        )
-        for batch in (1, 16)
-    ] + [
-        triton.testing.Benchmark(
-            x_names=["batch"], x_vals=[1, 4, 16, 64], line_arg="provider",
-            line_vals=providers, line_names=providers, ylabel="fraction of copy bandwidth",
-            plot_name=f"decode-context4096-{dtype}".replace("torch.", ""), args={"context_len": 4096},
-        )
-    ]
+    sweeps = [(1, c) for c in (512, 2048, 8192, 32768)] + [(16, c) for c in (512, 2048, 8192, 32768)]
+    sweeps += [(b, 4096) for b in (1, 4, 64)]
 
-    @triton.testing.perf_report(configs)
-    def decode(batch, context_len, provider):
-        q, k_cache, v_cache, block_tables, seq_lens = make_decode_batch(batch, context_len, block_size, dtype, device)
-        if provider == "triton":
-            fn = lambda: paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)  # noqa: E731
-        elif provider == "triton-unsplit":
-            fn = lambda: paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_splits=1)  # noqa: E731
-        elif provider == "torch":
-            fn = lambda: torch_paged(q, k_cache, v_cache, block_tables, seq_lens)  # noqa: E731
-        else:  # the same tokens laid out contiguously per sequence, as a non-paged cache holds them
-            k = k_cache[block_tables.long()].flatten(1, 2)[:, :context_len].transpose(1, 2).contiguous()
-            v = v_cache[block_tables.long()].flatten(1, 2)[:, :context_len].transpose(1, 2).contiguous()
-            fn = lambda: torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)  # noqa: E731
-        ms, min_ms, max_ms = triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8])
-        gbps = lambda t: decode_bytes(q, k_cache, block_tables, seq_lens) / t * 1e-6  # noqa: E731
-        # Fraction of the copy roofline; (median, best, worst) as perf_report expects.
-        return gbps(ms) / copy_gbps, gbps(min_ms) / copy_gbps, gbps(max_ms) / copy_gbps
+    print("\nfraction of copy bandwidth (achieved GB/s of the Triton kernel in the last column)")
+    print(f"{'batch':>5} {'context':>7} " + " ".join(f"{p:>14}" for p in providers) + f" {'triton GB/s':>12}")
+    for batch, context_len in sweeps:
+        row = {}
+        for provider in providers:
+            ms, nbytes = measure(provider, batch, context_len, block_size, dtype, torch_paged)
+            row[provider] = nbytes / ms * 1e-6  # GB/s
+        print(f"{batch:5d} {context_len:7d} " + " ".join(f"{row[p] / copy_gbps:14.0%}" for p in providers) + f" {row['triton']:12.0f}")
 
-    decode.run(print_data=True, show_plots=False, save_path=save_path)
-
-    q, k_cache, v_cache, block_tables, seq_lens = make_decode_batch(1, 32768, block_size, dtype, device)
-    ms = triton.testing.do_bench(lambda: paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens))
-    fraction = decode_bytes(q, k_cache, block_tables, seq_lens) / ms * 1e-6 / copy_gbps
+    ms, nbytes = measure("triton", 1, 32768, block_size, dtype, torch_paged)
+    fraction = nbytes / ms * 1e-6 / copy_gbps
     verdict = "meets" if fraction >= 0.85 else "misses"
-    print(f"long-context decode (batch 1, 32768 tokens): {fraction:.0%} of copy bandwidth, {verdict} the 85% goal")
+    print(f"\nlong-context decode (batch 1, 32768 tokens): {fraction:.0%} of copy bandwidth, {verdict} the 85% goal")
     return 0
 
 
@@ -140,8 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minipaged.bench kernel", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--save-path", default=None, help="also write CSVs and plots into this folder")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         return cpu_check()
-    return gpu_bench(DTYPES[args.dtype], args.block_size, args.save_path)
+    return gpu_bench(DTYPES[args.dtype], args.block_size)
