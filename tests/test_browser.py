@@ -363,7 +363,7 @@ DASHBOARD = ".minipaged-dashboard"
 
 
 def check_live_view(page, lab: Lab, rel: str, view_selector: str, shot: str) -> None:
-    """Run ``rel``, then Step and Play the first live view matching ``view_selector``; its block map must move."""
+    """Run ``rel``, then Step, Play and Reset the first live view matching ``view_selector``; its block map must follow."""
     copy = lab.root / rel  # what the browser opens; the repository's file is never served
     original = copy.read_bytes()
     svg = f"{view_selector} svg.minipaged-blockmap"
@@ -393,10 +393,19 @@ def check_live_view(page, lab: Lab, rel: str, view_selector: str, shot: str) -> 
 
     timeline = svg_state(page, f"{view_selector} svg.minipaged-timeline")
     assert timeline["step"] >= played["step"], "the timeline did not follow the steps"
+    screenshot(page, view, shot)
+
+    # Reset: back to an empty pool at step 0.
+    page.locator(f"{view_selector} .minipaged-reset").first.click()
+    page.wait_for_function(
+        "(sel) => { const s = document.querySelector(sel); return s && s.getAttribute('data-step') === '0'; }",
+        arg=svg,
+        timeout=20_000,
+    )
+    assert svg_state(page, svg)["used"] == 0, "Reset left blocks in use"
     errors = no_tracebacks_in(page, view_selector)
     assert not errors, f"a widget callback raised: {errors}"
     assert not page.js_errors, f"JavaScript errors on the page: {page.js_errors}"
-    screenshot(page, view, shot)
     assert copy.read_bytes() == original, f"the browser session saved {rel}: autosave must stay off"
 
 
