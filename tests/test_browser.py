@@ -3,7 +3,7 @@
 nbval proves a notebook runs; it cannot see whether a widget *moves*. These
 tests start JupyterLab on 127.0.0.1 (a free port, a random token), open a
 chapter notebook in Debian's Chromium, run every cell, then click the widget's
-Step and Play controls and require the SVG it shows to change. A widget whose
+Step, Play and Reset controls and require the SVG it shows to follow. A widget whose
 callbacks stopped redrawing fails here.
 
 The notebook is opened from a temporary copy (the rest of the repository is
