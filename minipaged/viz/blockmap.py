@@ -16,6 +16,13 @@ an event, so it also follows a simulation that a notebook cell steps by hand.
 Every SVG root carries a ``class`` (``minipaged-blockmap``, ``minipaged-pool``,
 ``minipaged-timeline``) and a ``data-step`` attribute; cells, logical blocks and
 links carry ``data-*`` attributes. Tests (and the browser test) select on those.
+
+In a notebook::
+
+    view = BlockMapView(lambda: TraceSimulator(trace, num_slots=256, block_size=8, max_len=64))
+    view            # live: Step, Play/Pause, ms/step, Reset (mark the cell # NBVAL_IGNORE_OUTPUT)
+
+    view.static()   # the same picture as plain HTML, for readers without a kernel
 """
 
 from __future__ import annotations

@@ -14,6 +14,20 @@ Then :class:`EngineReplay`, a steppable replay of a workload through an
 :class:`~minipaged.engine.Engine` (one engine step per ``step()``), and
 :class:`EngineDashboard`, the live widget: the chapter 02 block-map controls
 (Step, Play/Pause, speed, Reset) over the engine's state.
+
+In a notebook::
+
+    def make_engine():  # a fresh engine each time, so Reset can start over
+        return Engine(model, EngineConfig(block_size=4, num_blocks=14, max_num_seqs=6))
+
+    dash = EngineDashboard(make_engine, workload)  # workload: list of TraceRequest
+    dash            # the live widget (mark the cell # NBVAL_IGNORE_OUTPUT)
+
+and, in a later checked cell, a deterministic picture for readers without a kernel::
+
+    for _ in range(20):
+        dash.step()
+    dash.static()
 """
 
 from __future__ import annotations
