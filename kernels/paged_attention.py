@@ -184,8 +184,12 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, parall
     return max(1, min(wanted, affordable, MAX_SPLITS))
 
 
-def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_splits) -> tuple[int, int]:
-    """Raise a clear error for anything the kernel can't take; return (min, max) of seq_lens."""
+def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_splits, validate) -> int | None:
+    """Raise a clear error for anything the kernel can't take; return max(seq_lens) if it was read.
+
+    Shapes, dtypes and devices cost no device work. The value checks (``validate``) read
+    ``seq_lens`` and ``block_tables``, which costs one host-device sync.
+    """
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables), ("seq_lens", seq_lens)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -223,8 +227,8 @@ def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_splits) -> tu
         raise ValueError(f"head_dim must be one of {HEAD_DIMS} (a power of two >= 16 for tl.arange and tl.dot), got {head_dim}")
     if num_splits is not None and (not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS):
         raise ValueError(f"num_splits must be None or an int in 1..{MAX_SPLITS}, got {num_splits!r}")
-    if num_seqs == 0:
-        return 0, 0
+    if num_seqs == 0 or not validate:
+        return None
 
     # One host sync for all value checks: lengths in range, and every block a sequence
     # owns points into the pool (an out-of-range id would read outside k_cache).
@@ -241,17 +245,22 @@ def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_splits) -> tu
         )
     if n_bad:
         raise IndexError(f"block_tables has {n_bad} entries for owned blocks outside the pool [0, {num_blocks})")
-    return lo, hi
+    return hi
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, num_splits=None):
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, num_splits=None, validate=True):
     """Decode attention for one new token per sequence, reading K/V through ``block_tables``.
 
     Returns ``[num_seqs, num_heads, head_dim]`` in ``q.dtype``. ``scale`` defaults to
     ``head_dim ** -0.5``. ``num_splits=None`` picks unsplit or split-KV with
     :func:`choose_num_splits`; an int forces it (1 = unsplit).
+
+    ``validate=False`` skips the checks that read ``seq_lens`` and ``block_tables``
+    (their one host-device sync), so a step can be captured in a CUDA graph or timed
+    without the sync; the split heuristic then assumes the longest context the block
+    table can hold. Out-of-range values are then undefined behaviour, as in vLLM.
     """
-    _, max_len = _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_splits)
+    max_len = _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_splits, validate)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -260,6 +269,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
     scale = head_dim**-0.5 if scale is None else float(scale)
     if num_splits is None:
         parallelism = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else CPU_PARALLELISM
+        if max_len is None:
+            max_len = block_tables.shape[1] * block_size
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_len, parallelism)
 
     group = num_heads // num_kv_heads

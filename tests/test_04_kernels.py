@@ -113,6 +113,8 @@ def test_automatic_split_on_a_long_context():
     case = make_case([3 * MIN_TOKENS_PER_SPLIT + 5, 9], num_heads=2, num_kv_heads=1, head_dim=16, block_size=64, spare_blocks=0)
     assert choose_num_splits(2, 1, 3 * MIN_TOKENS_PER_SPLIT + 5, parallelism=8) > 1
     assert_matches_reference(case, paged_decode_attention(*case))
+    # Without the value checks (no host sync) the heuristic bounds the context by the table width.
+    assert_matches_reference(case, paged_decode_attention(*case, validate=False))
 
 
 def test_non_contiguous_views():
