@@ -78,7 +78,8 @@ def check(name: str, hint: str = ""):
                 summary = fn(*args, **kwargs)
             except NotImplementedError as exc:
                 where = str(exc) or "replace the `raise NotImplementedError` with your code"
-                result = CheckResult(name, TODO, where, hint)
+                # A generated stub already carries the task's hint; don't print two.
+                result = CheckResult(name, TODO, where, "" if "Hint:" in where else hint)
             except CheckFailed as exc:
                 result = CheckResult(name, FAIL, str(exc), hint)
             except Exception as exc:  # the learner's code crashed: summarise, don't dump
