@@ -90,3 +90,12 @@ def test_grader_executes_a_notebook_and_tabulates(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "1/2 checks passed" in out
     assert "PASS                 demo.one" in out and "FAIL                 demo.one" in out
+
+
+def test_stub_hint_is_not_repeated(capsys):
+    def stub(n, b):
+        raise NotImplementedError("Task 1.1 is not implemented yet. Hint: round up")
+
+    check_ceil_div(stub)
+    out = capsys.readouterr().out
+    assert "Hint: round up" in out and "hint: a partly filled block" not in out
