@@ -412,3 +412,11 @@ def check_live_view(page, lab: Lab, rel: str, view_selector: str, shot: str) -> 
 def test_ch02_blockmap_steps_and_plays(lab, page):
     require_notebook(CH02, "BlockMapView")
     check_live_view(page, lab, CH02, BLOCKMAP_VIEW, "ch02.png")
+
+
+CH05 = "notebooks/05_continuous_batching.ipynb"
+
+
+def test_ch05_dashboard_steps_and_plays(lab, page):
+    require_notebook(CH05, "EngineDashboard")
+    check_live_view(page, lab, CH05, DASHBOARD, "ch05.png")
