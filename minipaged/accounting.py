@@ -404,7 +404,7 @@ class CapacityReport:
 
     def table(self) -> str:
         def cell(v):
-            return f"{v / 2**20:,.1f} MiB ({100 * v / self.budget_bytes:.1f}%)"
+            return f"{v / 2**20:,.2f} MiB ({100 * v / self.budget_bytes:.1f}%)"
 
         rows = [("sequences", self.fixed.num_seqs, self.paged.num_seqs)]
         rows += [(k, cell(self.fixed.parts()[k]), cell(v)) for k, v in self.paged.parts().items()]
