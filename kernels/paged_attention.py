@@ -63,7 +63,7 @@ def _paged_decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr,  # tokens per loop step: max(BLOCK_SIZE, 16), so tl.dot's K >= 16
     NUM_SPLITS: tl.constexpr,
-    DOT_FP32: tl.constexpr,  # do tl.dot in fp32 (the interpreter's bf16 dot is wrong; fp32 inputs)
+    DOT_FP32: tl.constexpr,  # cast tiles to fp32 before tl.dot: fp32 inputs, or the interpreter (its bf16 dot is wrong)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
