@@ -71,7 +71,7 @@ def check_can_admit(fn):
             raise CheckFailed(f"can_admit{case} returned {got!r}; return True or False")
         expect_equal(got, ref.can_admit(*case), f"can_admit{case}")
     _compare_schedules("can_admit", fn)
-    return f"{len(ADMIT_CASES)} cases, and the same schedule as the reference in a 80-step replay"
+    return f"{len(ADMIT_CASES)} cases, and the same schedule as the reference in an 80-step replay"
 
 
 @check(
@@ -92,4 +92,4 @@ def check_pick_victim(fn):
             name = got.seq_id if isinstance(got, Sequence) else repr(got)
             raise CheckFailed(f"with arrivals {times} you picked {name}, expected {want.seq_id}")
     preemptions = _compare_schedules("pick_victim", fn)
-    return f"{len(cases)} cases, and the same {preemptions} preemptions as the reference in a 80-step replay"
+    return f"{len(cases)} cases, and the same {preemptions} preemptions as the reference in an 80-step replay"
