@@ -11,6 +11,8 @@ import textwrap
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from minipaged.kernels import paged_decode_attention, write_kv
 from minipaged.kernels.paged_attention import MIN_TOKENS_PER_SPLIT, choose_num_splits
@@ -100,6 +102,23 @@ def test_custom_scale_and_more_splits_than_tiles():
     assert_matches_reference(case, paged_decode_attention(*case, scale=0.3, num_splits=8), scale=0.3)
 
 
+# The interpreter runs a case in ~0.1-0.5 s, so the property tests draw few, small examples.
+KERNEL_SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@KERNEL_SETTINGS
+@given(
+    seq_lens=st.lists(st.integers(1, 70), min_size=1, max_size=3),
+    block_size=st.sampled_from([4, 8, 16, 32]),
+    heads=st.sampled_from([(2, 2), (4, 1), (8, 2)]),
+    num_splits=st.integers(1, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_any_lengths_tables_and_splits_match_the_reference(seq_lens, block_size, heads, num_splits, seed):
+    case = make_case(seq_lens, num_heads=heads[0], num_kv_heads=heads[1], head_dim=16, block_size=block_size, seed=seed)
+    assert_matches_reference(case, paged_decode_attention(*case, num_splits=num_splits))
+
+
 def test_split_heuristic():
     assert choose_num_splits(num_seqs=64, num_kv_heads=8, max_seq_len=8192, parallelism=132) == 1  # grid already full
     assert choose_num_splits(num_seqs=1, num_kv_heads=8, max_seq_len=100, parallelism=132) == 1  # too short to split
@@ -182,6 +201,25 @@ def test_write_kv_scatters_and_skips_minus_one(dtype, slot_dtype):
     expected_k.view(-1, num_kv_heads, head_dim)[slots[keep].long()] = key[keep]
     expected_v.view(-1, num_kv_heads, head_dim)[slots[keep].long()] = value[keep]
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+@KERNEL_SETTINGS
+@given(data=st.data(), num_tokens=st.integers(0, 12), seed=st.integers(0, 2**16))
+def test_write_kv_equals_index_copy(data, num_tokens, seed):
+    num_slots = 6 * 4
+    targets = data.draw(st.lists(st.integers(0, num_slots - 1), min_size=num_tokens, max_size=num_tokens, unique=True))
+    skipped = data.draw(st.lists(st.booleans(), min_size=num_tokens, max_size=num_tokens))
+    slots = torch.tensor([-1 if skip else t for t, skip in zip(targets, skipped)], dtype=torch.int64, device=DEVICE)
+    gen = torch.Generator().manual_seed(seed)
+    key = torch.randn(num_tokens, 2, 16, generator=gen).to(DEVICE)
+    value = torch.randn(num_tokens, 2, 16, generator=gen).to(DEVICE)
+    k_cache = torch.zeros(6, 4, 2, 16, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    write_kv(key, value, k_cache, v_cache, slots)
+    keep = slots >= 0
+    expected_k = torch.zeros(num_slots, 2, 16, device=DEVICE).index_copy_(0, slots[keep], key[keep])
+    expected_v = torch.zeros(num_slots, 2, 16, device=DEVICE).index_copy_(0, slots[keep], value[keep])
+    assert torch.equal(k_cache.view(num_slots, 2, 16), expected_k) and torch.equal(v_cache.view(num_slots, 2, 16), expected_v)
 
 
 def test_write_then_decode_round_trip():
