@@ -3,7 +3,8 @@
 One :meth:`Engine.step` is
 
 1. ``scheduler.schedule()``: who runs, how many tokens each computes, and the
-   cache slots those tokens' K/V go to (allocating blocks, maybe preempting);
+   cache slots those tokens' K/V go to (allocating blocks, maybe preempting;
+   in swap mode the engine then copies K/V between the pool and ``swap_space``);
 2. one forward pass of the model over all scheduled tokens packed together,
    addressed through the block tables (:meth:`Engine.execute`);
 3. sampling a token for every sequence whose chunk reached its end;
@@ -18,6 +19,7 @@ Public state (the live dashboard reads it; keep these names stable):
   "free", ..., and "preempt" with the victim's seq_id).
 * ``engine.metrics``: step ``history``, ``num_preemptions``, ``max_running``.
 * ``engine.requests``: every request by id, finished ones included.
+* ``engine.swap_space``: swap mode's CPU copies of preempted sequences' K/V, by id.
 * ``engine.step()`` returns a :class:`StepOutput` saying what happened.
 
 Time comes from ``engine.clock``, virtual by default (deterministic, see
@@ -85,6 +87,7 @@ class Engine:
         self.metrics.attach(self.cache.allocator)
         self.clock = clock or VirtualClock()
         self.requests: dict = {}
+        self.swap_space: dict = {}  # seq_id -> per-layer (k, v) of its saved blocks, in CPU memory
         self._next_id = 0
 
     # -- requests ---------------------------------------------------------
@@ -114,6 +117,7 @@ class Engine:
         if seq.is_finished:
             raise ValueError(f"abort: request {request_id!r} has already {seq.status.value}")
         self.scheduler.abort(seq)
+        self.swap_space.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -125,6 +129,7 @@ class Engine:
         result = StepOutput(step=len(self.metrics.history), time=self.clock.now())
         result.admitted = [s.seq_id for s in out.admitted]
         result.preempted = [s.seq_id for s in out.preempted]
+        swapped = self.swap(out)
         sampled = {}
         if not out.is_empty:
             last = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(out.seqs, out.num_new_tokens)]
@@ -132,7 +137,7 @@ class Engine:
             to_sample = [s for s, ends in zip(out.seqs, last) if ends]
             sampled = dict(zip((s.seq_id for s in to_sample), sample(logits, to_sample)))
             context = sum(s.num_computed_tokens + n for s, n in zip(out.seqs, out.num_new_tokens))
-            self.clock.step(out.num_batched_tokens, context)
+            self.clock.step(out.num_batched_tokens, context, swapped)
         result.time = self.clock.now()
         prefill = sum(n for s, n in zip(out.seqs, out.num_new_tokens) if s.is_prefill)
         finished = self.scheduler.postprocess(out, sampled, result.time)
@@ -142,6 +147,29 @@ class Engine:
         self.metrics.record_step(result.time, self.scheduler.running, len(self.scheduler.waiting),
                                  out.num_new_tokens, prefill, len(finished))
         return result
+
+    @torch.inference_mode()
+    def swap(self, out: SchedulerOutput) -> int:
+        """Swap mode: save victims' K/V to CPU memory, restore readmitted ones'. Returns tokens moved.
+
+        It must run before the forward pass: a victim's freed blocks may already
+        belong to someone else this step, who is about to write into them.
+        """
+        moved = 0
+        for seq, block_ids in out.swap_out:
+            ids = torch.tensor(block_ids, device=self.cache.device)
+            self.swap_space[seq.seq_id] = [
+                (k.index_select(0, ids).cpu(), v.index_select(0, ids).cpu()) for k, v in zip(self.cache.k_caches, self.cache.v_caches)
+            ]
+            moved += seq.num_computed_tokens
+        for seq in out.swap_in:
+            saved = self.swap_space.pop(seq.seq_id)
+            ids = torch.tensor(seq.block_table.blocks[: len(saved[0][0])], device=self.cache.device)
+            for k, v, (k_saved, v_saved) in zip(self.cache.k_caches, self.cache.v_caches, saved):
+                k.index_copy_(0, ids, k_saved.to(self.cache.device))
+                v.index_copy_(0, ids, v_saved.to(self.cache.device))
+            moved += seq.num_computed_tokens
+        return moved
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, last: list[bool]) -> torch.Tensor:

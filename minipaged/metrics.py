@@ -51,6 +51,8 @@ class Metrics:
     used_blocks: int = 0
     num_preemptions: int = 0
     max_running: int = 0
+    swapped_out_blocks: int = 0  # swap-mode preemption: blocks copied to CPU memory ...
+    swapped_in_blocks: int = 0  # ... and back into the pool when the victim is readmitted
     _step_preemptions: int = 0
 
     def attach(self, allocator):
@@ -65,6 +67,9 @@ class Metrics:
         elif event.kind == "preempt":
             self.num_preemptions += 1
             self._step_preemptions += 1
+            self.swapped_out_blocks += event.info.get("swapped_blocks", 0)
+        elif event.kind == "swap_in":
+            self.swapped_in_blocks += event.info["swapped_blocks"]
 
     def record_step(self, time: float, running: list[Sequence], num_waiting: int, num_new_tokens: list[int],
                     num_prefill_tokens: int, num_finished: int) -> StepRecord:

@@ -10,9 +10,11 @@ The rules, in the order :meth:`Scheduler.schedule` applies them:
    prefill), so it cannot stall the decodes of everyone else.
 3. **Growth before admission.** A running sequence that needs a new block and
    finds the pool empty preempts the *youngest* running sequence (latest
-   arrival) by recompute: its blocks are freed, its tokens kept, and it goes
-   back to the front of the waiting queue to re-prefill prompt + generated
-   tokens later. Older requests therefore always make progress.
+   arrival): its blocks are freed, its tokens kept, and it goes back to the
+   front of the waiting queue. Older requests therefore always make progress.
+   By **recompute** (the default) its K/V is dropped and re-prefilled from
+   prompt + generated tokens later; by **swap** the engine copies its K/V to
+   CPU memory first and back into fresh blocks when it is readmitted.
 4. **FCFS admission with a watermark.** The head of the waiting queue is
    admitted only if its first chunk's blocks are free *and* a watermark of
    blocks stays free afterwards, as headroom for the running sequences to
@@ -44,7 +46,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 256  # tokens computed in one forward pass, all sequences together
     watermark: float = 0.01  # fraction of blocks admission leaves free for running sequences to grow into
     chunked_prefill: bool = True
-    preemption_mode: str = "recompute"
+    preemption_mode: str = "recompute"  # or "swap": park the victim's K/V in CPU memory instead
     backend: str = "torch"  # attention backend of the model forward: "torch" or "triton"
 
     def __post_init__(self):
@@ -54,8 +56,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {value!r}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"EngineConfig.watermark must be in [0, 1), got {self.watermark!r}")
-        if self.preemption_mode != "recompute":
-            raise ValueError(f"EngineConfig.preemption_mode must be 'recompute', got {self.preemption_mode!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"EngineConfig.preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.backend not in ("torch", "triton"):
             raise ValueError(f"EngineConfig.backend must be 'torch' or 'triton', got {self.backend!r}")
 
@@ -73,6 +75,9 @@ class SchedulerOutput:
     slot_mappings: list[torch.Tensor] = field(default_factory=list)  # int64 cache slots of those tokens
     admitted: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Swap mode: K/V the engine must copy before the forward pass, out of freed blocks or into new ones.
+    swap_out: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # (victim, its old block ids)
+    swap_in: list[Sequence] = field(default_factory=list)  # readmitted; K/V goes to its first blocks
 
     @property
     def num_batched_tokens(self) -> int:
@@ -163,8 +168,7 @@ class Scheduler:
                     del out.seqs[i], out.num_new_tokens[i], out.slot_mappings[i]
                 elif victim in pending:
                     pending.remove(victim)
-                self._preempt(victim)
-                out.preempted.append(victim)
+                self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
@@ -178,15 +182,20 @@ class Scheduler:
             seq = self.waiting[0]
             n = self._chunk(seq, budget)
             table = BlockTable(self.allocator, seq.seq_id)
+            saved = seq.num_computed_tokens  # > 0 only for a swapped-out sequence: its K/V comes back first
             if n == 0 or not can_admit(
                 self.allocator.num_free,
-                table.blocks_needed(n),
+                table.blocks_needed(saved + n),
                 self.config.watermark_blocks,
                 len(self.running),
                 self.config.max_num_seqs,
             ):
                 break
             self.waiting.popleft()
+            if saved:
+                table.append_tokens(saved)
+                out.swap_in.append(seq)
+                self.allocator.emit("swap_in", None, seq.seq_id, swapped_blocks=table.num_blocks)
             seq.block_table = table
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -197,18 +206,26 @@ class Scheduler:
             budget -= n
         return out
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Recompute-style preemption: drop the K/V, keep the tokens, queue at the front."""
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Free the victim's blocks, keep its tokens, queue it at the front; swap mode saves its K/V first."""
+        swap = self.config.preemption_mode == "swap" and seq.num_computed_tokens > 0
+        # Only the blocks holding computed K/V are saved (a chunk reserved this step is not written yet).
+        saved = seq.block_table.blocks[: -(-seq.num_computed_tokens // self.config.block_size)] if swap else []
+        if swap:
+            out.swap_out.append((seq, saved))
+        else:
+            seq.num_computed_tokens = 0
         self.allocator.emit(
-            "preempt", None, seq.seq_id, num_blocks=seq.block_table.num_blocks, num_tokens=seq.num_tokens
+            "preempt", None, seq.seq_id, mode="swap" if swap else "recompute",
+            num_blocks=seq.block_table.num_blocks, num_tokens=seq.num_tokens, swapped_blocks=len(saved),
         )
         self._release(seq)
         self.running.remove(seq)
-        seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.PREEMPTED
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        out.preempted.append(seq)
 
     def _release(self, seq: Sequence) -> None:
         if seq.block_table is not None:

@@ -26,7 +26,8 @@ saved to JSON and replayed exactly.
   model is a rough picture of a 7B model on a data-centre GPU: a fixed cost
   per step (reading the weights once), plus a cost per computed token
   (prefill is compute), plus a cost per cached token attended to (reading
-  the KV cache).
+  the KV cache), plus a cost per token of K/V swapped between GPU and CPU
+  memory (about 0.5 MB per token over a host link of about 25 GB/s).
 * :class:`WallClock` is real time (``time.perf_counter``); the benchmark
   uses it, and idle gaps are really waited out.
 """
@@ -111,9 +112,15 @@ class StepCost:
     per_step: float = 0.010
     per_token: float = 0.0001
     per_context_token: float = 0.000001
+    per_swapped_token: float = 0.00002
 
-    def __call__(self, num_batched_tokens: int, num_context_tokens: int) -> float:
-        return self.per_step + self.per_token * num_batched_tokens + self.per_context_token * num_context_tokens
+    def __call__(self, num_batched_tokens: int, num_context_tokens: int, num_swapped_tokens: int = 0) -> float:
+        return (
+            self.per_step
+            + self.per_token * num_batched_tokens
+            + self.per_context_token * num_context_tokens
+            + self.per_swapped_token * num_swapped_tokens
+        )
 
 
 class VirtualClock:
@@ -126,8 +133,8 @@ class VirtualClock:
     def now(self) -> float:
         return self.t
 
-    def step(self, num_batched_tokens: int, num_context_tokens: int) -> None:
-        self.t += self.cost(num_batched_tokens, num_context_tokens)
+    def step(self, num_batched_tokens: int, num_context_tokens: int, num_swapped_tokens: int = 0) -> None:
+        self.t += self.cost(num_batched_tokens, num_context_tokens, num_swapped_tokens)
 
     def wait_until(self, t: float) -> None:
         self.t = max(self.t, t)
@@ -142,7 +149,7 @@ class WallClock:
     def now(self) -> float:
         return time.perf_counter() - self.start
 
-    def step(self, num_batched_tokens: int, num_context_tokens: int) -> None:
+    def step(self, num_batched_tokens: int, num_context_tokens: int, num_swapped_tokens: int = 0) -> None:
         pass  # the time has already passed
 
     def wait_until(self, t: float) -> None:

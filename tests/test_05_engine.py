@@ -45,17 +45,20 @@ def drive(engine, requests, rng, abort_prob=0.0, arrivals_per_step=2):
     return aborted
 
 
-@pytest.mark.parametrize("chunked", [True, False])
-def test_outputs_match_contiguous_under_preemption_chunking_and_aborts(model, chunked):
+@pytest.mark.parametrize("chunked, mode", [(True, "recompute"), (False, "recompute"), (True, "swap"), (False, "swap")])
+def test_outputs_match_contiguous_under_preemption_chunking_and_aborts(model, chunked, mode):
     rng = random.Random(5 + chunked)
     # 20 blocks of 4 slots for up to 8 sequences that each grow to ~13 blocks: preemption is certain.
     config = EngineConfig(block_size=4, num_blocks=20, max_num_seqs=8, max_num_batched_tokens=64 if not chunked else 24,
-                          chunked_prefill=chunked)
+                          chunked_prefill=chunked, preemption_mode=mode)
     engine = Engine(model, config)
     requests = random_requests(rng, 16, model.config.vocab_size)
     aborted = drive(engine, requests, rng, abort_prob=0.08)
     assert engine.metrics.num_preemptions > 0
     assert engine.cache.allocator.num_free == config.num_blocks  # nothing leaked
+    assert not engine.swap_space  # nothing left parked in CPU memory either
+    if mode == "swap":
+        assert engine.metrics.swapped_out_blocks > 0 and engine.metrics.swapped_in_blocks > 0
     if chunked:
         assert any(0 < r.num_prefill_tokens and r.num_batched_tokens == 24 for r in engine.metrics.history)
     finished = 0

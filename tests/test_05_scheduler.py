@@ -49,6 +49,12 @@ def step(sched: Scheduler, now: float):
     held = [b for s in sched.running for b in s.block_table.blocks]
     assert len(held) == len(set(held)) == sched.allocator.num_used
     assert all(s.block_table is None for s in sched.waiting)
+    for seq, saved in out.swap_out:  # swap mode saves exactly the blocks that hold computed K/V
+        assert len(saved) == -(-seq.num_computed_tokens // cfg.block_size) and seq in sched.waiting
+    for seq in out.swap_in:
+        assert seq in out.admitted and seq.num_computed_tokens > 0
+    if cfg.preemption_mode == "recompute":
+        assert not out.swap_out and all(s.num_computed_tokens == 0 for s in sched.waiting)
     sampled = {s.seq_id: fake_token(s) for s, n in zip(out.seqs, out.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens}
     return out, sched.postprocess(out, sampled, now)
 
@@ -71,10 +77,11 @@ requests = st.lists(
     reqs=requests,
     aborts=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 11)), max_size=3),
     stop=st.sets(st.integers(0, VOCAB - 1), max_size=2),
+    mode=st.sampled_from(["recompute", "swap"]),
 )
-def test_random_workload_invariants(block_size, num_blocks, max_num_seqs, budget, watermark, chunked, reqs, aborts, stop):
+def test_random_workload_invariants(block_size, num_blocks, max_num_seqs, budget, watermark, chunked, reqs, aborts, stop, mode):
     cfg = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=budget, watermark=watermark, chunked_prefill=chunked)
+                       max_num_batched_tokens=budget, watermark=watermark, chunked_prefill=chunked, preemption_mode=mode)
     sched = Scheduler(cfg, BlockAllocator(num_blocks, block_size))
     seqs = []
     for i, (p, m, t) in enumerate(reqs):
