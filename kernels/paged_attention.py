@@ -14,10 +14,11 @@ Design, in the order the chapter builds it:
    program loads each K/V tile once and serves the whole group with ``tl.dot``.
    ``tl.dot`` needs every dimension ≥ 16, so the group is padded to ``GROUP_PAD``
    rows (padding rows hold zeros and are never stored).
-2. **Walk the sequence tile by tile.** A tile is ``TILE = max(block_size, 16)``
-   tokens. Each token's physical block comes from the block table
-   (``block_tables[seq, token // block_size]``); when ``block_size >= 16`` a tile is
-   exactly one block and all its tokens share one block id.
+2. **Walk the sequence tile by tile.** A tile is ``TILE = max(block_size, MIN_TILE)``
+   tokens, independent of how the cache is paged: each token's physical block comes
+   from the block table (``block_tables[seq, token // block_size]``), so with 16-token
+   blocks one tile reads four blocks. Bigger tiles keep more bytes in flight per loop
+   step, which a bandwidth-bound kernel needs.
 3. **Online softmax in fp32.** A running max ``m``, running denominator ``l`` and
    unnormalised output ``acc`` are rescaled whenever a tile raises the max, so the
    softmax never needs all scores at once.
@@ -43,6 +44,9 @@ MAX_BLOCK_SIZE = 256
 # extra reduction pass costs more than the parallelism gains.
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
+# Tokens per loop step at least: 64 tokens of K and V (32 KB at head_dim 128, fp16) per
+# step, and tl.dot's K dimension (the tile) stays >= 16 for any block size.
+MIN_TILE = 64
 # Stands in for the SM count when there is no GPU, so the heuristic is deterministic on a CPU.
 CPU_PARALLELISM = 8
 
@@ -61,7 +65,7 @@ def _paged_decode_kernel(
     GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two >= 16 (tl.dot's M)
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    TILE: tl.constexpr,  # tokens per loop step: max(BLOCK_SIZE, 16), so tl.dot's K >= 16
+    TILE: tl.constexpr,  # tokens per loop step: max(BLOCK_SIZE, MIN_TILE), a multiple of BLOCK_SIZE
     NUM_SPLITS: tl.constexpr,
     DOT_FP32: tl.constexpr,  # cast tiles to fp32 before tl.dot: fp32 inputs, or the interpreter (its bf16 dot is wrong)
 ):
@@ -98,7 +102,8 @@ def _paged_decode_kernel(
         valid = tokens < end  # the last tile of a sequence (or split) is partial
         # Logical block -> physical block. Only blocks the sequence owns are looked up:
         # entries past its end may hold anything. int64 before the multiply by the
-        # block stride, so a large pool cannot overflow 32-bit offsets.
+        # block stride, so a large pool cannot overflow 32-bit offsets. (The tokens of one
+        # block all load the same entry; repeated addresses are served from cache.)
         block_ids = tl.load(block_table + (tokens // BLOCK_SIZE) * stride_btb, mask=valid, other=0).to(tl.int64)
         in_block = tokens % BLOCK_SIZE
         k = tl.load(
@@ -291,7 +296,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
-        TILE=max(16, block_size),
+        TILE=max(MIN_TILE, block_size),
         NUM_SPLITS=num_splits,
         DOT_FP32=interpreted() or q.dtype == torch.float32,
     )

@@ -71,7 +71,7 @@ def assert_matches_reference(case, out, dtype=torch.float32, scale=None):
     assert err <= TOLERANCE[dtype], f"max abs error {err:.3g} > {TOLERANCE[dtype]}"
 
 
-LENGTHS = [1, 37, 16, 70]  # a single token, partial last blocks, an exact multiple of the block size
+LENGTHS = [1, 37, 64, 150]  # a single token, partial last blocks and tiles, an exact tile, three tiles
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
@@ -85,7 +85,7 @@ def test_decode_matches_reference(dtype, num_heads, num_kv_heads, num_splits):
 
 @pytest.mark.parametrize("block_size", [4, 8, 32, 128])
 def test_block_sizes_including_smaller_than_a_dot_tile(block_size):
-    # Below 16 one loop step covers several blocks, each with its own table lookup.
+    # Below MIN_TILE (64) one loop step covers several blocks, each with its own table lookup.
     case = make_case([1, 45, 130], block_size=block_size, num_heads=2, num_kv_heads=1, head_dim=16)
     assert_matches_reference(case, paged_decode_attention(*case, num_splits=1))
 
@@ -108,7 +108,7 @@ KERNEL_SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check
 
 @KERNEL_SETTINGS
 @given(
-    seq_lens=st.lists(st.integers(1, 70), min_size=1, max_size=3),
+    seq_lens=st.lists(st.integers(1, 200), min_size=1, max_size=3),
     block_size=st.sampled_from([4, 8, 16, 32]),
     heads=st.sampled_from([(2, 2), (4, 1), (8, 2)]),
     num_splits=st.integers(1, 5),
