@@ -84,3 +84,14 @@ def test_explorer_redraws_on_slider_change():
     r = acc.capacity("Llama-3-8B", 2**30, 256, 4096, acc.UniformLengths(max_len=4096))
     assert f"fixed admits {r.fixed.num_seqs}," in summary.value
     assert f"paged admits {r.paged.num_seqs}" in summary.value
+
+
+def test_waste_plot_highlights_the_chosen_block_size():
+    dist = acc.UniformLengths(max_len=512)
+    fig = vm.plot_waste_vs_block_size(dist, block_sizes=(8, 32), n_samples=100, seed=0, highlight=32)
+    ax = fig.axes[0]
+    assert len(ax.lines) == 3
+    assert list(ax.lines[2].get_xdata()) == [32, 32]
+    u = acc.utilisation(dist.sample(100, 0), 32)
+    assert f"B = 32: {100 * (1 - u):.1f}%" in [t.get_text() for t in ax.get_legend().get_texts()]
+    assert len(vm.plot_waste_vs_block_size(dist, block_sizes=(8, 32), n_samples=100).axes[0].lines) == 2

@@ -26,8 +26,11 @@ BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def plot_waste_vs_block_size(distribution: acc.LengthDistribution, block_sizes: Sequence[int] = BLOCK_SIZES,
-                             n_samples: int = 2000, seed: int = 0) -> Figure:
-    """Wasted share of the allocated slots, 1 − U, against B; fixed reservation as a dashed line."""
+                             n_samples: int = 2000, seed: int = 0, highlight: int | None = None) -> Figure:
+    """Wasted share of the allocated slots, 1 − U, against B; fixed reservation as a dashed line.
+
+    ``highlight`` marks one block size (the explorer's current choice) with a dotted line.
+    """
     lengths = distribution.sample(n_samples, seed)
     waste = [100 * (1 - acc.utilisation(lengths, b)) for b in block_sizes]
     fixed = 100 * (1 - acc.fixed_utilisation(lengths, distribution.max_len))
@@ -35,13 +38,15 @@ def plot_waste_vs_block_size(distribution: acc.LengthDistribution, block_sizes: 
     ax = fig.add_subplot()
     ax.plot(block_sizes, waste, "o-", color=COLORS["tail waste"], label="paged: tail waste")
     ax.axhline(fixed, ls="--", color=COLORS["reservation waste"], label=f"fixed {distribution.max_len}: {fixed:.1f}%")
+    if highlight is not None:
+        ax.axvline(highlight, ls=":", color="grey", label=f"B = {highlight}: {100 * (1 - acc.utilisation(lengths, highlight)):.1f}%")
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(block_sizes), [str(b) for b in block_sizes])
     ax.set_ylim(0, 100)
     ax.set_xlabel("block size B (tokens)")
     ax.set_ylabel("wasted slots (% of allocated)")
     ax.set_title(f"{distribution.name} lengths, {n_samples} sequences (seed {seed})")
-    ax.legend(loc="center left")
+    ax.legend(loc="best")
     return fig
 
 
@@ -107,13 +112,17 @@ def memory_explorer(model="Llama-3-8B", budget_bytes: int = 16 * 2**30, dtype=No
     def redraw(_change=None):
         dist = dists[which.value].with_max_len(max_len.value)
         report = acc.capacity(model, budget_bytes, block.value, max_len.value, dist, dtype=dtype, seed=seed)
+        display(plot_waste_vs_block_size(dist, seed=seed, highlight=block.value), plot_capacity_breakdown(report))
+        # set last, so a changed summary means the new figures have been sent
         summary.value = (f"<b>{report.model.name}</b>: fixed admits {report.fixed.num_seqs}, "
                          f"paged admits {report.paged.num_seqs} sequences ({report.gain:.2f}x)")
-        display(plot_waste_vs_block_size(dist, seed=seed), plot_capacity_breakdown(report))
 
     for w in (block, max_len, which):
         w.observe(redraw, names="value")
     redraw()
     box = W.VBox([W.HBox([block, max_len, which]), summary, out])
+    for w, name in ((box, "explorer"), (block, "block"), (max_len, "max-len"), (which, "lengths"),
+                    (summary, "summary"), (out, "figures")):
+        w.add_class(f"minipaged-memory-{name}")  # stable hooks for browser tests
     box.redraw = redraw  # for tests and for calling by hand
     return box
