@@ -35,6 +35,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--watermark", type=float, default=0.01)
+    parser.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     parser.add_argument("--backend", default="torch", choices=["torch", "triton"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=2, help="runs per system, alternating; the fastest counts")
@@ -49,7 +50,7 @@ def main(argv: list[str]) -> int:
     workload = make_workload(args.requests, args.rate, args.preset, seed=args.seed)
     config = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, watermark=args.watermark,
-                          backend=args.backend)
+                          preemption_mode=args.preemption_mode, backend=args.backend)
     max_model_len = max(r.prompt_len + r.output_len for r in workload)
     kv_tokens = args.num_blocks * args.block_size
     print(f"workload: {args.requests} requests, {args.preset}, Poisson {args.rate:g}/s, seed {args.seed}; device {device}")
