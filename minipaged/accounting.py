@@ -425,7 +425,9 @@ def capacity(model: ModelSpec | str, budget_bytes: int, block_size: int, max_len
     preemption). Sequences are admitted in sampled order until the next one
     does not fit. Fixed reservation charges ``max_len`` slots each; paging
     charges whole blocks plus an int32 block-table row of ceil(max_len / B)
-    entries each.
+    entries each. A distribution with another ``max_len`` is re-clipped to
+    this one. The budget is KV memory only: weights and activations are
+    assumed to be paid already.
     """
     spec = _spec(model)
     budget = _int("budget_bytes", budget_bytes, 0)
