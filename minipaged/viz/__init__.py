@@ -13,4 +13,5 @@ def show_source(obj) -> None:
     """Display the package's own source for ``obj`` in a notebook, so text and code can't disagree."""
     from IPython.display import Markdown, display
 
+    obj = getattr(obj, "fn", obj)  # a @triton.jit kernel wraps its Python function in .fn
     display(Markdown(f"```python\n{inspect.getsource(obj).rstrip()}\n```"))
