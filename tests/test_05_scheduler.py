@@ -5,7 +5,7 @@ request's output must not depend on how it was batched, chunked or preempted.
 """
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from minipaged.block_manager import BlockAllocator
@@ -59,27 +59,33 @@ def step(sched: Scheduler, now: float):
     return out, sched.postprocess(out, sampled, now)
 
 
-requests = st.lists(
-    st.tuples(st.integers(1, 40), st.integers(1, 20), st.integers(0, 30)),  # prompt_len, max_tokens, arrival step
-    min_size=1,
-    max_size=12,
-)
+@st.composite
+def pools_and_requests(draw):
+    """A small pool and requests that each fit it alone (most of them) but not all together."""
+    block_size = draw(st.sampled_from([1, 2, 4, 8]))
+    num_blocks = draw(st.integers(2, 16))
+    cap = min(num_blocks * block_size, 48)  # tokens one request may hold
+    reqs = []
+    for _ in range(draw(st.integers(2, 10))):
+        prompt_len = draw(st.integers(1, cap))
+        max_tokens = draw(st.integers(1, cap - prompt_len + 2))  # + 2: now and then one too big for the pool
+        reqs.append((prompt_len, max_tokens, draw(st.integers(0, 4))))  # arrival step
+    return block_size, num_blocks, reqs
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(
-    block_size=st.sampled_from([1, 2, 4, 8]),
-    num_blocks=st.integers(2, 40),
+    pool_and_reqs=pools_and_requests(),
     max_num_seqs=st.integers(1, 6),
-    budget=st.integers(1, 64),
+    budget=st.integers(1, 48),
     watermark=st.sampled_from([0.0, 0.05, 0.2]),
     chunked=st.booleans(),
-    reqs=requests,
-    aborts=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 11)), max_size=3),
+    aborts=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 9)), max_size=3),
     stop=st.sets(st.integers(0, VOCAB - 1), max_size=2),
     mode=st.sampled_from(["recompute", "swap"]),
 )
-def test_random_workload_invariants(block_size, num_blocks, max_num_seqs, budget, watermark, chunked, reqs, aborts, stop, mode):
+def test_random_workload_invariants(pool_and_reqs, max_num_seqs, budget, watermark, chunked, aborts, stop, mode):
+    block_size, num_blocks, reqs = pool_and_reqs
     cfg = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=budget, watermark=watermark, chunked_prefill=chunked, preemption_mode=mode)
     sched = Scheduler(cfg, BlockAllocator(num_blocks, block_size))
@@ -88,7 +94,7 @@ def test_random_workload_invariants(block_size, num_blocks, max_num_seqs, budget
         seq = Sequence(i, [(i + j) % VOCAB for j in range(p)], SamplingParams(max_tokens=m, stop_token_ids=tuple(stop)), float(t))
         seqs.append(seq)
     arrivals = sorted(seqs, key=lambda s: s.arrival_time)
-    accepted, finished, aborted = [], [], set()
+    accepted, finished, aborted, preemptions = [], [], set(), 0
     for tick in range(2000):
         while arrivals and arrivals[0].arrival_time <= tick:
             seq = arrivals.pop(0)
@@ -104,10 +110,12 @@ def test_random_workload_invariants(block_size, num_blocks, max_num_seqs, budget
                 assert accepted[idx].block_table is None
         if not arrivals and not sched.has_unfinished():
             break
-        _, done = step(sched, float(tick))
+        out, done = step(sched, float(tick))
         finished += done
+        preemptions += len(out.preempted)
     else:
         pytest.fail("the run did not terminate: some admitted request never finished")
+    event(f"{mode}: {'some' if preemptions else 'no'} preemption")  # coverage, see --hypothesis-show-statistics
     # Every admitted request finished or was aborted, and every block is back.
     assert {s.seq_id for s in finished} | aborted == {s.seq_id for s in accepted}
     assert sched.allocator.num_free == num_blocks
