@@ -199,22 +199,23 @@ class Engine:
     # -- whole workloads --------------------------------------------------
 
     def run(self, workload: list[TraceRequest], progress: bool = True, seed: int = 0) -> list[Sequence]:
-        """Replay a workload: each request is added when its arrival time comes. Returns its sequences.
+        """Replay a workload: each request is added when its arrival time comes.
 
         Arrival times are relative to the start of the run. Prompts are the
-        seeded ids of :func:`minipaged.workload.prompt_token_ids`.
+        seeded ids of :func:`minipaged.workload.prompt_token_ids`. Returns the
+        sequences in the workload's order.
         """
         arrivals = deque(sorted(enumerate(workload), key=lambda item: item[1].arrival_time))
         vocab = self.model.config.vocab_size
         start = self.clock.now()
-        seqs = []
+        seqs = [None] * len(workload)
         bar = tqdm(total=len(workload), desc="requests", disable=not progress)
         while arrivals or self.has_unfinished():
             while arrivals and start + arrivals[0][1].arrival_time <= self.clock.now():
                 i, r = arrivals.popleft()
                 rid = self.add_request(prompt_token_ids(i, r.prompt_len, vocab, seed), SamplingParams(max_tokens=r.output_len),
                                        arrival_time=start + r.arrival_time)
-                seqs.append(self.requests[rid])
+                seqs[i] = self.requests[rid]
             if not self.has_unfinished():
                 self.clock.wait_until(start + arrivals[0][1].arrival_time)  # idle until the next arrival
                 continue
