@@ -270,7 +270,9 @@ def _gather_buffers(num_blocks, k_cache):
     key = (k_cache.device, k_cache.dtype)
     buf = _workspace.get(key)
     if buf is None or buf.numel() < 2 * numel:
-        buf = _workspace[key] = torch.empty(2 * numel, dtype=k_cache.dtype, device=k_cache.device)
+        # A tensor made under inference_mode could not be written outside it later.
+        with torch.inference_mode(False):
+            buf = _workspace[key] = torch.empty(2 * numel, dtype=k_cache.dtype, device=k_cache.device)
     return buf[:numel].view(num_blocks, *block_shape), buf[numel : 2 * numel].view(num_blocks, *block_shape)
 
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minipaged.attention import contiguous_attention, paged_attention, paged_prefill_attention, write_kv
-from minipaged.block_manager import BlockTable, block_tables_tensor
+from minipaged.block_manager import BlockTable, OutOfBlocks, block_tables_tensor
 from minipaged.cache import PagedKVCache
 
 
@@ -183,8 +183,17 @@ def build_metadata(tables: list[BlockTable], query_lens: list[int], device="cpu"
     """
     if len(tables) != len(query_lens):
         raise ValueError(f"got {len(tables)} tables but {len(query_lens)} query_lens")
+    if not tables:
+        raise ValueError("a batch needs at least one sequence")
     if any(n < 1 for n in query_lens):
         raise ValueError(f"every sequence needs at least one new token, got query_lens {query_lens}")
+    # All or nothing: check the pool first, so a short pool leaves every table as it was.
+    need = {}
+    for table, n in zip(tables, query_lens):
+        need[table.allocator] = need.get(table.allocator, 0) + table.blocks_needed(n)
+    for allocator, n in need.items():
+        if not allocator.can_allocate(n):
+            raise OutOfBlocks(f"this step needs {n} new blocks but only {allocator.num_free} are free")
     slot_mapping = torch.cat([t.append_tokens(n) for t, n in zip(tables, query_lens)])
     return AttentionMetadata(
         slot_mapping=slot_mapping.to(device),
@@ -246,6 +255,14 @@ class LlamaForCausalLM(nn.Module):
         Returns ``[num_seqs, vocab]``, or ``[num_tokens, vocab]`` with ``all_logits``.
         """
         md = attn_metadata
+        num_tokens = input_ids.shape[0] if input_ids.dim() == 1 else -1
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(f"input_ids and positions must both be [num_tokens], got {tuple(input_ids.shape)} and {tuple(positions.shape)}")
+        if md.slot_mapping.shape != (num_tokens,) or int(md.query_start_loc[-1]) != num_tokens:
+            raise ValueError(
+                f"attn_metadata describes {md.slot_mapping.shape[0]} slots and {int(md.query_start_loc[-1])} "
+                f"query tokens, but input_ids has {num_tokens}"
+            )
         caches = list(zip(kv_caches.k_caches, kv_caches.v_caches)) if hasattr(kv_caches, "k_caches") else list(kv_caches)
         if len(caches) != len(self.model.layers):
             raise ValueError(f"kv_caches has {len(caches)} layers, the model {len(self.model.layers)}")

@@ -130,6 +130,19 @@ def test_decode_small_gather_budget_chunks_the_batch(monkeypatch):
         assert_close(paged_attention(*args), expected, torch.float32)
 
 
+def test_decode_works_in_and_out_of_inference_mode(monkeypatch):
+    """The torch backend reuses a gather buffer between calls; one made under inference_mode must not break later calls."""
+    import minipaged.attention as attention
+
+    monkeypatch.setattr(attention, "_workspace", {})
+    args, expected = decode_case([9, 30], block_size=4, heads=(4, 2))
+    with torch.inference_mode():
+        assert_close(paged_attention(*args), expected, torch.float32)
+    assert_close(paged_attention(*args), expected, torch.float32)
+    with torch.no_grad():
+        assert_close(paged_attention(*args), expected, torch.float32)
+
+
 def test_loop_and_torch_backends_agree():
     args, _ = decode_case([3, 50, 17], block_size=16, heads=(8, 2), seed=5)
     assert torch.allclose(paged_attention(*args, backend="loop"), paged_attention(*args, backend="torch"), atol=1e-6)

@@ -111,6 +111,18 @@ def test_paged_prefill_logits_match_contiguous_logits(model, prompts):
     assert torch.allclose(last, contiguous[ends], atol=1e-4)
 
 
+def test_forward_rejects_tokens_that_do_not_match_the_metadata(model):
+    cfg = model.config
+    cache = PagedKVCache(cfg.num_hidden_layers, 8, 4, cfg.num_key_value_heads, cfg.head_dim)
+    md = build_metadata([cache.new_table()], [5])
+    with pytest.raises(ValueError, match="input_ids has 4"):
+        model(torch.arange(4), torch.arange(4), cache, md)
+    with pytest.raises(ValueError, match="positions"):
+        model(torch.arange(5), torch.arange(4), cache, md)
+    with pytest.raises(ValueError, match="kv_caches has 1 layers"):
+        model(torch.arange(5), torch.arange(5), [(cache.k_caches[0], cache.v_caches[0])], md)
+
+
 def test_build_metadata_describes_the_step():
     cache = PagedKVCache(1, 16, 4, 1, 8)
     a, b = cache.new_table("a"), cache.new_table("b")
@@ -142,12 +154,24 @@ def test_positions_continue_each_sequence(steps):
     assert md.slot_mapping.tolist() == [t.slot(p) for t, (held, n) in zip(tables, steps) for p in range(held, held + n)]
 
 
+def test_build_metadata_on_a_short_pool_changes_no_table():
+    cache = PagedKVCache(1, 3, 4, 1, 8)
+    a, b = cache.new_table("a"), cache.new_table("b")
+    a.append_tokens(3)
+    with pytest.raises(OutOfBlocks):
+        build_metadata([a, b], [2, 9])  # a needs 1 more block, b needs 3: 4 > 2 free
+    assert (a.num_tokens, a.blocks, b.num_tokens, b.blocks) == (3, [0], 0, [])
+    assert cache.allocator.num_free == 2
+
+
 def test_build_metadata_rejects_bad_query_lens():
     cache = PagedKVCache(1, 4, 4, 1, 8)
     with pytest.raises(ValueError, match="query_lens"):
         build_metadata([cache.new_table()], [0])
     with pytest.raises(ValueError, match="tables"):
         build_metadata([cache.new_table()], [1, 2])
+    with pytest.raises(ValueError, match="at least one sequence"):
+        build_metadata([], [])
 
 
 def test_generate_paged_with_too_small_a_pool_raises_out_of_blocks(model, prompts):
