@@ -107,7 +107,10 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minipaged.bench attention", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m minipaged.bench attention",
+        description="Time one CPU decode step of paged attention (torch and loop backends) against contiguous SDPA.",
+    )
     parser.add_argument("--quick", action="store_true", help="two cases, few repeats (for the notebook)")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per method (default 9, quick 5)")
     parser.add_argument("--no-loop", action="store_true", help="skip the slow block-by-block reference")
