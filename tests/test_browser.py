@@ -283,6 +283,9 @@ def open_and_run_all(page, lab: Lab, rel: str, ready_selector: str, timeout_ms: 
     page.locator(".lm-Menu-item:visible .lm-Menu-itemLabel", has_text="Run All Cells").first.click()
     target = page.locator(ready_selector).first
     target.wait_for(state="attached", timeout=timeout_ms)
+    # Later cells may still redraw the widget (its SVG is replaced, not patched):
+    # scroll only once every cell has run, so the element stays attached.
+    wait_for_kernel_idle(page, timeout_ms)
     target.scroll_into_view_if_needed()
     return target
 
@@ -368,7 +371,6 @@ def check_live_view(page, lab: Lab, rel: str, view_selector: str, shot: str) -> 
     original = copy.read_bytes()
     svg = f"{view_selector} svg.minipaged-blockmap"
     open_and_run_all(page, lab, rel, svg)
-    wait_for_kernel_idle(page)
     view = page.locator(view_selector).first
     view.scroll_into_view_if_needed()
     step_button = page.locator(f"{view_selector} .minipaged-step").first
