@@ -338,7 +338,18 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_s
     block_size = k_cache.shape[1]
     num_kv_heads, head_dim = k_cache.shape[2:]
     out = torch.empty_like(q)
+    # In a mixed step (chapter 05: decodes plus prefill chunks) a one-token query is
+    # plain decode: those rows take the vectorised decode path in one call instead of
+    # one small attention call per sequence.
+    decoding = [i for i in range(len(starts) - 1) if starts[i + 1] - starts[i] == 1] if backend == "torch" else []
+    if len(decoding) > 1:
+        rows = torch.tensor([starts[i] for i in decoding], device=q.device)
+        seqs = torch.tensor(decoding, device=q.device)
+        out[rows] = _paged_decode_torch(q[rows], k_cache, v_cache, block_tables[seqs], seq_lens[seqs], scale)
+    done = set(decoding) if len(decoding) > 1 else set()
     for i, seq_len in enumerate(seq_lens.tolist()):
+        if i in done:
+            continue
         a, b = starts[i], starts[i + 1]
         if backend == "loop":
             out[a:b] = _attend_blocks(q[a:b], k_cache, v_cache, block_tables[i], seq_len, scale).to(q.dtype)
