@@ -422,3 +422,57 @@ CH05 = "notebooks/05_continuous_batching.ipynb"
 def test_ch05_dashboard_steps_and_plays(lab, page):
     require_notebook(CH05, "EngineDashboard")
     check_live_view(page, lab, CH05, DASHBOARD, "ch05.png")
+
+
+# ---------------------------------------------------------------------------
+# Chapter 01's memory explorer: its controls redraw the figures
+# ---------------------------------------------------------------------------
+
+CH01 = "notebooks/01_kv_cache_memory.ipynb"
+EXPLORER = ".minipaged-memory-explorer"
+
+
+def explorer_state(page) -> dict:
+    return page.evaluate(
+        """(sel) => {
+            const box = document.querySelector(sel);
+            return {
+                summary: box.querySelector('.minipaged-memory-summary').innerText,
+                images: [...box.querySelectorAll('.minipaged-memory-figures img')].map(i => i.src.length + ':' + i.src.slice(-64)),
+            };
+        }""",
+        EXPLORER,
+    )
+
+
+def wait_for_redraw(page, before: dict, what: str) -> dict:
+    try:
+        page.wait_for_function(
+            "([sel, old]) => document.querySelector(sel + ' .minipaged-memory-summary').innerText !== old",
+            arg=[EXPLORER, before["summary"]],
+            timeout=30_000,
+        )
+    except Exception as exc:
+        raise AssertionError(f"the explorer did not redraw after {what}: summary stayed {before['summary']!r}") from exc
+    after = explorer_state(page)
+    assert after["images"] and after["images"] != before["images"], f"{what} changed the summary but not the figures"
+    return after
+
+
+def test_ch01_memory_explorer_redraws(lab, page):
+    require_notebook(CH01, "memory_explorer")
+    open_and_run_all(page, lab, CH01, f"{EXPLORER} .minipaged-memory-figures img")
+    first = explorer_state(page)
+    assert "paged admits" in first["summary"] and len(first["images"]) == 2
+
+    page.locator(f"{EXPLORER} .minipaged-memory-lengths select").select_option("long-tail")
+    second = wait_for_redraw(page, first, "choosing the long-tail distribution")
+
+    # The block-size slider moves with the keyboard, as a learner's arrow keys would.
+    page.locator(f"{EXPLORER} .minipaged-memory-block .noUi-handle").first.focus()
+    page.keyboard.press("End")
+    wait_for_redraw(page, second, "moving the block-size slider")
+
+    assert not no_tracebacks_in(page, EXPLORER), "a slider callback raised"
+    assert not page.js_errors, f"JavaScript errors on the page: {page.js_errors}"
+    screenshot(page, page.locator(EXPLORER).first, "ch01.png")
