@@ -27,7 +27,7 @@ lab: setup
 test: setup
 	$(PY) -m pytest tests $(wildcard notebooks solutions) \
 		--nbval --nbval-current-env --nbval-sanitize-with nbval_sanitize.cfg \
-		-p no:cacheprovider
+		--durations=10 -p no:cacheprovider
 
 exercises: setup
 	$(PY) -m minipaged.exercises
