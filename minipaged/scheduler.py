@@ -228,6 +228,7 @@ class Scheduler:
         out.preempted.append(seq)
 
     def _release(self, seq: Sequence) -> None:
+        """A request is done with its blocks (finished, aborted or preempted): free them now."""
         if seq.block_table is not None:
             seq.block_table.release()
             seq.block_table = None
@@ -244,8 +245,8 @@ class Scheduler:
             if seq.seq_id in sampled and seq.append_token(sampled[seq.seq_id], now):
                 seq.status = SequenceStatus.FINISHED
                 seq.finish_time = now
-                self._release(seq)
                 self.running.remove(seq)
+                self._release(seq)
                 finished.append(seq)
         return finished
 

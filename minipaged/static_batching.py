@@ -63,37 +63,15 @@ class StaticBatchScheduler(Scheduler):
             out.slot_mappings.append(seq.block_table.append_tokens(n))  # inside the reservation: allocates nothing
         return out
 
-    def postprocess(self, out: SchedulerOutput, sampled: dict, now: float) -> list[Sequence]:
-        finished = []
-        for seq, n in zip(out.seqs, out.num_new_tokens):
-            seq.num_computed_tokens += n
-            if seq.seq_id in sampled and seq.append_token(sampled[seq.seq_id], now):
-                seq.status = SequenceStatus.FINISHED
-                seq.finish_time = now
-                self.running.remove(seq)  # stops computing, but its reservation stays until the batch ends
-                finished.append(seq)
-        self._end_batch_if_done()
-        return finished
-
-    def abort(self, seq: Sequence) -> None:
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        else:
-            raise ValueError(f"request {seq.seq_id!r} is neither waiting nor running ({seq.status.value})")
-        seq.status = SequenceStatus.ABORTED
-        self._end_batch_if_done()
-
-    def _end_batch_if_done(self) -> None:
-        """Once no member is left running, every reservation of the batch goes back at once."""
+    def _release(self, seq: Sequence) -> None:
+        # A member that finishes or is aborted stops computing, but its reservation
+        # stays: every reservation of the batch goes back at once, when none is left running.
         if not self.running:
-            for seq in self.batch:
-                if seq.block_table is not None:
-                    seq.block_table.release()
-                    seq.block_table = None
+            for member in self.batch:
+                if member.block_table is not None:
+                    member.block_table.release()
+                    member.block_table = None
             self.batch = []
-
 
 def static_engine(model, config: EngineConfig, max_model_len: int, clock=None) -> Engine:
     """An :class:`Engine` whose scheduler batches statically with max-length reservations."""
