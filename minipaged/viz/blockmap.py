@@ -351,7 +351,7 @@ def render_block_map(
         ),
         f'<text class="caption" x="8" y="16" font-size="12" fill="{TEXT_COLOR}">'
         f"{escape(f'step {snap.step}: {len(seq_ids)} sequences, {snap.num_used}/{snap.num_blocks} blocks used, tail waste {snap.tail_waste} slots')}</text>",
-        f'<text x="8" y="32" font-size="10" fill="#666">logical blocks (block table)</text>',
+        '<text x="8" y="32" font-size="10" fill="#666">logical blocks (block table)</text>',
         f'<text x="{_fmt(pool_x0)}" y="32" font-size="10" fill="#666">physical pool (block id, fill, ×refcount)</text>',
     ]
     links, ends, logical = [], [], []

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
 from matplotlib.figure import Figure
 
 from minipaged import accounting as acc
