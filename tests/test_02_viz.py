@@ -13,19 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minipaged.block_manager import BlockAllocator, BlockTable
-from minipaged.viz.blockmap import (
-    PALETTE,
-    SHARED_COLOR,
-    BlockMapView,
-    PoolSnapshot,
-    counter_events,
-    default_series,
-    history_series,
-    render_block_map,
-    render_pool,
-    render_timeline,
-    seq_color,
-)
+from minipaged.viz.blockmap import BlockMapView, PoolSnapshot, render_block_map, render_pool
+from minipaged.viz.svg import PALETTE, SHARED_COLOR, seq_color
+from minipaged.viz.timeline import counter_events, default_series, history_series, render_timeline
 
 pytestmark = pytest.mark.ch02
 

@@ -5,7 +5,8 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from minipaged.metrics import StepRecord
-from minipaged.viz.blockmap import PoolSnapshot, seq_color
+from minipaged.viz.blockmap import PoolSnapshot
+from minipaged.viz.svg import seq_color
 from minipaged.viz.dashboard import (
     PREEMPT_COLOR,
     EngineDashboard,

@@ -1,12 +1,14 @@
 """Pictures of the paged KV cache: pure renderers (state -> SVG string) and a live widget.
 
-Three renderers, each a pure function of plain data, so they are unit-tested
+Two renderers, each a pure function of plain data, so they are unit-tested
 without a browser and give the same bytes for the same state:
 
 - :func:`render_block_map`: every sequence's *logical* blocks (one row per
   sequence) joined by coloured lines to the *physical* cells of the pool.
 - :func:`render_pool`: the pool grid alone (free, used, shared).
-- :func:`render_timeline`: utilisation and fragmentation step by step.
+
+The view also draws :func:`minipaged.viz.timeline.render_timeline` (utilisation
+and fragmentation step by step) under them.
 
 They read a :class:`PoolSnapshot`, a frozen copy of an allocator and its block
 tables. :class:`BlockMapView` puts the renderers under ipywidgets controls
@@ -27,70 +29,24 @@ In a notebook::
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import zlib
 from dataclasses import dataclass, field
 from html import escape
 
-__all__ = [
-    "PALETTE",
-    "PoolSnapshot",
-    "seq_color",
-    "render_block_map",
-    "render_pool",
-    "render_timeline",
-    "history_series",
-    "default_series",
-    "counter_events",
-    "BlockMapView",
-]
-
-# A fixed palette of 12 distinguishable colours (none of them the shared purple or
-# the free grey). A sequence keeps its colour for its whole life: int ids index
-# the palette, other ids hash into it.
-PALETTE = (
-    "#4e79a7",
-    "#f28e2b",
-    "#59a14f",
-    "#e15759",
-    "#76b7b2",
-    "#edc948",
-    "#ff9da7",
-    "#9c755f",
-    "#1f77b4",
-    "#bcbd22",
-    "#17becf",
-    "#8c564b",
+from minipaged.viz.svg import (
+    FREE_COLOR,
+    PALETTE,
+    SHARED_COLOR,
+    TEXT_COLOR,
+    USED_COLOR,
+    fmt,
+    seq_color,
+    svg_open,
+    tint,
 )
-FREE_COLOR = "#eeeeee"  # a free cell
-USED_COLOR = "#bab0ac"  # held, but by no table in the snapshot (a cached prefix, say)
-SHARED_COLOR = "#6b3fa0"  # held by more than one sequence (refcount > 1)
-TEXT_COLOR = "#222222"
-FONT = "font-family:ui-monospace,Menlo,Consolas,monospace"
+from minipaged.viz.timeline import counter_events, default_series, history_series, render_timeline, split_series_name
 
-
-def seq_color(seq_id) -> str:
-    """The palette colour of a sequence: the same id gives the same colour in every picture."""
-    if isinstance(seq_id, bool):
-        seq_id = int(seq_id)
-    if isinstance(seq_id, int):
-        return PALETTE[seq_id % len(PALETTE)]
-    return PALETTE[zlib.crc32(str(seq_id).encode()) % len(PALETTE)]
-
-
-def _tint(hex_color: str, amount: float = 0.72) -> str:
-    """``hex_color`` mixed with white: the background of a cell whose fill bar is ``hex_color``."""
-    r, g, b = (int(hex_color[i : i + 2], 16) for i in (1, 3, 5))
-    r, g, b = (round(c + (255 - c) * amount) for c in (r, g, b))
-    return f"#{r:02x}{g:02x}{b:02x}"
-
-
-def _fmt(x: float) -> str:
-    """Short, stable number formatting for SVG attributes."""
-    s = f"{x:.2f}".rstrip("0").rstrip(".")
-    return "0" if s in ("-0", "") else s
-
+__all__ = ["PoolSnapshot", "render_block_map", "render_pool", "BlockMapView"]
 
 # ---------------------------------------------------------------------------
 # The state the renderers draw
@@ -224,13 +180,13 @@ def _pool_cells(snap: PoolSnapshot, cols: int, x0: float, y0: float, show_refcou
             state, bar, bg = "free", FREE_COLOR, FREE_COLOR
         elif ref > 1 or len(held_by) > 1:
             state, bar = "shared", SHARED_COLOR
-            bg = _tint(bar)
+            bg = tint(bar)
         elif held_by:
             state, bar = "used", seq_color(held_by[0])
-            bg = _tint(bar)
+            bg = tint(bar)
         else:
             state, bar = "used", USED_COLOR
-            bg = _tint(bar, 0.5)
+            bg = tint(bar, 0.5)
         fill = fills[b] if held_by else (snap.block_size if ref > 0 else 0)
         frac = fill / snap.block_size
         seqs = " ".join(escape(str(s)) for s in held_by)
@@ -240,42 +196,34 @@ def _pool_cells(snap: PoolSnapshot, cols: int, x0: float, y0: float, show_refcou
             f' data-seqs="{seqs}" data-state="{state}">'
             f"<title>block {b}: {state}, refcount {ref}, {fill}/{snap.block_size} slots"
             f"{' (seq ' + seqs + ')' if seqs else ''}</title>"
-            f'<rect class="bg" x="{_fmt(x)}" y="{_fmt(y)}" width="{CELL}" height="{CELL}" rx="3" fill="{bg}"{stroke}/>'
+            f'<rect class="bg" x="{fmt(x)}" y="{fmt(y)}" width="{CELL}" height="{CELL}" rx="3" fill="{bg}"{stroke}/>'
         )
         if frac > 0:
             h = CELL * frac
             out.append(
-                f'<rect class="fill" x="{_fmt(x)}" y="{_fmt(y + CELL - h)}" width="{CELL}" height="{_fmt(h)}"'
-                f' rx="3" fill="{bar}" fill-opacity="0.85" data-fraction="{_fmt(frac)}"/>'
+                f'<rect class="fill" x="{fmt(x)}" y="{fmt(y + CELL - h)}" width="{CELL}" height="{fmt(h)}"'
+                f' rx="3" fill="{bar}" fill-opacity="0.85" data-fraction="{fmt(frac)}"/>'
             )
         text_fill = "#ffffff" if frac >= 0.5 else TEXT_COLOR
         out.append(
-            f'<text class="block-id" x="{_fmt(x + CELL / 2)}" y="{_fmt(y + CELL / 2 + 4)}" text-anchor="middle"'
+            f'<text class="block-id" x="{fmt(x + CELL / 2)}" y="{fmt(y + CELL / 2 + 4)}" text-anchor="middle"'
             f' font-size="11" fill="{text_fill}">{b}</text>'
         )
         if show_refcount == "always" or (show_refcount == "shared" and ref > 1):
             out.append(
-                f'<text class="refcount" x="{_fmt(x + CELL - 3)}" y="{_fmt(y + 10)}" text-anchor="end"'
+                f'<text class="refcount" x="{fmt(x + CELL - 3)}" y="{fmt(y + 10)}" text-anchor="end"'
                 f' font-size="9" font-weight="bold" fill="{text_fill if frac >= 0.9 else TEXT_COLOR}">×{ref}</text>'
             )
         out.append("</g>")
     return out
 
 
-def _svg_open(css_class: str, width: float, height: float, step: int, extra: str = "") -> str:
-    return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" class="{css_class}" data-step="{step}"{extra}'
-        f' width="{_fmt(width)}" height="{_fmt(height)}" viewBox="0 0 {_fmt(width)} {_fmt(height)}"'
-        f' style="{FONT};background:#ffffff">'
-    )
-
-
 def _legend(x: float, y: float) -> list[str]:
     items = [("free", FREE_COLOR), ("used (colour = sequence)", PALETTE[0]), ("shared (refcount > 1)", SHARED_COLOR)]
     out, cx = [], x
     for label, color in items:
-        out.append(f'<rect x="{_fmt(cx)}" y="{_fmt(y - 9)}" width="10" height="10" fill="{color}" stroke="#999"/>')
-        out.append(f'<text x="{_fmt(cx + 14)}" y="{_fmt(y)}" font-size="10" fill="{TEXT_COLOR}">{escape(label)}</text>')
+        out.append(f'<rect x="{fmt(cx)}" y="{fmt(y - 9)}" width="10" height="10" fill="{color}" stroke="#999"/>')
+        out.append(f'<text x="{fmt(cx + 14)}" y="{fmt(y)}" font-size="10" fill="{TEXT_COLOR}">{escape(label)}</text>')
         cx += 14 + 6.2 * len(label) + 14
     return out
 
@@ -299,7 +247,7 @@ def render_pool(snapshot: PoolSnapshot, *, columns: int | None = None, show_refc
         f"block_size {snap.block_size}"
     )
     parts = [
-        _svg_open("minipaged-pool", width, height, snap.step, f' data-used="{snap.num_used}"'),
+        svg_open("minipaged-pool", width, height, snap.step, f' data-used="{snap.num_used}"'),
         f'<text class="caption" x="{x0}" y="15" font-size="12" fill="{TEXT_COLOR}">{escape(head)}</text>',
         *_pool_cells(snap, cols, x0, y0, show_refcount),
         *_legend(x0, height - 8),
@@ -342,7 +290,7 @@ def render_block_map(
     height = top + max(rows_h, pool_rows * (CELL + GAP)) + 30
 
     parts = [
-        _svg_open(
+        svg_open(
             "minipaged-blockmap",
             width,
             height,
@@ -352,7 +300,7 @@ def render_block_map(
         f'<text class="caption" x="8" y="16" font-size="12" fill="{TEXT_COLOR}">'
         f"{escape(f'step {snap.step}: {len(seq_ids)} sequences, {snap.num_used}/{snap.num_blocks} blocks used, tail waste {snap.tail_waste} slots')}</text>",
         '<text x="8" y="32" font-size="10" fill="#666">logical blocks (block table)</text>',
-        f'<text x="{_fmt(pool_x0)}" y="32" font-size="10" fill="#666">physical pool (block id, fill, ×refcount)</text>',
+        f'<text x="{fmt(pool_x0)}" y="32" font-size="10" fill="#666">physical pool (block id, fill, ×refcount)</text>',
     ]
     links, ends, logical = [], [], []
     for row, seq_id in enumerate(shown):
@@ -362,8 +310,8 @@ def render_block_map(
         n_tok = snap.num_tokens[seq_id]
         logical.append(
             f'<g class="seq" data-seq="{sid}" data-color="{color}" data-tokens="{n_tok}">'
-            f'<text x="8" y="{_fmt(y + 15)}" font-size="11" fill="{color}" font-weight="bold">seq {sid}</text>'
-            f'<text x="8" y="{_fmt(y + 25)}" font-size="8" fill="#666">{n_tok} tok</text>'
+            f'<text x="8" y="{fmt(y + 15)}" font-size="11" fill="{color}" font-weight="bold">seq {sid}</text>'
+            f'<text x="8" y="{fmt(y + 25)}" font-size="8" fill="#666">{n_tok} tok</text>'
         )
         for i, b in enumerate(snap.tables[seq_id]):
             x = label_w + i * (lcell + lgap)
@@ -372,18 +320,18 @@ def render_block_map(
             logical.append(
                 f'<g class="lblock" data-seq="{sid}" data-logical="{i}" data-block="{b}" data-fill="{fill}">'
                 f"<title>seq {sid} logical block {i} -> physical block {b} ({fill}/{snap.block_size} slots)</title>"
-                f'<rect x="{_fmt(x)}" y="{_fmt(y)}" width="{_fmt(lcell)}" height="{_fmt(lcell)}" rx="2"'
-                f' fill="{_tint(color)}" stroke="{color}"/>'
+                f'<rect x="{fmt(x)}" y="{fmt(y)}" width="{fmt(lcell)}" height="{fmt(lcell)}" rx="2"'
+                f' fill="{tint(color)}" stroke="{color}"/>'
             )
             if frac > 0:
                 w = lcell * frac
                 logical.append(
-                    f'<rect class="fill" x="{_fmt(x)}" y="{_fmt(y)}" width="{_fmt(w)}" height="{_fmt(lcell)}" rx="2"'
-                    f' fill="{color}" data-fraction="{_fmt(frac)}"/>'
+                    f'<rect class="fill" x="{fmt(x)}" y="{fmt(y)}" width="{fmt(w)}" height="{fmt(lcell)}" rx="2"'
+                    f' fill="{color}" data-fraction="{fmt(frac)}"/>'
                 )
             if lcell >= 14:
                 logical.append(
-                    f'<text x="{_fmt(x + lcell / 2)}" y="{_fmt(y + 15)}" text-anchor="middle" font-size="9"'
+                    f'<text x="{fmt(x + lcell / 2)}" y="{fmt(y + 15)}" text-anchor="middle" font-size="9"'
                     f' fill="{"#fff" if frac >= 0.5 else TEXT_COLOR}">{i}</text>'
                 )
             logical.append("</g>")
@@ -392,18 +340,18 @@ def render_block_map(
             x2, y2 = cx + 5, cy + CELL - 5  # the cell's lower-left corner, clear of its labels
             links.append(
                 f'<path class="link" data-seq="{sid}" data-logical="{i}" data-block="{b}" stroke="{color}"'
-                f' d="M{_fmt(x1)},{_fmt(y1)} C{_fmt(x1)},{_fmt(y1 + 14)} {_fmt(x2 - 60)},{_fmt(y2)} {_fmt(x2)},{_fmt(y2)}"'
+                f' d="M{fmt(x1)},{fmt(y1)} C{fmt(x1)},{fmt(y1 + 14)} {fmt(x2 - 60)},{fmt(y2)} {fmt(x2)},{fmt(y2)}"'
                 f' fill="none" stroke-width="1.2" stroke-opacity="0.6"/>'
             )
             ends.append(
-                f'<circle class="link-end" data-seq="{sid}" data-block="{b}" cx="{_fmt(x2)}" cy="{_fmt(y2)}" r="3"'
+                f'<circle class="link-end" data-seq="{sid}" data-block="{b}" cx="{fmt(x2)}" cy="{fmt(y2)}" r="3"'
                 f' fill="{color}" stroke="#ffffff" stroke-width="1"/>'
             )
         logical.append("</g>")
     if hidden:
         y = top + len(shown) * row_h
         logical.append(
-            f'<text class="more" x="8" y="{_fmt(y + 15)}" font-size="10" fill="#666">'
+            f'<text class="more" x="8" y="{fmt(y + 15)}" font-size="10" fill="#666">'
             f"… and {len(hidden)} more sequences</text>"
         )
     parts += logical
@@ -412,204 +360,6 @@ def render_block_map(
     parts += _pool_cells(snap, cols, pool_x0, top, show_refcount)
     parts.append('<g class="link-ends">' + "".join(ends) + "</g>")
     parts += _legend(8, height - 8)
-    parts.append("</svg>")
-    return "".join(parts)
-
-
-# ---------------------------------------------------------------------------
-# Timeline
-# ---------------------------------------------------------------------------
-
-METRIC_COLORS = {
-    "utilisation": "#4e79a7",
-    "utilization": "#4e79a7",
-    "tail_waste": "#f28e2b",
-    "internal_fragmentation": "#f28e2b",
-    "external_fragmentation": "#e15759",
-    "free": "#59a14f",
-}
-
-
-def _flatten(record, prefix="") -> dict:
-    out = {}
-    if dataclasses.is_dataclass(record) and not isinstance(record, type):
-        record = dataclasses.asdict(record)
-    for k, v in dict(record).items():
-        name = f"{prefix}{k}"
-        if isinstance(v, dict) or (dataclasses.is_dataclass(v) and not isinstance(v, type)):
-            out.update(_flatten(v, name + "."))
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
-            out[name] = float(v)
-    return out
-
-
-def history_series(history) -> dict[str, list[float]]:
-    """Numeric series from a history in any of the shapes the course uses.
-
-    Accepts a mapping ``name -> list of numbers`` (nested mappings become
-    ``"outer.inner"``), a list of per-step records (dicts or dataclasses), or
-    an object with ``as_dict()``/``to_dict()``. Non-numeric fields are dropped.
-    """
-    if history is None:
-        return {}
-    for attr in ("as_dict", "to_dict"):
-        if hasattr(history, attr) and callable(getattr(history, attr)):
-            history = getattr(history, attr)()
-            break
-    if dataclasses.is_dataclass(history) and not isinstance(history, type):
-        history = dataclasses.asdict(history)
-    if hasattr(history, "items"):
-        out = {}
-        for k, v in history.items():
-            if hasattr(v, "items"):
-                for kk, vv in history_series(v).items():
-                    out[f"{k}.{kk}"] = vv
-            else:
-                try:
-                    vals = [float(x) for x in v]
-                except (TypeError, ValueError):
-                    continue
-                out[str(k)] = vals
-        return out
-    records = [_flatten(r) for r in history]
-    names: list[str] = []
-    for r in records:
-        names += [k for k in r if k not in names]
-    return {n: [r.get(n, math.nan) for r in records] for n in names}
-
-
-FRACTION_METRICS = ("utilisation", "utilization", "tail_waste_fraction", "external_fragmentation")
-
-
-def default_series(history) -> list[str]:
-    """The series a fragmentation timeline shows by default: utilisation and fragmentation fractions.
-
-    Utilisation of every system, then external fragmentation of the systems
-    where it is ever above zero. Falls back to every series when none of
-    those names is present.
-    """
-    data = history_series(history)
-    util = [n for n in data if _split(n)[1] in FRACTION_METRICS[:3]]
-    frag = [n for n in data if _split(n)[1] == "external_fragmentation" and any(v > 0 for v in data[n])]
-    return util + frag if util or frag else list(data)
-
-
-def counter_events(history, name: str, kind: str) -> list[tuple[int, str]]:
-    """``(index, kind)`` wherever the cumulative counter ``name`` goes up (a preemption, say)."""
-    values = history_series(history).get(name, [])
-    return [(i, kind) for i, (a, b) in enumerate(zip([0.0] + values, values)) if b > a]
-
-
-def _split(name: str) -> tuple[str, str]:
-    """``"contiguous.utilisation"`` -> ("contiguous", "utilisation"); a bare name has system ""."""
-    for sep in (".", "/", ":"):
-        if sep in name:
-            system, metric = name.rsplit(sep, 1)
-            return system, metric
-    return "", name
-
-
-def render_timeline(
-    history,
-    *,
-    series: list[str] | None = None,
-    events=(),
-    width: int = 560,
-    height: int = 200,
-    title: str = "utilisation and fragmentation per step",
-    step: int | None = None,
-) -> str:
-    """Series over steps as SVG polylines, with vertical markers for events.
-
-    ``history`` is anything :func:`history_series` accepts. ``series`` picks
-    and orders the names to draw (default: every series). The y axis runs
-    from 0 to 1 (fractions) or to the largest value when a series exceeds 1.
-    Series are coloured by metric and dashed by system, so ``paged.utilisation``
-    and ``contiguous.utilisation`` share a colour and differ in dash.
-    ``events`` is an iterable of ``(step, kind)`` pairs or dicts with
-    ``step`` and ``kind`` keys (``"preempt"`` is drawn red).
-    """
-    data = history_series(history)
-    names = list(data) if series is None else [n for n in series if n in data]
-    n_steps = max((len(data[n]) for n in names), default=0)
-    finite = [v for n in names for v in data[n] if math.isfinite(v)]
-    ymax = max([1.0] + finite)
-    ymin = min([0.0] + finite)
-    left, right, top, bottom = 40, 10, 24, 22
-    longest_name = max((len(n) for n in names), default=0)
-    legend_cols = max(1, min(3, int((width - left - right) // (longest_name * 6.2 + 34))))
-    legend_rows = math.ceil(len(names) / legend_cols)
-    plot_w, plot_h = width - left - right, height - top - bottom
-    total_h = height + 14 * legend_rows
-
-    def sx(i: float) -> float:
-        return left + (plot_w * i / (n_steps - 1) if n_steps > 1 else plot_w / 2)
-
-    def sy(v: float) -> float:
-        return top + plot_h * (1 - (v - ymin) / ((ymax - ymin) or 1))
-
-    shown_step = n_steps if step is None else step
-    parts = [
-        _svg_open("minipaged-timeline", width, total_h, shown_step, f' data-points="{n_steps}"'),
-        f'<text class="caption" x="{left}" y="15" font-size="12" fill="{TEXT_COLOR}">{escape(title)}</text>',
-        f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="#fafafa" stroke="#ccc"/>',
-    ]
-    for frac in (0, 0.25, 0.5, 0.75, 1):
-        v = ymin + (ymax - ymin) * frac
-        y = sy(v)
-        parts.append(f'<line x1="{left}" y1="{_fmt(y)}" x2="{left + plot_w}" y2="{_fmt(y)}" stroke="#e4e4e4"/>')
-        parts.append(
-            f'<text x="{left - 4}" y="{_fmt(y + 3)}" text-anchor="end" font-size="9" fill="#666">{_fmt(v)}</text>'
-        )
-    parts.append(
-        f'<text x="{left + plot_w}" y="{top + plot_h + 14}" text-anchor="end" font-size="9" fill="#666">'
-        f"step {max(n_steps - 1, 0)}</text>"
-    )
-    parts.append(f'<text x="{left}" y="{top + plot_h + 14}" font-size="9" fill="#666">step 0</text>')
-
-    for ev in events or ():
-        if hasattr(ev, "items"):
-            ev_step, kind = ev.get("step"), ev.get("kind", "event")
-        else:
-            ev_step, kind = ev[0], ev[1] if len(ev) > 1 else "event"
-        if ev_step is None or n_steps == 0:
-            continue
-        x = sx(min(max(float(ev_step), 0), max(n_steps - 1, 0)))
-        color = "#d62728" if kind == "preempt" else "#7f7f7f"
-        parts.append(
-            f'<line class="event" data-kind="{escape(str(kind))}" data-step="{_fmt(float(ev_step))}"'
-            f' x1="{_fmt(x)}" y1="{top}" x2="{_fmt(x)}" y2="{top + plot_h}" stroke="{color}"'
-            f' stroke-width="1" stroke-dasharray="2,2"><title>{escape(str(kind))} at step {ev_step}</title></line>'
-        )
-
-    systems: list[str] = []
-    for n in names:
-        system = _split(n)[0]
-        if system not in systems:
-            systems.append(system)
-    dashes = ("", "6,3", "2,2", "8,3,2,3")
-    for k, n in enumerate(names):
-        system, metric = _split(n)
-        color = METRIC_COLORS.get(metric, PALETTE[k % len(PALETTE)])
-        dash = dashes[systems.index(system) % len(dashes)]
-        pts = " ".join(f"{_fmt(sx(i))},{_fmt(sy(v))}" for i, v in enumerate(data[n]) if math.isfinite(v))
-        dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
-        parts.append(
-            f'<polyline class="series" data-series="{escape(n)}" points="{pts}" fill="none" stroke="{color}"'
-            f' stroke-width="1.8"{dash_attr}/>'
-        )
-        lx = left + (k % legend_cols) * (plot_w / legend_cols)
-        ly = height + 14 * (k // legend_cols) + 2
-        parts.append(
-            f'<line x1="{_fmt(lx)}" y1="{_fmt(ly - 4)}" x2="{_fmt(lx + 18)}" y2="{_fmt(ly - 4)}" stroke="{color}"'
-            f' stroke-width="2"{dash_attr}/>'
-            f'<text x="{_fmt(lx + 22)}" y="{_fmt(ly)}" font-size="10" fill="{TEXT_COLOR}">{escape(n)}</text>'
-        )
-    if not names:
-        parts.append(
-            f'<text x="{left + plot_w / 2}" y="{top + plot_h / 2}" text-anchor="middle" font-size="11"'
-            f' fill="#999">no history yet</text>'
-        )
     parts.append("</svg>")
     return "".join(parts)
 
@@ -788,7 +538,7 @@ class BlockMapView:
         series = self._series if self._series is not None else default_series(history)
         events = list(self.events)
         for name in history_series(history):
-            if _split(name)[1] == "preempted" and _split(name)[0] in ("", "paged"):
+            if split_series_name(name)[1] == "preempted" and split_series_name(name)[0] in ("", "paged"):
                 events += counter_events(history, name, "preempt")
         timeline = render_timeline(history, series=series, events=sorted(events, key=lambda e: e[0]), step=self.steps)
         return {"map": block_map, "timeline": timeline}

@@ -6,7 +6,7 @@ Pure renderers first, each a function of plain data:
   marked) and the running batch, one chip per request with its progress.
 - :func:`engine_series` / :func:`preemption_events`: the step history of
   :class:`minipaged.metrics.Metrics` as timeline series and markers, drawn by
-  :func:`minipaged.viz.blockmap.render_timeline`.
+  :func:`minipaged.viz.timeline.render_timeline`.
 - :func:`render_dashboard`: everything above plus the block map, as one static
   HTML string (what a notebook shows when there is no kernel).
 
@@ -36,17 +36,9 @@ from collections import deque
 from dataclasses import dataclass
 from html import escape
 
-from minipaged.viz.blockmap import (
-    TEXT_COLOR,
-    BlockMapView,
-    PoolSnapshot,
-    _fmt,
-    _svg_open,
-    _tint,
-    render_block_map,
-    render_timeline,
-    seq_color,
-)
+from minipaged.viz.blockmap import BlockMapView, PoolSnapshot, render_block_map
+from minipaged.viz.svg import TEXT_COLOR, fmt, seq_color, svg_open, tint
+from minipaged.viz.timeline import render_timeline
 
 __all__ = [
     "RequestInfo",
@@ -149,7 +141,7 @@ def _chip(req: RequestInfo, queue: str, x: float, y: float) -> str:
     tokens_w = bar_w * min(req.num_tokens, total) / total
     computed_w = bar_w * min(req.num_computed_tokens, total) / total
     if queue == "running":
-        bg, stroke, dash = _tint(color), color, ""
+        bg, stroke, dash = tint(color), color, ""
     else:
         bg, stroke = "#ffffff", PREEMPT_COLOR if preempted else color
         dash = ' stroke-dasharray="4,2"' if preempted else ""
@@ -160,27 +152,27 @@ def _chip(req: RequestInfo, queue: str, x: float, y: float) -> str:
         f"<title>request {sid}: {escape(req.status)}, prompt {req.num_prompt_tokens}, generated "
         f"{req.num_output_tokens}/{req.max_tokens}, {req.num_computed_tokens} tokens cached in {req.num_blocks} blocks"
         f"{f', preempted {req.num_preemptions}x' if preempted else ''}</title>",
-        f'<rect class="chip" x="{_fmt(x)}" y="{_fmt(y)}" width="{CHIP_W}" height="{CHIP_H}" rx="4"'
+        f'<rect class="chip" x="{fmt(x)}" y="{fmt(y)}" width="{CHIP_W}" height="{CHIP_H}" rx="4"'
         f' fill="{bg}" stroke="{stroke}" stroke-width="1.5"{dash}/>',
-        f'<text x="{_fmt(x + 4)}" y="{_fmt(y + 12)}" font-size="10" font-weight="bold" fill="{color}">#{sid}</text>',
+        f'<text x="{fmt(x + 4)}" y="{fmt(y + 12)}" font-size="10" font-weight="bold" fill="{color}">#{sid}</text>',
     ]
     right = f"{req.num_blocks} blk" if queue == "running" else (f"↺{req.num_preemptions}" if preempted else "")
     if right:
         fill = PREEMPT_COLOR if queue == "waiting" else "#555"
         parts.append(
-            f'<text x="{_fmt(x + CHIP_W - 4)}" y="{_fmt(y + 12)}" text-anchor="end" font-size="9"'
+            f'<text x="{fmt(x + CHIP_W - 4)}" y="{fmt(y + 12)}" text-anchor="end" font-size="9"'
             f' fill="{fill}">{right}</text>'
         )
     by = y + 18
     parts += [
-        f'<rect class="bar-total" x="{_fmt(x + 4)}" y="{_fmt(by)}" width="{_fmt(bar_w)}" height="5" fill="#eeeeee"/>',
-        f'<rect class="bar-tokens" x="{_fmt(x + 4)}" y="{_fmt(by)}" width="{_fmt(tokens_w)}" height="5"'
+        f'<rect class="bar-total" x="{fmt(x + 4)}" y="{fmt(by)}" width="{fmt(bar_w)}" height="5" fill="#eeeeee"/>',
+        f'<rect class="bar-tokens" x="{fmt(x + 4)}" y="{fmt(by)}" width="{fmt(tokens_w)}" height="5"'
         f' fill="{color}" fill-opacity="0.35"/>',
-        f'<rect class="bar-computed" x="{_fmt(x + 4)}" y="{_fmt(by)}" width="{_fmt(computed_w)}" height="5"'
+        f'<rect class="bar-computed" x="{fmt(x + 4)}" y="{fmt(by)}" width="{fmt(computed_w)}" height="5"'
         f' fill="{color}"/>',
-        f'<line x1="{_fmt(x + 4 + prompt_w)}" y1="{_fmt(by - 1)}" x2="{_fmt(x + 4 + prompt_w)}" y2="{_fmt(by + 6)}"'
+        f'<line x1="{fmt(x + 4 + prompt_w)}" y1="{fmt(by - 1)}" x2="{fmt(x + 4 + prompt_w)}" y2="{fmt(by + 6)}"'
         f' stroke="#333" stroke-width="1"/>',
-        f'<text x="{_fmt(x + 4)}" y="{_fmt(y + 31)}" font-size="7.5" fill="#555">'
+        f'<text x="{fmt(x + 4)}" y="{fmt(y + 31)}" font-size="7.5" fill="#555">'
         f"{req.num_prompt_tokens}+{req.num_output_tokens}/{req.max_tokens}</text>",
         "</g>",
     ]
@@ -201,7 +193,7 @@ def render_queues(snapshot: EngineSnapshot, *, max_items: int = 12) -> str:
     width = label_w + max_items * (CHIP_W + CHIP_GAP) + 70
     height = 20 + 2 * (CHIP_H + 14) + 8
     parts = [
-        _svg_open(
+        svg_open(
             "minipaged-queues",
             width,
             height,
@@ -214,18 +206,18 @@ def render_queues(snapshot: EngineSnapshot, *, max_items: int = 12) -> str:
     for row, (queue, items) in enumerate((("running", snap.running), ("waiting", snap.waiting))):
         y = 22 + row * (CHIP_H + 14)
         parts.append(
-            f'<text x="4" y="{_fmt(y + CHIP_H / 2 + 4)}" font-size="11" fill="#555">{queue}</text>'
+            f'<text x="4" y="{fmt(y + CHIP_H / 2 + 4)}" font-size="11" fill="#555">{queue}</text>'
         )
         if not items:
             parts.append(
-                f'<text x="{label_w}" y="{_fmt(y + CHIP_H / 2 + 4)}" font-size="10" fill="#999">(empty)</text>'
+                f'<text x="{label_w}" y="{fmt(y + CHIP_H / 2 + 4)}" font-size="10" fill="#999">(empty)</text>'
             )
         for i, req in enumerate(items[:max_items]):
             parts.append(_chip(req, queue, label_w + i * (CHIP_W + CHIP_GAP), y))
         if len(items) > max_items:
             x = label_w + max_items * (CHIP_W + CHIP_GAP)
             parts.append(
-                f'<text class="more" x="{_fmt(x)}" y="{_fmt(y + CHIP_H / 2 + 4)}" font-size="10" fill="#555">'
+                f'<text class="more" x="{fmt(x)}" y="{fmt(y + CHIP_H / 2 + 4)}" font-size="10" fill="#555">'
                 f"+{len(items) - max_items} more</text>"
             )
     parts.append("</svg>")

@@ -1,0 +1,62 @@
+"""SVG primitives shared by the course's pictures: the sequence palette, colours and number formatting.
+
+Everything here is deterministic, so a renderer gives the same bytes for the
+same state and its output can be compared by nbval and unit tests.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+# A fixed palette of 12 distinguishable colours (none of them the shared purple or
+# the free grey). A sequence keeps its colour for its whole life: int ids index
+# the palette, other ids hash into it.
+PALETTE = (
+    "#4e79a7",
+    "#f28e2b",
+    "#59a14f",
+    "#e15759",
+    "#76b7b2",
+    "#edc948",
+    "#ff9da7",
+    "#9c755f",
+    "#1f77b4",
+    "#bcbd22",
+    "#17becf",
+    "#8c564b",
+)
+FREE_COLOR = "#eeeeee"  # a free cell
+USED_COLOR = "#bab0ac"  # held, but by no table in the snapshot (a cached prefix, say)
+SHARED_COLOR = "#6b3fa0"  # held by more than one sequence (refcount > 1)
+TEXT_COLOR = "#222222"
+FONT = "font-family:ui-monospace,Menlo,Consolas,monospace"
+
+
+def seq_color(seq_id) -> str:
+    """The palette colour of a sequence: the same id gives the same colour in every picture."""
+    if isinstance(seq_id, bool):
+        seq_id = int(seq_id)
+    if isinstance(seq_id, int):
+        return PALETTE[seq_id % len(PALETTE)]
+    return PALETTE[zlib.crc32(str(seq_id).encode()) % len(PALETTE)]
+
+
+def tint(hex_color: str, amount: float = 0.72) -> str:
+    """``hex_color`` mixed with white: the background of a cell whose fill bar is ``hex_color``."""
+    r, g, b = (int(hex_color[i : i + 2], 16) for i in (1, 3, 5))
+    r, g, b = (round(c + (255 - c) * amount) for c in (r, g, b))
+    return f"#{r:02x}{g:02x}{b:02x}"
+
+
+def fmt(x: float) -> str:
+    """Short, stable number formatting for SVG attributes."""
+    s = f"{x:.2f}".rstrip("0").rstrip(".")
+    return "0" if s in ("-0", "") else s
+
+
+def svg_open(css_class: str, width: float, height: float, step: int, extra: str = "") -> str:
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="{css_class}" data-step="{step}"{extra}'
+        f' width="{fmt(width)}" height="{fmt(height)}" viewBox="0 0 {fmt(width)} {fmt(height)}"'
+        f' style="{FONT};background:#ffffff">'
+    )
