@@ -238,6 +238,6 @@ def block_tables_tensor(tables: list[BlockTable], width: int | None = None) -> t
     if width < longest:
         raise ValueError(f"width {width} is smaller than the longest table ({longest} blocks)")
     out = torch.zeros(len(tables), width, dtype=torch.int32)
-    for row, table in zip(out, tables):
-        row[: table.num_blocks] = torch.tensor(table.blocks, dtype=torch.int32)
+    for i, table in enumerate(tables):
+        out[i] = table.as_tensor(width)
     return out

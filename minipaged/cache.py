@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minipaged.attention import write_kv
 from minipaged.block_manager import BlockAllocator, BlockTable, _count
 
 
@@ -102,32 +103,12 @@ class PagedKVCache:
         return layer
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Store token i's K/V at ``slot_mapping[i]``; a slot of -1 is skipped (padding)."""
-        layer = self._check_layer(layer)
-        row = (self.num_kv_heads, self.head_dim)
-        for name, t in [("key", key), ("value", value)]:
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dim() != 3 or tuple(t.shape[1:]) != row:
-                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [num_tokens, {row[0]}, {row[1]}]")
-            if t.dtype != self.dtype:
-                raise TypeError(f"{name} has dtype {t.dtype}, but the cache holds {self.dtype}")
-            if t.device != self.device:
-                raise ValueError(f"{name} is on {t.device}, but the cache is on {self.device}")
-        if key.shape[0] != value.shape[0]:
-            raise ValueError(f"key has {key.shape[0]} tokens but value has {value.shape[0]}")
-        if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dtype not in (torch.int32, torch.int64):
-            raise TypeError("slot_mapping must be an int32 or int64 torch.Tensor")
-        if slot_mapping.shape != (key.shape[0],):
-            raise ValueError(f"slot_mapping has shape {tuple(slot_mapping.shape)}, expected ({key.shape[0]},): one slot per token")
-        if slot_mapping.device != self.device:
-            raise ValueError(f"slot_mapping is on {slot_mapping.device}, but the cache is on {self.device}")
-        if slot_mapping.numel() and not (-1 <= int(slot_mapping.min()) and int(slot_mapping.max()) < self.num_slots):
-            raise IndexError(f"slot_mapping holds values outside -1 .. {self.num_slots - 1} (the pool has {self.num_slots} slots)")
-        keep = slot_mapping >= 0
-        slots = slot_mapping[keep].long()
-        self.k_caches[layer].view(-1, *row).index_copy_(0, slots, key[keep])
-        self.v_caches[layer].view(-1, *row).index_copy_(0, slots, value[keep])
+        """Store token i's K/V at ``slot_mapping[i]``; a slot of -1 is skipped (padding).
+
+        The scatter and its input checks are chapter 03's ``write_kv``: one
+        ``index_copy_`` per pool, and errors raised before anything is written.
+        """
+        write_kv(key, value, self.k_caches[self._check_layer(layer)], self.v_caches[layer], slot_mapping)
 
     def gather(self, layer: int, table: BlockTable) -> tuple[torch.Tensor, torch.Tensor]:
         """The reference read: one sequence's K and V as contiguous ``[num_tokens, heads, head_dim]``."""

@@ -83,13 +83,13 @@ def test_write_rejects_bad_inputs_before_touching_the_cache():
     k, v = kv(2, seed=2)
     before = cache.k_caches[0].clone()
     cases = [
-        ((0, k[:, :1], v, slots), ValueError, "key has shape"),
-        ((0, k, v[:1], slots), ValueError, "key has 2 tokens but value has 1"),
-        ((0, k.double(), v, slots), TypeError, "key has dtype torch.float64"),
-        ((0, k, v, slots.float()), TypeError, "slot_mapping must be an int32 or int64"),
-        ((0, k, v, slots[:1]), ValueError, "one slot per token"),
-        ((0, k, v, torch.tensor([0, 32])), IndexError, "outside -1 .. 31"),
-        ((0, k, v, torch.tensor([-2, 0])), IndexError, "outside -1 .. 31"),
+        ((0, k[:, :1], v, slots), ValueError, "key and value must be \\[num_tokens, 2, 4\\]"),
+        ((0, k, v[:1], slots), ValueError, "key and value must be"),
+        ((0, k.double(), v, slots), TypeError, "must share a dtype, got torch.float64"),
+        ((0, k, v, slots.float()), TypeError, "slot_mapping must be int64 \\(or int32\\)"),
+        ((0, k, v, slots[:1]), ValueError, "slot_mapping must be \\[num_tokens=2\\]"),
+        ((0, k, v, torch.tensor([0, 32])), IndexError, "must lie in \\[-1, 32\\)"),
+        ((0, k, v, torch.tensor([-2, 0])), IndexError, "must lie in \\[-1, 32\\)"),
         ((1, k, v, slots), IndexError, "layer 1 is out of range"),
         ((0, k.numpy(), v, slots), TypeError, "key must be a torch.Tensor"),
     ]
@@ -102,7 +102,7 @@ def test_write_rejects_bad_inputs_before_touching_the_cache():
 def test_write_rejects_wrong_device():
     cache = make_cache(layers=1)
     k, v = kv(1, seed=3)
-    with pytest.raises(ValueError, match="is on meta, but the cache is on cpu"):
+    with pytest.raises(ValueError, match="is on cpu, but key is on meta"):
         cache.write(0, k.to("meta"), v, torch.tensor([0]))
 
 
