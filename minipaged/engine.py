@@ -30,12 +30,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from itertools import accumulate
 
 import torch
 from tqdm.auto import tqdm
 
-from minipaged.block_manager import block_tables_tensor
 from minipaged.cache import PagedKVCache
 from minipaged.metrics import Metrics
 from minipaged.model import AttentionMetadata
@@ -180,13 +178,9 @@ class Engine:
             start = seq.num_computed_tokens
             input_ids += seq.token_ids[start : start + n]
             positions += range(start, start + n)
-        metadata = AttentionMetadata(
-            slot_mapping=torch.cat(out.slot_mappings).to(device),
-            block_tables=block_tables_tensor([s.block_table for s in out.seqs]).to(device),
-            seq_lens=torch.tensor([s.block_table.num_tokens for s in out.seqs], dtype=torch.int32, device=device),
-            query_start_loc=torch.tensor([0, *accumulate(out.num_new_tokens)], dtype=torch.int32, device=device),
-            max_query_len=max(out.num_new_tokens),
-        )
+        # The scheduler already appended this step's tokens to the block tables.
+        tables = [s.block_table for s in out.seqs]
+        metadata = AttentionMetadata.pack(tables, out.num_new_tokens, torch.cat(out.slot_mappings), device)
         logits = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=device),
             torch.tensor(positions, dtype=torch.int64, device=device),

@@ -161,6 +161,17 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]: cumulative query lengths, starting at 0
     max_query_len: int  # 1 means a decode-only batch (paged_attention); more means prefill chunks
 
+    @classmethod
+    def pack(cls, tables: list[BlockTable], query_lens: list[int], slot_mapping: torch.Tensor, device="cpu"):
+        """Describe a step whose ``query_lens[i]`` new tokens were just appended to ``tables[i]`` at ``slot_mapping``."""
+        return cls(
+            slot_mapping=slot_mapping.to(device),
+            block_tables=block_tables_tensor(tables).to(device),
+            seq_lens=torch.tensor([t.num_tokens for t in tables], dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor([0, *accumulate(query_lens)], dtype=torch.int32, device=device),
+            max_query_len=max(query_lens),
+        )
+
     @property
     def is_decode(self) -> bool:
         return self.max_query_len == 1
@@ -195,13 +206,7 @@ def build_metadata(tables: list[BlockTable], query_lens: list[int], device="cpu"
         if not allocator.can_allocate(n):
             raise OutOfBlocks(f"this step needs {n} new blocks but only {allocator.num_free} are free")
     slot_mapping = torch.cat([t.append_tokens(n) for t, n in zip(tables, query_lens)])
-    return AttentionMetadata(
-        slot_mapping=slot_mapping.to(device),
-        block_tables=block_tables_tensor(tables).to(device),
-        seq_lens=torch.tensor([t.num_tokens for t in tables], dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor([0, *accumulate(query_lens)], dtype=torch.int32, device=device),
-        max_query_len=max(query_lens),
-    )
+    return AttentionMetadata.pack(tables, query_lens, slot_mapping, device)
 
 
 # --------------------------------------------------------------------------- the model
