@@ -219,8 +219,8 @@ class Scheduler:
             "preempt", None, seq.seq_id, mode="swap" if swap else "recompute",
             num_blocks=seq.block_table.num_blocks, num_tokens=seq.num_tokens, swapped_blocks=len(saved),
         )
-        self._release(seq)
         self.running.remove(seq)
+        self._release(seq)
         seq.num_preemptions += 1
         seq.status = SequenceStatus.PREEMPTED
         self.waiting.appendleft(seq)
