@@ -151,11 +151,16 @@ def kv_bytes(model: ModelSpec | str, n_tokens: int, dtype=None) -> int:
 # ----------------------------------------------------------------------------
 
 
+def ceil_div(a: int, b: int) -> int:
+    """ceil(a / b) for ints, exact at any size (``math.ceil(a / b)`` rounds through a float)."""
+    return -(-a // b)
+
+
 def blocks_needed(n_tokens: int, block_size: int) -> int:
     """ceil(n / B): a partly filled last block is still a whole block. 0 tokens need 0 blocks."""
     n = _int("n_tokens", n_tokens, 0)
     b = _int("block_size", block_size, 1)
-    return -(-n // b)
+    return ceil_div(n, b)
 
 
 def allocated_slots(n_tokens: int, block_size: int) -> int:
