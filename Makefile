@@ -22,9 +22,11 @@ $(STAMP): pyproject.toml constraints.txt
 lab: setup
 	$(VENV)/bin/jupyter lab --ip=127.0.0.1 $(ROOT_FLAG) --ServerApp.root_dir=$(CURDIR) notebooks/00_setup.ipynb
 
-# Unit tests, every notebook under nbval (outputs compared), the exercise
-# sync check and the shipped exercise notebooks, and the real-browser test.
+# Lint, then unit tests, every notebook under nbval (outputs compared, 60 s
+# budget each), the exercise sync check and the shipped exercise notebooks,
+# and the real-browser test.
 test: setup
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest tests $(wildcard notebooks solutions) \
 		--nbval --nbval-current-env --nbval-sanitize-with nbval_sanitize.cfg \
 		--durations=10 -p no:cacheprovider

@@ -11,10 +11,8 @@ import os
 
 try:
     import triton
-    import triton.language as tl
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
     triton = None
-    tl = None
     _IMPORT_ERROR: ImportError | None = exc
 else:
     _IMPORT_ERROR = None

@@ -298,7 +298,9 @@ def wait_for_kernel(page, lab: Lab, rel: str, timeout_s: float = 60) -> None:
         if dialog.count():
             dialog.first.click()
         sessions = json.loads(lab.api("sessions"))
-        states = [s["kernel"]["execution_state"] for s in sessions if s.get("path", "").endswith(rel) and s.get("kernel")]
+        states = [
+            s["kernel"]["execution_state"] for s in sessions if s.get("path", "").endswith(rel) and s.get("kernel")
+        ]
         if "idle" in states:
             return
         time.sleep(0.3)
@@ -347,7 +349,8 @@ def wait_for_change(page, selector: str, before: dict, min_step: int, timeout_ms
 
 def no_tracebacks_in(page, container: str) -> list[str]:
     """Error output shown inside ``container`` (a widget's Output area captures callback tracebacks)."""
-    return page.locator(f"{container} .jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").all_inner_texts()
+    stderr = f"{container} .jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
+    return page.locator(stderr).all_inner_texts()
 
 
 def screenshot(page, locator, name: str) -> Path:
@@ -366,7 +369,10 @@ DASHBOARD = ".minipaged-dashboard"
 
 
 def check_live_view(page, lab: Lab, rel: str, view_selector: str, shot: str) -> None:
-    """Run ``rel``, then Step, Play and Reset the first live view matching ``view_selector``; its block map must follow."""
+    """Run ``rel``, then Step, Play and Reset the first live view matching ``view_selector``.
+
+    Its block map must follow each press.
+    """
     copy = lab.root / rel  # what the browser opens; the repository's file is never served
     original = copy.read_bytes()
     svg = f"{view_selector} svg.minipaged-blockmap"
@@ -438,7 +444,8 @@ def explorer_state(page) -> dict:
             const box = document.querySelector(sel);
             return {
                 summary: box.querySelector('.minipaged-memory-summary').innerText,
-                images: [...box.querySelectorAll('.minipaged-memory-figures img')].map(i => i.src.length + ':' + i.src.slice(-64)),
+                images: [...box.querySelectorAll('.minipaged-memory-figures img')]
+                    .map(i => i.src.length + ':' + i.src.slice(-64)),
             };
         }""",
         EXPLORER,
