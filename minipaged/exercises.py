@@ -7,14 +7,14 @@ In a solution notebook the learner's part of a code cell sits between two
 markers; the optional text after ``BEGIN SOLUTION`` names the task and gives
 the hint that the stub will carry::
 
-    def blocks_needed(n_tokens, block_size):
+    def blocks_needed(num_tokens, block_size):
         ### BEGIN SOLUTION (Task 1.1) hint: a partly filled block is still a block
-        return -(-n_tokens // block_size)
+        return (num_tokens + block_size - 1) // block_size
         ### END SOLUTION
 
 becomes::
 
-    def blocks_needed(n_tokens, block_size):
+    def blocks_needed(num_tokens, block_size):
         # Task 1.1: your code here
         raise NotImplementedError("Task 1.1 is not implemented yet. Hint: a partly filled block is still a block")
 

@@ -24,12 +24,12 @@ def test_stub_replaces_the_solution_and_keeps_the_rest():
         "def f(n, b):\n"
         '    """doc"""\n'
         "    ### BEGIN SOLUTION (Task 1.1) hint: round up\n"
-        "    return -(-n // b)\n"
+        "    return (n + b - 1) // b\n"
         "    ### END SOLUTION\n"
         "x = 1"
     )
     stub = exercises.stub_code(source, "nb")
-    assert "return -(-n // b)" not in stub and "SOLUTION" not in stub
+    assert "return (n + b - 1) // b" not in stub and "SOLUTION" not in stub
     assert "    raise NotImplementedError('Task 1.1 is not implemented yet. Hint: round up')" in stub
     assert stub.startswith("def f(n, b):\n") and stub.endswith("x = 1")
     namespace = {}
