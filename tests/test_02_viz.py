@@ -457,10 +457,12 @@ def test_a_failing_step_leaves_the_view_where_it_was():
 
 
 def small_trace_sim():
-    from minipaged.trace import TraceSimulator, make_trace
+    from minipaged.trace import TraceSimulator
+    from minipaged.workload import Geometric, Uniform, WorkloadPreset, make_workload
 
-    trace = make_trace(40, rate=0.5, prompt_min=8, prompt_max=48, output_mean=24, max_len=128, seed=0)
-    return TraceSimulator(trace, num_slots=512, block_size=16, max_len=128)
+    short = WorkloadPreset("short", Uniform(8, 48), Geometric(24, 1, 80))
+    trace = make_workload(40, 0.5, short, seed=0)
+    return TraceSimulator(trace, num_blocks=32, block_size=16, max_len=128)
 
 
 def test_default_series_and_preemption_markers_from_a_trace_history():
