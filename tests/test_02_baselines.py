@@ -94,7 +94,8 @@ def test_admitting_twice_and_bad_sizes_are_errors():
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["admit", "grow", "grow", "grow", "release"]), st.integers(0, 5), st.integers(1, 6)), max_size=60))
+@given(st.lists(st.tuples(st.sampled_from(["admit", "grow", "grow", "grow", "release"]), st.integers(0, 5),
+                          st.integers(1, 6)), max_size=60))
 def test_arena_extents_stay_disjoint_and_match_the_slot_map(operations):
     for arena in (GrowInPlace(32), MaxReservation(32, 8), PagedPool(8, 4)):
         for kind, seq, n in operations:

@@ -269,7 +269,8 @@ def test_block_map_matches_any_allocator_state(num_blocks, block_size, lengths):
     assert len(find_class(root, "link")) == sum(len(t.blocks) for t in tables.values())
     for b, g in by_id.items():
         assert int(g.get("data-fill")) == sum(
-            max(0, min(block_size, t.num_tokens - block_size * t.blocks.index(b))) for t in tables.values() if b in t.blocks
+            max(0, min(block_size, t.num_tokens - block_size * t.blocks.index(b)))
+            for t in tables.values() if b in t.blocks
         )
 
 
@@ -312,7 +313,7 @@ def test_timeline_polylines_follow_the_values():
 
 def test_timeline_series_selection_and_event_markers():
     hist = [{"utilisation": 0.1, "tail_waste": 0.3, "rejected": 4.0} for _ in range(5)]
-    root = parse(render_timeline(hist, series=["utilisation", "tail_waste"], events=[(2, "preempt"), {"step": 4, "kind": "cow"}]))
+    root = parse(render_timeline(hist, series=["utilisation", "tail_waste"], events=[(2, "preempt"), (4, "cow")]))
     assert [p.get("data-series") for p in find_class(root, "series")] == ["utilisation", "tail_waste"]
     marks = find_class(root, "event", "line")
     assert [(m.get("data-kind"), m.get("data-step")) for m in marks] == [("preempt", "2"), ("cow", "4")]
