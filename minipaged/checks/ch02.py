@@ -8,6 +8,8 @@ edge cases: the block boundary, refcount above one, double free, a full pool.
 
 from __future__ import annotations
 
+from functools import partial
+
 from minipaged.block_manager import BlockAllocator, BlockError, BlockTable, OutOfBlocks
 from minipaged.checks import CheckFailed, check, expect_equal
 
@@ -72,7 +74,7 @@ def check_free(cls):
                  (-1, "block -1", IndexError)]
     for bad, why, error in bad_frees:
         before = _state(mine)
-        _expect_raises(error, lambda: mine.free(bad), f"free({bad}) ({why})")
+        _expect_raises(error, partial(mine.free, bad), f"free({bad}) ({why})")
         if _state(mine) != before:
             raise CheckFailed(f"free({bad}) ({why}) changed the state before raising")
     return ("shared block kept at refcount 1, freed blocks reused in order, BlockError on a double free, "
@@ -103,9 +105,13 @@ def check_append(cls):
         try:
             want = ref[seq].append_tokens(n).tolist()
         except OutOfBlocks:
-            before = (list(mine[seq].blocks), mine[seq].num_tokens, mine_alloc.num_free)
-            _expect_raises(OutOfBlocks, lambda: mine[seq].append_tokens(n), f"{what} with {ref_alloc.num_free} free blocks")
-            if (list(mine[seq].blocks), mine[seq].num_tokens, mine_alloc.num_free) != before:
+            want = None
+        table = mine[seq]
+        if want is None:  # the pool is short: the learner's table must refuse and change nothing
+            before = (list(table.blocks), table.num_tokens, mine_alloc.num_free)
+            short = f"{what} with {ref_alloc.num_free} free blocks"
+            _expect_raises(OutOfBlocks, partial(table.append_tokens, n), short)
+            if (list(table.blocks), table.num_tokens, mine_alloc.num_free) != before:
                 raise CheckFailed(f"{what} raised OutOfBlocks but changed blocks, num_tokens or the pool first")
             continue
         got = _slots(mine[seq].append_tokens(n), what)
