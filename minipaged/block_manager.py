@@ -10,11 +10,13 @@ instead of polling its internals.
 
 from __future__ import annotations
 
-import operator
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+
+from minipaged.accounting import blocks_needed
+from minipaged.validation import check_int
 
 
 class OutOfBlocks(RuntimeError):
@@ -22,7 +24,12 @@ class OutOfBlocks(RuntimeError):
 
 
 class BlockError(ValueError):
-    """A block id is out of range or not allocated (for example a double free)."""
+    """A block id names a block that is not allocated (a double free, or an incref of a free block).
+
+    A subclass of ``ValueError``: the id is in range, but its value is wrong for the
+    pool's state, so code that catches bad values catches it too. An id outside the
+    pool is an ``IndexError`` instead, like a position outside a sequence.
+    """
 
 
 @dataclass(frozen=True)
@@ -32,17 +39,6 @@ class BlockEvent:
     block_id: int | None = None
     seq_id: object = None
     info: dict = field(default_factory=dict)
-
-
-def _count(n, name: str) -> int:
-    """``n`` as a non-negative int, or a TypeError/ValueError that names the argument."""
-    try:
-        n = operator.index(n)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(n).__name__}") from None
-    if n < 0:
-        raise ValueError(f"{name} must be >= 0, got {n}")
-    return n
 
 
 class BlockAllocator:
@@ -55,9 +51,8 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int, block_size: int):
-        num_blocks, block_size = _count(num_blocks, "num_blocks"), _count(block_size, "block_size")
-        if num_blocks == 0 or block_size == 0:
-            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
+        num_blocks = check_int(num_blocks, "num_blocks", minimum=1)
+        block_size = check_int(block_size, "block_size", minimum=1)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.free_block_ids: deque[int] = deque(range(num_blocks))
@@ -72,10 +67,12 @@ class BlockAllocator:
     def num_used(self) -> int:
         return self.num_blocks - len(self.free_block_ids)
 
-    def can_allocate(self, n: int) -> bool:
-        return _count(n, "n") <= len(self.free_block_ids)
+    def can_allocate(self, num_blocks: int) -> bool:
+        """Whether ``num_blocks`` blocks are free right now."""
+        return check_int(num_blocks, "num_blocks") <= len(self.free_block_ids)
 
     def allocate(self, seq_id=None) -> int:
+        """Take one free block for ``seq_id`` (refcount 1), or raise OutOfBlocks."""
         if not self.free_block_ids:
             raise OutOfBlocks(f"no free block: all {self.num_blocks} blocks are in use")
         block_id = self.free_block_ids.popleft()
@@ -83,20 +80,22 @@ class BlockAllocator:
         self.emit("allocate", block_id, seq_id)
         return block_id
 
-    def allocate_many(self, n: int, seq_id=None) -> list[int]:
+    def allocate_many(self, num_blocks: int, seq_id=None) -> list[int]:
+        """Take ``num_blocks`` free blocks for ``seq_id``, all or none (OutOfBlocks takes nothing)."""
         # Check first, so a request that cannot be met takes nothing (no half-grown sequence).
-        n = _count(n, "n")
+        n = check_int(num_blocks, "num_blocks")
         if n > len(self.free_block_ids):
             raise OutOfBlocks(f"need {n} blocks but only {len(self.free_block_ids)} of {self.num_blocks} are free")
         return [self.allocate(seq_id) for _ in range(n)]
 
-    def _check_allocated(self, block_id, action: str) -> int:
-        try:
-            block_id = operator.index(block_id)
-        except TypeError:
-            raise TypeError(f"block_id must be an int, got {type(block_id).__name__}") from None
+    def _check_block_id(self, block_id, action: str) -> int:
+        block_id = check_int(block_id, "block_id", minimum=None)
         if not 0 <= block_id < self.num_blocks:
-            raise BlockError(f"cannot {action} block {block_id}: ids run from 0 to {self.num_blocks - 1}")
+            raise IndexError(f"cannot {action} block {block_id}: block_id runs from 0 to {self.num_blocks - 1}")
+        return block_id
+
+    def _check_allocated(self, block_id, action: str) -> int:
+        block_id = self._check_block_id(block_id, action)
         if self._refcounts[block_id] == 0:
             what = "double free" if action == "free" else "not allocated"
             raise BlockError(f"cannot {action} block {block_id}: it is free ({what})")
@@ -119,10 +118,8 @@ class BlockAllocator:
             self.emit("decref", block_id, seq_id, refcount=self._refcounts[block_id])
 
     def refcount(self, block_id: int) -> int:
-        block_id = operator.index(block_id)
-        if not 0 <= block_id < self.num_blocks:
-            raise BlockError(f"block {block_id} is out of range: ids run from 0 to {self.num_blocks - 1}")
-        return self._refcounts[block_id]
+        """How many sequences hold ``block_id`` (0: it is free)."""
+        return self._refcounts[self._check_block_id(block_id, "read the refcount of")]
 
     @property
     def refcounts(self) -> list[int]:
@@ -165,18 +162,18 @@ class BlockTable:
     def block_size(self) -> int:
         return self.allocator.block_size
 
-    def blocks_needed(self, num_new_tokens: int) -> int:
-        """New blocks that appending ``num_new_tokens`` would take: only at a block boundary."""
-        total = self.num_tokens + _count(num_new_tokens, "num_new_tokens")
-        return max(0, -(-total // self.block_size) - len(self.blocks))
+    def blocks_needed(self, num_tokens: int) -> int:
+        """New blocks that appending ``num_tokens`` tokens would take: only at a block boundary."""
+        total = self.num_tokens + check_int(num_tokens, "num_tokens")
+        return max(0, blocks_needed(total, self.block_size) - len(self.blocks))
 
-    def append_tokens(self, n: int) -> torch.Tensor:
-        """Make room for ``n`` more tokens; return their slots (int64) for the cache write.
+    def append_tokens(self, num_tokens: int) -> torch.Tensor:
+        """Make room for ``num_tokens`` more tokens; return their slots (int64) for the cache write.
 
         All or nothing: if the pool is short, OutOfBlocks is raised and the
         table is unchanged.
         """
-        n = _count(n, "n")
+        n = check_int(num_tokens, "num_tokens")
         self.blocks += self.allocator.allocate_many(self.blocks_needed(n), self.seq_id)
         start = self.num_tokens
         self.num_tokens += n
@@ -188,7 +185,8 @@ class BlockTable:
         return torch.tensor([blocks[p // B] * B + p % B for p in positions], dtype=torch.int64)
 
     def slot(self, position: int) -> int:
-        position = operator.index(position)
+        """The slot of the token at ``position`` (0-based) in this sequence."""
+        position = check_int(position, "position", minimum=None)
         if not 0 <= position < self.num_tokens:
             raise IndexError(f"position {position} is outside this sequence's {self.num_tokens} tokens")
         return self.blocks[position // self.block_size] * self.block_size + position % self.block_size
@@ -203,7 +201,8 @@ class BlockTable:
         return len(self.blocks) * self.block_size - self.num_tokens
 
     def as_tensor(self, width: int | None = None) -> torch.Tensor:
-        width = len(self.blocks) if width is None else _count(width, "width")
+        """This table as an ``int32 [width]`` row (default: its own length), padded with 0."""
+        width = len(self.blocks) if width is None else check_int(width, "width")
         if width < len(self.blocks):
             raise ValueError(f"width {width} is smaller than this table's {len(self.blocks)} blocks")
         row = torch.zeros(width, dtype=torch.int32)  # padding is never read by the kernel
@@ -234,7 +233,7 @@ class BlockTable:
 def block_tables_tensor(tables: list[BlockTable], width: int | None = None) -> torch.Tensor:
     """Stack tables into the kernel's ``int32 [num_seqs, max_blocks_per_seq]``, padded with 0."""
     longest = max((t.num_blocks for t in tables), default=0)
-    width = longest if width is None else _count(width, "width")
+    width = longest if width is None else check_int(width, "width")
     if width < longest:
         raise ValueError(f"width {width} is smaller than the longest table ({longest} blocks)")
     out = torch.zeros(len(tables), width, dtype=torch.int32)

@@ -1,7 +1,8 @@
-"""The baselines paging is measured against: each sequence's KV in one contiguous range of slots.
+"""The baselines paging is measured against, and the paged pool behind the same interface.
 
-Both allocators manage an arena of ``num_slots`` token slots with first fit
-(the lowest free range that is long enough):
+The two contiguous allocators keep each sequence's KV in one range of slots.
+They manage an arena of ``num_slots`` token slots with first fit (the lowest
+free range that is long enough):
 
 - :class:`MaxReservation` reserves ``max_len`` slots at admission, so a
   sequence never has to move, but every slot past its current length is
@@ -12,15 +13,21 @@ Both allocators manage an arena of ``num_slots`` token slots with first fit
   long enough, the growth fails even if enough slots are free in total.
   That gap between "free" and "usable" is external fragmentation.
 
-They share an interface with :class:`minipaged.trace.PagedPool`, so the trace
-simulator replays one trace against all three: ``admit(seq_id, num_tokens)``,
-``grow(seq_id)`` and ``release(seq_id)``, plus the counters below.
+:class:`PagedPool` puts the paged allocator of :mod:`minipaged.block_manager`
+behind the same interface, so the trace simulator (:mod:`minipaged.trace`)
+replays one trace against all three: ``admit(seq_id, num_tokens)``,
+``grow(seq_id)`` and ``release(seq_id)``, plus the counters below. A pool of
+``num_blocks`` blocks of ``block_size`` slots compares with an arena of
+``num_blocks * block_size`` slots.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
+from minipaged.block_manager import BlockAllocator, BlockTable, OutOfBlocks
+from minipaged.validation import check_int
 
 _FREE_RUN = re.compile(b"\x00+")
 
@@ -38,9 +45,7 @@ class SlotArena:
     name = "contiguous"
 
     def __init__(self, num_slots: int):
-        if num_slots < 1:
-            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        self.capacity = num_slots
+        self.capacity = check_int(num_slots, "num_slots", minimum=1)
         # One byte per slot (1 = taken): bytes.find then does the first-fit search at C speed.
         self.taken = bytearray(num_slots)
         self.extents: dict[object, Extent] = {}
@@ -109,7 +114,8 @@ class MaxReservation(SlotArena):
 
     def __init__(self, num_slots: int, max_len: int):
         super().__init__(num_slots)
-        if not 1 <= max_len <= num_slots:
+        max_len = check_int(max_len, "max_len", minimum=1)
+        if max_len > num_slots:
             raise ValueError(f"max_len must be in 1..{num_slots} (the arena), got {max_len}")
         self.max_len = max_len
 
@@ -119,7 +125,7 @@ class MaxReservation(SlotArena):
         return self.unusable_free(self.max_len)
 
     def admit(self, seq_id, num_tokens: int) -> bool:
-        if not 0 <= num_tokens <= self.max_len:
+        if check_int(num_tokens, "num_tokens") > self.max_len:
             raise ValueError(f"num_tokens {num_tokens} exceeds max_len {self.max_len}")
         return self._reserve(seq_id, num_tokens, self.max_len)
 
@@ -137,8 +143,7 @@ class GrowInPlace(SlotArena):
     name = "grow_in_place"
 
     def admit(self, seq_id, num_tokens: int) -> bool:
-        if num_tokens < 1:
-            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        num_tokens = check_int(num_tokens, "num_tokens", minimum=1)
         return self._reserve(seq_id, num_tokens, num_tokens)
 
     def grow(self, seq_id) -> bool:
@@ -160,3 +165,54 @@ class GrowInPlace(SlotArena):
         e.start, e.reserved, e.num_tokens = start, e.reserved + 1, e.num_tokens + 1
         self._mark(start, e.reserved, 1)
         return True
+
+
+class PagedPool:
+    """The paged allocator behind the same interface as the contiguous baselines."""
+
+    name = "paged"
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.capacity = self.allocator.num_blocks * self.allocator.block_size
+        self.tables: dict[object, BlockTable] = {}
+        self.failed_admissions = 0
+        self.relocations = 0  # blocks never move: these stay 0, kept for a uniform report
+        self.slots_moved = 0
+
+    def admit(self, seq_id, num_tokens: int) -> bool:
+        if seq_id in self.tables:
+            raise ValueError(f"sequence {seq_id!r} is already admitted")
+        table = BlockTable(self.allocator, seq_id)
+        if not self.allocator.can_allocate(table.blocks_needed(num_tokens)):
+            self.failed_admissions += 1
+            return False
+        table.append_tokens(num_tokens)
+        self.tables[seq_id] = table
+        return True
+
+    def grow(self, seq_id) -> bool:
+        try:
+            self.tables[seq_id].append_tokens(1)
+        except OutOfBlocks:
+            return False
+        return True
+
+    def release(self, seq_id) -> None:
+        self.tables.pop(seq_id).release()
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.tables)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(t.num_tokens for t in self.tables.values())
+
+    @property
+    def reserved_slots(self) -> int:
+        return self.allocator.num_used * self.allocator.block_size
+
+    @property
+    def external_fragmentation(self) -> float:
+        return 0.0  # any free block can serve any request: nothing free is unusable

@@ -1,10 +1,11 @@
-"""Replay one request trace against paged and contiguous KV allocation over the same pool size.
+"""Replay one workload against paged and contiguous KV allocation over the same pool size.
 
-**The trace** (:func:`make_trace`, seeded): arrivals are a Poisson process
-(exponential gaps, ``rate`` requests per step); prompt lengths are uniform on
-``[prompt_min, prompt_max]``; output lengths are geometric with mean
-``output_mean`` (each step a sequence stops with probability
-``1/output_mean``), cut so that prompt + output <= ``max_len``.
+**The trace** is a workload of :mod:`minipaged.workload` (``make_workload``),
+read in steps: request i arrives at step ``floor(arrival_time)``, so the rate
+of ``make_workload`` is in requests per step. Chapter 02 uses the
+``tiny_geometric`` preset: prompts uniform on 16..128 tokens, outputs
+geometric with mean 96 (every token ends the answer with probability 1/96),
+at most 384, so no request is longer than 512 tokens.
 
 **A step** (one decode iteration of a toy server), for each allocator:
 
@@ -17,103 +18,24 @@
    head does not fit (its prompt, written at once as prefill);
 4. a request that has waited more than ``max_wait`` steps is *rejected*.
 
-:class:`TraceSimulator` runs the three allocators in lockstep, one
-:class:`PoolStats` each per step. It is steppable (``step()`` for a live view,
-with ``allocator`` and ``tables`` of the paged pool exposed) and runnable to
-the end (``run()`` returns the history).
+:class:`TraceSimulator` runs the three allocators of
+:mod:`minipaged.contiguous` in lockstep, one :class:`PoolStats` each per
+step. A sequence's ``seq_id`` is its index in the trace. The simulator is
+steppable (``step()`` for a live view, with ``allocator`` and ``tables`` of
+the paged pool exposed) and runnable to the end (``run()`` returns the
+history).
 """
 
 from __future__ import annotations
 
 import math
-import random
 from collections import deque
 from dataclasses import dataclass
 
-from minipaged.block_manager import BlockAllocator, BlockTable, OutOfBlocks
-from minipaged.contiguous import GrowInPlace, MaxReservation
-
-
-@dataclass(frozen=True)
-class Request:
-    req_id: int
-    arrival: int  # step
-    prompt_len: int
-    output_len: int
-
-
-def make_trace(
-    num_requests: int = 200,
-    rate: float = 0.3,
-    prompt_min: int = 16,
-    prompt_max: int = 128,
-    output_mean: float = 96,
-    max_len: int = 512,
-    seed: int = 0,
-) -> list[Request]:
-    if not 1 <= prompt_min <= prompt_max < max_len:
-        raise ValueError(f"need 1 <= prompt_min <= prompt_max < max_len, got {prompt_min}, {prompt_max}, {max_len}")
-    if rate <= 0 or output_mean < 1:
-        raise ValueError(f"need rate > 0 and output_mean >= 1, got {rate}, {output_mean}")
-    rng = random.Random(seed)
-    t, trace = 0.0, []
-    for i in range(num_requests):
-        prompt = rng.randint(prompt_min, prompt_max)
-        # Geometric on 1, 2, ...: the inverse CDF of a uniform draw.
-        p = 1 / output_mean
-        output = 1 if p >= 1 else 1 + int(math.log(1 - rng.random()) / math.log(1 - p))
-        trace.append(Request(i, int(t), prompt, min(output, max_len - prompt)))
-        t += rng.expovariate(rate)
-    return trace
-
-
-class PagedPool:
-    """The paged allocator behind the same interface as the contiguous baselines."""
-
-    name = "paged"
-
-    def __init__(self, num_slots: int, block_size: int):
-        self.allocator = BlockAllocator(num_slots // block_size, block_size)
-        self.capacity = self.allocator.num_blocks * block_size
-        self.tables: dict[object, BlockTable] = {}
-        self.failed_admissions = 0
-        self.relocations = 0  # blocks never move: these stay 0, kept for a uniform report
-        self.slots_moved = 0
-
-    def admit(self, seq_id, num_tokens: int) -> bool:
-        table = BlockTable(self.allocator, seq_id)
-        if not self.allocator.can_allocate(table.blocks_needed(num_tokens)):
-            self.failed_admissions += 1
-            return False
-        table.append_tokens(num_tokens)
-        self.tables[seq_id] = table
-        return True
-
-    def grow(self, seq_id) -> bool:
-        try:
-            self.tables[seq_id].append_tokens(1)
-        except OutOfBlocks:
-            return False
-        return True
-
-    def release(self, seq_id) -> None:
-        self.tables.pop(seq_id).release()
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.tables)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(t.num_tokens for t in self.tables.values())
-
-    @property
-    def reserved_slots(self) -> int:
-        return self.allocator.num_used * self.allocator.block_size
-
-    @property
-    def external_fragmentation(self) -> float:
-        return 0.0  # any free block can serve any request: nothing free is unusable
+from minipaged.block_manager import BlockAllocator, BlockTable
+from minipaged.contiguous import GrowInPlace, MaxReservation, PagedPool
+from minipaged.validation import check_int
+from minipaged.workload import RequestSpec
 
 
 @dataclass(frozen=True)
@@ -136,17 +58,18 @@ class PoolStats:
 
 @dataclass
 class _Running:
-    request: Request
+    request: RequestSpec
     generated: int
 
 
 class Replay:
     """One allocator replaying the trace: its queue, its running sequences and its counters."""
 
-    def __init__(self, pool, trace: list[Request], max_wait: int):
+    def __init__(self, pool, trace: list[RequestSpec], max_wait: int):
         self.pool, self.max_wait = pool, max_wait
-        self.arrivals = deque(sorted(trace, key=lambda r: (r.arrival, r.req_id)))
-        self.waiting: deque[tuple[Request, int, int]] = deque()  # (request, tokens generated, queued since)
+        # (arrival step, seq_id, request), in arrival order; a tie keeps the trace's order.
+        self.arrivals = deque(sorted((math.floor(r.arrival_time), i, r) for i, r in enumerate(trace)))
+        self.waiting: deque[tuple[int, RequestSpec, int, int]] = deque()  # (seq_id, request, generated, since)
         self.running: dict[int, _Running] = {}
         self.preempted = self.rejected = self.finished = 0
         self.done_at: int | None = None  # the step that served the last request
@@ -161,7 +84,7 @@ class Replay:
             if not self.pool.grow(seq_id):
                 self.pool.release(seq_id)
                 del self.running[seq_id]
-                preempted.append((seq.request, seq.generated, now))
+                preempted.append((seq_id, seq.request, seq.generated, now))
                 continue
             seq.generated += 1
             if seq.generated == seq.request.output_len:
@@ -170,15 +93,16 @@ class Replay:
                 self.finished += 1
         self.preempted += len(preempted)
         self.waiting.extendleft(reversed(preempted))  # first preempted, first re-admitted
-        while self.arrivals and self.arrivals[0].arrival <= now:
-            self.waiting.append((self.arrivals.popleft(), 0, now))
+        while self.arrivals and self.arrivals[0][0] <= now:
+            _, seq_id, request = self.arrivals.popleft()
+            self.waiting.append((seq_id, request, 0, now))
         while self.waiting:
-            request, generated, _ = self.waiting[0]
-            if not self.pool.admit(request.req_id, request.prompt_len + generated):
+            seq_id, request, generated, _ = self.waiting[0]
+            if not self.pool.admit(seq_id, request.prompt_len + generated):
                 break
             self.waiting.popleft()
-            self.running[request.req_id] = _Running(request, generated)
-        kept = deque(w for w in self.waiting if now - w[2] <= self.max_wait)
+            self.running[seq_id] = _Running(request, generated)
+        kept = deque(w for w in self.waiting if now - w[3] <= self.max_wait)
         self.rejected += len(self.waiting) - len(kept)
         self.waiting = kept
         if self.done and self.done_at is None:
@@ -203,6 +127,10 @@ class Replay:
         )
 
 
+def _mean(rows: list[PoolStats], field: str, digits: int) -> float:
+    return round(sum(getattr(r, field) for r in rows) / len(rows), digits) if rows else 0.0
+
+
 SYSTEMS = ("paged", "max_reservation", "grow_in_place")
 
 
@@ -215,28 +143,45 @@ class TraceSimulator:
 
     def __init__(
         self,
-        trace: list[Request],
-        num_slots: int = 4096,
+        trace: list[RequestSpec],
+        num_blocks: int = 256,
         block_size: int = 16,
         max_len: int = 512,
         max_wait: int = 50,
         systems: tuple[str, ...] = SYSTEMS,
     ):
+        """
+        Args:
+            trace: the requests, e.g. ``make_workload(200, rate, "tiny_geometric")``; times are in steps.
+            num_blocks: blocks in the paged pool; the contiguous arenas get ``num_blocks * block_size`` slots.
+            block_size: slots per block.
+            max_len: what max reservation reserves per request; no request may be longer.
+            max_wait: steps a request may wait in the queue before it is rejected.
+            systems: which allocators to run; "paged" is always one of them.
+        """
+        num_blocks = check_int(num_blocks, "num_blocks", minimum=1)
+        block_size = check_int(block_size, "block_size", minimum=1)
+        max_len = check_int(max_len, "max_len", minimum=1)
+        max_wait = check_int(max_wait, "max_wait")
         unknown = set(systems) - set(SYSTEMS)
         if unknown or "paged" not in systems:
             raise ValueError(f"systems must include 'paged' and come from {SYSTEMS}, got {systems}")
-        too_long = [r.req_id for r in trace if r.prompt_len + r.output_len > max_len]
+        for i, r in enumerate(trace):
+            if not isinstance(r, RequestSpec):
+                raise TypeError(f"trace[{i}] must be a RequestSpec, got {type(r).__name__}")
+        too_long = [i for i, r in enumerate(trace) if r.prompt_len + r.output_len > max_len]
         if too_long:
-            raise ValueError(f"requests {too_long[:5]} are longer than max_len={max_len}")
-        self.trace, self.num_slots, self.block_size = trace, num_slots, block_size
+            raise ValueError(f"requests {too_long[:5]} of the trace are longer than max_len={max_len}")
+        self.trace, self.num_blocks, self.block_size = trace, num_blocks, block_size
         self.max_len, self.max_wait, self.systems = max_len, max_wait, systems
         self.reset()
 
     def reset(self) -> None:
+        num_slots = self.num_blocks * self.block_size
         make = {
-            "paged": lambda: PagedPool(self.num_slots, self.block_size),
-            "max_reservation": lambda: MaxReservation(self.num_slots, self.max_len),
-            "grow_in_place": lambda: GrowInPlace(self.num_slots),
+            "paged": lambda: PagedPool(self.num_blocks, self.block_size),
+            "max_reservation": lambda: MaxReservation(num_slots, self.max_len),
+            "grow_in_place": lambda: GrowInPlace(num_slots),
         }
         self.replays = {name: Replay(make[name](), self.trace, self.max_wait) for name in self.systems}
         self.now = 0
@@ -280,9 +225,9 @@ class TraceSimulator:
             rows = [row[name] for row in self.history if row[name].reserved]
             last = self.history[-1][name] if self.history else None
             out[name] = {
-                "mean utilisation": round(sum(r.utilisation for r in rows) / len(rows), 3) if rows else 0.0,
-                "mean running": round(sum(r.running for r in rows) / len(rows), 1) if rows else 0.0,
-                "mean ext. fragmentation": round(sum(r.external_fragmentation for r in rows) / len(rows), 3) if rows else 0.0,
+                "mean utilisation": _mean(rows, "utilisation", 3),
+                "mean running": _mean(rows, "running", 1),
+                "mean ext. fragmentation": _mean(rows, "external_fragmentation", 3),
                 "finished": last.finished if last else 0,
                 "rejected": last.rejected if last else 0,
                 "preempted": last.preempted if last else 0,

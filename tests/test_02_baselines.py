@@ -4,8 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minipaged.contiguous import GrowInPlace, MaxReservation
-from minipaged.trace import PagedPool
+from minipaged.contiguous import GrowInPlace, MaxReservation, PagedPool
 
 pytestmark = pytest.mark.ch02
 
@@ -81,12 +80,24 @@ def test_admitting_twice_and_bad_sizes_are_errors():
         MaxReservation(8, 9)
     with pytest.raises(ValueError, match="num_slots must be >= 1"):
         GrowInPlace(0)
+    with pytest.raises(TypeError, match="num_slots must be an int"):
+        GrowInPlace(8.0)
+    with pytest.raises(TypeError, match="max_len must be an int"):
+        MaxReservation(8, 4.0)
+    with pytest.raises(TypeError, match="num_tokens must be an int"):
+        arena.admit("c", 2.0)
+    pool = PagedPool(4, 2)
+    pool.admit("a", 3)
+    with pytest.raises(ValueError, match="already admitted"):
+        pool.admit("a", 1)
+    assert pool.capacity == 8 and pool.reserved_slots == 4
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["admit", "grow", "grow", "grow", "release"]), st.integers(0, 5), st.integers(1, 6)), max_size=60))
+@given(st.lists(st.tuples(st.sampled_from(["admit", "grow", "grow", "grow", "release"]), st.integers(0, 5),
+                          st.integers(1, 6)), max_size=60))
 def test_arena_extents_stay_disjoint_and_match_the_slot_map(operations):
-    for arena in (GrowInPlace(32), MaxReservation(32, 8), PagedPool(32, 4)):
+    for arena in (GrowInPlace(32), MaxReservation(32, 8), PagedPool(8, 4)):
         for kind, seq, n in operations:
             live = seq in (arena.extents if hasattr(arena, "extents") else arena.tables)
             if kind == "admit" and not live:

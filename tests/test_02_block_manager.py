@@ -152,35 +152,53 @@ def test_out_of_blocks_is_all_or_nothing():
         alloc.allocate()
 
 
-def test_double_free_and_bad_ids_raise_block_error():
+def test_double_free_is_block_error_and_bad_ids_are_index_errors():
     alloc = BlockAllocator(2, 4)
     b = alloc.allocate()
     alloc.free(b)
     with pytest.raises(BlockError, match="double free"):
         alloc.free(b)
-    with pytest.raises(BlockError, match="ids run from 0 to 1"):
-        alloc.free(2)
-    with pytest.raises(BlockError, match="ids run from 0 to 1"):
-        alloc.incref(-1)
     with pytest.raises(BlockError, match="not allocated"):
         alloc.incref(b)
+    with pytest.raises(IndexError, match="block_id runs from 0 to 1"):
+        alloc.free(2)
+    with pytest.raises(IndexError, match="block_id runs from 0 to 1"):
+        alloc.incref(-1)
+    with pytest.raises(IndexError, match="block_id runs from 0 to 1"):
+        alloc.refcount(5)
     with pytest.raises(TypeError, match="block_id must be an int"):
         alloc.free("0")
+    with pytest.raises(TypeError, match="block_id must be an int"):
+        alloc.free(True)
     assert alloc.refcounts == [0, 0] and alloc.num_free == 2
+    assert issubclass(BlockError, ValueError) and not issubclass(IndexError, BlockError)
 
 
 def test_constructor_and_count_arguments_are_validated():
-    with pytest.raises(ValueError, match="num_blocks and block_size must be >= 1"):
+    with pytest.raises(ValueError, match="num_blocks must be >= 1"):
         BlockAllocator(0, 16)
-    with pytest.raises(ValueError, match="block_size must be >= 0"):
+    with pytest.raises(ValueError, match="block_size must be >= 1"):
         BlockAllocator(4, -1)
     with pytest.raises(TypeError, match="num_blocks must be an int"):
         BlockAllocator(4.0, 16)
-    table = BlockTable(BlockAllocator(4, 4))
-    with pytest.raises(ValueError, match="n must be >= 0"):
+    with pytest.raises(TypeError, match="block_size must be an int"):
+        BlockAllocator(4, True)
+    alloc = BlockAllocator(4, 4)
+    with pytest.raises(ValueError, match="num_blocks must be >= 0"):
+        alloc.allocate_many(-1)
+    with pytest.raises(TypeError, match="num_blocks must be an int"):
+        alloc.can_allocate(1.0)
+    table = BlockTable(alloc)
+    with pytest.raises(ValueError, match="num_tokens must be >= 0"):
         table.append_tokens(-1)
+    with pytest.raises(TypeError, match="num_tokens must be an int"):
+        table.blocks_needed(2.5)
     with pytest.raises(IndexError, match="outside this sequence's 0 tokens"):
         table.slot(0)
+    with pytest.raises(TypeError, match="position must be an int"):
+        table.slot(0.0)
+    with pytest.raises(TypeError, match="width must be an int"):
+        table.as_tensor(2.0)
 
 
 def test_refcount_above_one_keeps_the_block_until_the_last_holder_frees_it():

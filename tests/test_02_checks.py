@@ -4,6 +4,7 @@ from collections import deque
 
 import pytest
 
+from minipaged.accounting import blocks_needed
 from minipaged.block_manager import BlockError, OutOfBlocks
 from minipaged.checks import FAIL, PASS, TODO, ch02
 
@@ -13,29 +14,31 @@ pytestmark = pytest.mark.ch02
 class Allocator:
     def __init__(self, num_blocks, block_size):
         self.block_size = block_size
-        self.free_ids = deque(range(num_blocks))
+        self.free_block_ids = deque(range(num_blocks))
         self.refcounts = [0] * num_blocks
 
     @property
     def num_free(self):
-        return len(self.free_ids)
+        return len(self.free_block_ids)
 
     def incref(self, block_id):
         self.refcounts[block_id] += 1
 
     def allocate(self):
-        if not self.free_ids:
+        if not self.free_block_ids:
             raise OutOfBlocks("pool is full")
-        block_id = self.free_ids.popleft()
+        block_id = self.free_block_ids.popleft()
         self.refcounts[block_id] = 1
         return block_id
 
     def free(self, block_id):
-        if not 0 <= block_id < len(self.refcounts) or self.refcounts[block_id] == 0:
+        if not 0 <= block_id < len(self.refcounts):
+            raise IndexError(f"block {block_id} is outside the pool")
+        if self.refcounts[block_id] == 0:
             raise BlockError(f"block {block_id} is not allocated")
         self.refcounts[block_id] -= 1
         if self.refcounts[block_id] == 0:
-            self.free_ids.append(block_id)
+            self.free_block_ids.append(block_id)
 
 
 class Table:
@@ -43,9 +46,9 @@ class Table:
         self.allocator, self.blocks, self.num_tokens = allocator, [], 0
 
     def needed(self, n):
-        return -(-(self.num_tokens + n) // self.allocator.block_size) - len(self.blocks)
+        return blocks_needed(self.num_tokens + n, self.allocator.block_size) - len(self.blocks)
 
-    def append(self, n):
+    def append_tokens(self, n):
         if self.needed(n) > self.allocator.num_free:
             raise OutOfBlocks("pool is full")
         return self._grab(n)
@@ -63,32 +66,39 @@ class FreesAtOnce(Allocator):  # ignores the refcount: a shared block is returne
         if self.refcounts[block_id] == 0:
             raise BlockError("double free")
         self.refcounts[block_id] = 0
-        self.free_ids.append(block_id)
+        self.free_block_ids.append(block_id)
 
 
 class NoDoubleFreeCheck(Allocator):
     def free(self, block_id):
         self.refcounts[block_id] -= 1
         if self.refcounts[block_id] <= 0:
-            self.free_ids.append(block_id)
+            self.free_block_ids.append(block_id)
 
 
 class WrongError(Allocator):
     def allocate(self):
-        return self.free_ids.popleft() if self.free_ids else None
+        return self.free_block_ids.popleft() if self.free_block_ids else None
 
 
 class LifoAllocator(Allocator):
     def allocate(self):
-        if not self.free_ids:
+        if not self.free_block_ids:
             raise OutOfBlocks("pool is full")
-        block_id = self.free_ids.pop()
+        block_id = self.free_block_ids.pop()
         self.refcounts[block_id] = 1
         return block_id
 
 
+class BadIdIsBlockError(Allocator):  # the old rule: an id outside the pool was a BlockError too
+    def free(self, block_id):
+        if not 0 <= block_id < len(self.refcounts):
+            raise BlockError(f"block {block_id} is outside the pool")
+        super().free(block_id)
+
+
 class NotAtomic(Table):
-    def append(self, n):
+    def append_tokens(self, n):
         return self._grab(n)
 
 
@@ -110,6 +120,7 @@ class Todo(Allocator):
         (ch02.check_append, Table, PASS),
         (ch02.check_free, FreesAtOnce, FAIL),
         (ch02.check_free, NoDoubleFreeCheck, FAIL),
+        (ch02.check_free, BadIdIsBlockError, FAIL),
         (ch02.check_allocate, WrongError, FAIL),
         (ch02.check_allocate, LifoAllocator, FAIL),
         (ch02.check_append, NotAtomic, FAIL),

@@ -1,28 +1,30 @@
-"""The trace simulator: a seeded trace, replayed step by step against all three allocators."""
+"""The trace simulator: a seeded workload, replayed step by step against all three allocators."""
+
+import math
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minipaged.trace import SYSTEMS, PoolStats, TraceSimulator, make_trace
+from minipaged.trace import SYSTEMS, PoolStats, TraceSimulator
+from minipaged.workload import Geometric, RequestSpec, Uniform, WorkloadPreset, make_workload
 
 pytestmark = pytest.mark.ch02
 
+SHORT = WorkloadPreset("short", Uniform(8, 64), Geometric(40, 1, 64))  # at most 128 tokens
 
-def test_trace_is_seeded_and_respects_its_bounds():
-    a, b = make_trace(50, seed=3), make_trace(50, seed=3)
-    assert a == b and a != make_trace(50, seed=4)
-    assert [r.arrival for r in a] == sorted(r.arrival for r in a)
-    assert all(16 <= r.prompt_len <= 128 and r.output_len >= 1 and r.prompt_len + r.output_len <= 512 for r in a)
-    with pytest.raises(ValueError, match="prompt_min"):
-        make_trace(prompt_min=0)
+
+def test_the_chapter_preset_keeps_every_request_within_512_tokens():
+    trace = make_workload(300, 0.3, "tiny_geometric", seed=3)
+    assert all(16 <= r.prompt_len <= 128 and 1 <= r.output_len <= 384 for r in trace)
+    TraceSimulator(trace, num_blocks=256, block_size=16, max_len=512)  # no request is too long
 
 
 @settings(max_examples=25, deadline=None)
 @given(st.integers(0, 10_000), st.sampled_from([0.1, 0.3, 1.0]), st.sampled_from([4, 16]))
 def test_every_request_finishes_or_is_rejected_and_the_pools_end_empty(seed, rate, block_size):
-    trace = make_trace(30, rate=rate, prompt_max=64, output_mean=40, max_len=128, seed=seed)
-    sim = TraceSimulator(trace, num_slots=512, block_size=block_size, max_len=128, max_wait=20)
+    trace = make_workload(30, rate, SHORT, seed=seed)
+    sim = TraceSimulator(trace, num_blocks=512 // block_size, block_size=block_size, max_len=128, max_wait=20)
     history = sim.run()
     assert sim.done and sim.step() is False
     for name in SYSTEMS:
@@ -39,16 +41,25 @@ def test_every_request_finishes_or_is_rejected_and_the_pools_end_empty(seed, rat
         assert all(s.reserved <= 512 for s in row.values())
 
 
+def test_arrivals_are_floored_to_steps():
+    trace = [RequestSpec(0.0, 4, 2), RequestSpec(2.9, 4, 2), RequestSpec(3.0, 4, 2)]
+    sim = TraceSimulator(trace, num_blocks=8, block_size=4, max_len=16)
+    sim.run()
+    running = sim.series("paged", "running")
+    # request 0 runs at steps 0-1 (admitted at 0, two tokens); requests 1 and 2 both arrive at step 2 and 3
+    assert running[:2] == [1, 1] and running[2] == 1 and running[3] == 2
+
+
 def test_stepping_by_hand_equals_running_and_reset_replays():
-    trace = make_trace(40, rate=0.3, seed=1)
-    stepped = TraceSimulator(trace, num_slots=2048)
+    trace = make_workload(40, 0.3, "tiny_geometric", seed=1)
+    stepped = TraceSimulator(trace, num_blocks=128)
     steps = 0
     while stepped.step():
         steps += 1
-        # The live view reads these between steps.
-        assert set(stepped.tables) == {r.req_id for r in trace} & set(stepped.tables)
+        # The live view reads these between steps: tables are keyed by seq_id, the request's index.
+        assert set(stepped.tables) <= set(range(len(trace)))
         assert stepped.allocator.num_used * 16 == stepped.history[-1]["paged"].reserved
-    ran = TraceSimulator(trace, num_slots=2048)
+    ran = TraceSimulator(trace, num_blocks=128)
     assert ran.run() == stepped.history
     assert len(stepped.history) == steps + 1
     first = stepped.history[:5]
@@ -60,7 +71,8 @@ def test_stepping_by_hand_equals_running_and_reset_replays():
 
 
 def test_paging_serves_more_than_max_reservation_on_the_same_trace():
-    sim = TraceSimulator(make_trace(120, rate=0.15, seed=0), num_slots=4096, block_size=16, max_len=512)
+    sim = TraceSimulator(make_workload(120, 0.15, "tiny_geometric", seed=0), num_blocks=256, block_size=16,
+                         max_len=512)
     sim.run()
     s = sim.summary()
     assert s["paged"]["rejected"] < s["max_reservation"]["rejected"]
@@ -70,8 +82,20 @@ def test_paging_serves_more_than_max_reservation_on_the_same_trace():
     assert isinstance(sim.history[0]["paged"], PoolStats)
 
 
+def test_contiguous_arenas_get_num_blocks_times_block_size_slots():
+    sim = TraceSimulator(make_workload(5, math.inf, SHORT), num_blocks=20, block_size=8, max_len=128)
+    assert {name: r.pool.capacity for name, r in sim.replays.items()} == dict.fromkeys(SYSTEMS, 160)
+
+
 def test_simulator_rejects_bad_arguments():
+    trace = make_workload(5, 1.0, "tiny_geometric", seed=0)
     with pytest.raises(ValueError, match="longer than max_len=64"):
-        TraceSimulator(make_trace(5, max_len=512, seed=0), max_len=64)
+        TraceSimulator(trace, max_len=64)
     with pytest.raises(ValueError, match="must include 'paged'"):
-        TraceSimulator(make_trace(5), systems=("grow_in_place",))
+        TraceSimulator(trace, systems=("grow_in_place",))
+    with pytest.raises(TypeError, match="num_blocks must be an int"):
+        TraceSimulator(trace, num_blocks=256.0)
+    with pytest.raises(ValueError, match="block_size must be >= 1"):
+        TraceSimulator(trace, block_size=0)
+    with pytest.raises(TypeError, match=r"trace\[0\] must be a RequestSpec"):
+        TraceSimulator([(0, 4, 4)])

@@ -269,7 +269,8 @@ def test_block_map_matches_any_allocator_state(num_blocks, block_size, lengths):
     assert len(find_class(root, "link")) == sum(len(t.blocks) for t in tables.values())
     for b, g in by_id.items():
         assert int(g.get("data-fill")) == sum(
-            max(0, min(block_size, t.num_tokens - block_size * t.blocks.index(b))) for t in tables.values() if b in t.blocks
+            max(0, min(block_size, t.num_tokens - block_size * t.blocks.index(b)))
+            for t in tables.values() if b in t.blocks
         )
 
 
@@ -312,7 +313,7 @@ def test_timeline_polylines_follow_the_values():
 
 def test_timeline_series_selection_and_event_markers():
     hist = [{"utilisation": 0.1, "tail_waste": 0.3, "rejected": 4.0} for _ in range(5)]
-    root = parse(render_timeline(hist, series=["utilisation", "tail_waste"], events=[(2, "preempt"), {"step": 4, "kind": "cow"}]))
+    root = parse(render_timeline(hist, series=["utilisation", "tail_waste"], events=[(2, "preempt"), (4, "cow")]))
     assert [p.get("data-series") for p in find_class(root, "series")] == ["utilisation", "tail_waste"]
     marks = find_class(root, "event", "line")
     assert [(m.get("data-kind"), m.get("data-step")) for m in marks] == [("preempt", "2"), ("cow", "4")]
@@ -457,10 +458,12 @@ def test_a_failing_step_leaves_the_view_where_it_was():
 
 
 def small_trace_sim():
-    from minipaged.trace import TraceSimulator, make_trace
+    from minipaged.trace import TraceSimulator
+    from minipaged.workload import Geometric, Uniform, WorkloadPreset, make_workload
 
-    trace = make_trace(40, rate=0.5, prompt_min=8, prompt_max=48, output_mean=24, max_len=128, seed=0)
-    return TraceSimulator(trace, num_slots=512, block_size=16, max_len=128)
+    short = WorkloadPreset("short", Uniform(8, 48), Geometric(24, 1, 80))
+    trace = make_workload(40, 0.5, short, seed=0)
+    return TraceSimulator(trace, num_blocks=32, block_size=16, max_len=128)
 
 
 def test_default_series_and_preemption_markers_from_a_trace_history():

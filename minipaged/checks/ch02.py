@@ -8,6 +8,8 @@ edge cases: the block boundary, refcount above one, double free, a full pool.
 
 from __future__ import annotations
 
+from functools import partial
+
 from minipaged.block_manager import BlockAllocator, BlockError, BlockTable, OutOfBlocks
 from minipaged.checks import CheckFailed, check, expect_equal
 
@@ -25,10 +27,11 @@ def _expect_raises(exc_type, fn, what: str) -> None:
 
 
 def _state(alloc) -> tuple:
-    return list(alloc.free_ids), list(alloc.refcounts)
+    return list(alloc.free_block_ids), list(alloc.refcounts)
 
 
-@check("ch02.allocate", hint="raise OutOfBlocks when free_ids is empty; otherwise popleft() an id and set its refcount to 1")
+@check("ch02.allocate",
+       hint="raise OutOfBlocks when free_block_ids is empty; otherwise popleft() an id and set its refcount to 1")
 def check_allocate(cls):
     mine, ref = cls(4, 16), BlockAllocator(4, 16)
     for i in range(4):
@@ -36,18 +39,18 @@ def check_allocate(cls):
         want = ref.allocate()
         expect_equal(got, want, f"allocation {i + 1} of a fresh 4-block pool")
         expect_equal(mine.refcounts[got], 1, f"the refcount of block {got} just after allocate")
-    expect_equal(len(mine.free_ids), 0, "len(free_ids) once all 4 blocks are allocated")
+    expect_equal(len(mine.free_block_ids), 0, "len(free_block_ids) once all 4 blocks are allocated")
     before = _state(mine)
     _expect_raises(OutOfBlocks, mine.allocate, "allocate() on a full pool")
     if _state(mine) != before:
-        raise CheckFailed("allocate() on a full pool changed free_ids or refcounts before raising")
+        raise CheckFailed("allocate() on a full pool changed free_block_ids or refcounts before raising")
     return "4 allocations in pool order, refcount 1 each, OutOfBlocks on a full pool with the state unchanged"
 
 
 @check(
     "ch02.free",
-    hint="check the id is in range and its refcount > 0 (else BlockError), then decrement; "
-    "only at 0 does the block go back: free_ids.append(block_id)",
+    hint="check the id is in range (else IndexError) and its refcount > 0 (else BlockError), then decrement; "
+    "only at 0 does the block go back: free_block_ids.append(block_id)",
 )
 def check_free(cls):
     mine, ref = cls(3, 8), BlockAllocator(3, 8)
@@ -58,20 +61,24 @@ def check_free(cls):
     mine.free(a)
     ref.free(a)
     expect_equal(mine.refcounts[a], 1, "the refcount of a shared block (refcount 2) after one free")
-    if a in mine.free_ids:
-        raise CheckFailed(f"block {a} went back to free_ids while another holder still has it (refcount 1)")
+    if a in mine.free_block_ids:
+        raise CheckFailed(f"block {a} went back to free_block_ids while another holder still has it (refcount 1)")
     for block in (a, b):
         mine.free(block)
         ref.free(block)
-    expect_equal(list(mine.free_ids), list(ref.free_block_ids), "free_ids after the last holders free both blocks")
+    expect_equal(list(mine.free_block_ids), list(ref.free_block_ids),
+                 "free_block_ids after the last holders free both blocks")
     expect_equal(mine.allocate(), ref.allocate(), "the next allocate() (the pool reuses freed blocks in order)")
-    freed = mine.free_ids[-1]  # freed above and not reallocated
-    for bad, why in [(freed, "a double free"), (3, "block 3 in a 3-block pool"), (-1, "block -1")]:
+    freed = mine.free_block_ids[-1]  # freed above and not reallocated
+    bad_frees = [(freed, "a double free", BlockError), (3, "block 3 in a 3-block pool", IndexError),
+                 (-1, "block -1", IndexError)]
+    for bad, why, error in bad_frees:
         before = _state(mine)
-        _expect_raises(BlockError, lambda: mine.free(bad), f"free({bad}) ({why})")
+        _expect_raises(error, partial(mine.free, bad), f"free({bad}) ({why})")
         if _state(mine) != before:
             raise CheckFailed(f"free({bad}) ({why}) changed the state before raising")
-    return "shared block kept at refcount 1, freed blocks reused in order, BlockError on double free and bad ids"
+    return ("shared block kept at refcount 1, freed blocks reused in order, BlockError on a double free, "
+            "IndexError on ids outside the pool")
 
 
 def _slots(result, what: str) -> list[int]:
@@ -83,8 +90,8 @@ def _slots(result, what: str) -> list[int]:
 
 @check(
     "ch02.append",
-    hint="blocks needed = ceil((num_tokens + n) / block_size) - len(blocks); if more than allocator.num_free, "
-    "raise OutOfBlocks before changing anything; slot of position p = blocks[p // B] * B + p % B",
+    hint="blocks needed = blocks_needed(self.num_tokens + num_tokens, block_size) - len(blocks); if more than "
+    "allocator.num_free, raise OutOfBlocks before changing anything; slot of position p = blocks[p // B] * B + p % B",
 )
 def check_append(cls):
     mine_alloc, ref_alloc = BlockAllocator(6, 4), BlockAllocator(6, 4)
@@ -94,18 +101,23 @@ def check_append(cls):
     # ("a", 8) needs 2 blocks when 1 is free, so a table that grabs blocks one by one is caught.
     script = [("a", 3), ("a", 1), ("b", 1), ("a", 0), ("a", 1), ("b", 7), ("a", 4), ("a", 8), ("b", 1), ("a", 5)]
     for seq, n in script:
-        what = f"append({n}) on sequence {seq} holding {ref[seq].num_tokens} tokens"
+        what = f"append_tokens({n}) on sequence {seq} holding {ref[seq].num_tokens} tokens"
         try:
             want = ref[seq].append_tokens(n).tolist()
         except OutOfBlocks:
-            before = (list(mine[seq].blocks), mine[seq].num_tokens, mine_alloc.num_free)
-            _expect_raises(OutOfBlocks, lambda: mine[seq].append(n), f"{what} with {ref_alloc.num_free} free blocks")
-            if (list(mine[seq].blocks), mine[seq].num_tokens, mine_alloc.num_free) != before:
+            want = None
+        table = mine[seq]
+        if want is None:  # the pool is short: the learner's table must refuse and change nothing
+            before = (list(table.blocks), table.num_tokens, mine_alloc.num_free)
+            short = f"{what} with {ref_alloc.num_free} free blocks"
+            _expect_raises(OutOfBlocks, partial(table.append_tokens, n), short)
+            if (list(table.blocks), table.num_tokens, mine_alloc.num_free) != before:
                 raise CheckFailed(f"{what} raised OutOfBlocks but changed blocks, num_tokens or the pool first")
             continue
-        got = _slots(mine[seq].append(n), what)
+        got = _slots(mine[seq].append_tokens(n), what)
         expect_equal(got, want, what)
         expect_equal(list(mine[seq].blocks), ref[seq].blocks, f"blocks after {what}")
         expect_equal(mine[seq].num_tokens, ref[seq].num_tokens, f"num_tokens after {what}")
     expect_equal(mine_alloc.num_free, ref_alloc.num_free, "free blocks at the end")
-    return f"{len(script)} interleaved appends: same slots and blocks as BlockTable, OutOfBlocks leaves the table as it was"
+    return (f"{len(script)} interleaved appends: same slots and blocks as BlockTable, "
+            "OutOfBlocks leaves the table as it was")

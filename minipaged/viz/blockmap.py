@@ -21,7 +21,7 @@ links carry ``data-*`` attributes. Tests (and the browser test) select on those.
 
 In a notebook::
 
-    view = BlockMapView(lambda: TraceSimulator(trace, num_slots=256, block_size=8, max_len=64))
+    view = BlockMapView(lambda: TraceSimulator(trace, num_blocks=32, block_size=8, max_len=64))
     view            # live: Step, Play/Pause, ms/step, Reset (mark the cell # NBVAL_IGNORE_OUTPUT)
 
     view.static()   # the same picture as plain HTML, for readers without a kernel
@@ -289,6 +289,8 @@ def render_block_map(
     rows_h = max(len(shown), 1) * row_h + (row_h if hidden else 0)
     height = top + max(rows_h, pool_rows * (CELL + GAP)) + 30
 
+    caption = (f"step {snap.step}: {len(seq_ids)} sequences, {snap.num_used}/{snap.num_blocks} blocks used, "
+               f"tail waste {snap.tail_waste} slots")
     parts = [
         svg_open(
             "minipaged-blockmap",
@@ -297,8 +299,7 @@ def render_block_map(
             snap.step,
             f' data-used="{snap.num_used}" data-seqs="{len(seq_ids)}"',
         ),
-        f'<text class="caption" x="8" y="16" font-size="12" fill="{TEXT_COLOR}">'
-        f"{escape(f'step {snap.step}: {len(seq_ids)} sequences, {snap.num_used}/{snap.num_blocks} blocks used, tail waste {snap.tail_waste} slots')}</text>",
+        f'<text class="caption" x="8" y="16" font-size="12" fill="{TEXT_COLOR}">{escape(caption)}</text>',
         '<text x="8" y="32" font-size="10" fill="#666">logical blocks (block table)</text>',
         f'<text x="{fmt(pool_x0)}" y="32" font-size="10" fill="#666">physical pool (block id, fill, ×refcount)</text>',
     ]

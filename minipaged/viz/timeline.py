@@ -1,8 +1,9 @@
 """Step-by-step timelines (utilisation, fragmentation, queue lengths) as SVG, with event markers.
 
 :func:`render_timeline` draws named series from a simulation's or an engine's
-per-step history; :func:`history_series` flattens such a history (dataclass
-rows, dicts, or dicts of them) into ``{"system.metric": [values]}``.
+per-step history; :func:`history_series` flattens such a history (a list of
+rows, each a dict or dataclass, possibly nested, or a dict of value lists)
+into ``{"system.metric": [values]}``.
 The root ``<svg>`` has ``class="minipaged-timeline"`` and a ``data-step``.
 """
 
@@ -14,14 +15,10 @@ from html import escape
 
 from minipaged.viz.svg import PALETTE, TEXT_COLOR, fmt, svg_open
 
-
 METRIC_COLORS = {
     "utilisation": "#4e79a7",
-    "utilization": "#4e79a7",
     "tail_waste": "#f28e2b",
-    "internal_fragmentation": "#f28e2b",
     "external_fragmentation": "#e15759",
-    "free": "#59a14f",
 }
 
 
@@ -39,20 +36,14 @@ def _flatten(record, prefix="") -> dict:
 
 
 def history_series(history) -> dict[str, list[float]]:
-    """Numeric series from a history in any of the shapes the course uses.
+    """Numeric series from a history in either of the shapes the course uses.
 
     Accepts a mapping ``name -> list of numbers`` (nested mappings become
-    ``"outer.inner"``), a list of per-step records (dicts or dataclasses), or
-    an object with ``as_dict()``/``to_dict()``. Non-numeric fields are dropped.
+    ``"outer.inner"``) or a list of per-step records (dicts or dataclasses,
+    nested ones flattened the same way). Non-numeric fields are dropped.
     """
     if history is None:
         return {}
-    for attr in ("as_dict", "to_dict"):
-        if hasattr(history, attr) and callable(getattr(history, attr)):
-            history = getattr(history, attr)()
-            break
-    if dataclasses.is_dataclass(history) and not isinstance(history, type):
-        history = dataclasses.asdict(history)
     if hasattr(history, "items"):
         out = {}
         for k, v in history.items():
@@ -73,9 +64,6 @@ def history_series(history) -> dict[str, list[float]]:
     return {n: [r.get(n, math.nan) for r in records] for n in names}
 
 
-FRACTION_METRICS = ("utilisation", "utilization", "tail_waste_fraction", "external_fragmentation")
-
-
 def default_series(history) -> list[str]:
     """The series a fragmentation timeline shows by default: utilisation and fragmentation fractions.
 
@@ -84,7 +72,7 @@ def default_series(history) -> list[str]:
     those names is present.
     """
     data = history_series(history)
-    util = [n for n in data if split_series_name(n)[1] in FRACTION_METRICS[:3]]
+    util = [n for n in data if split_series_name(n)[1] == "utilisation"]
     frag = [n for n in data if split_series_name(n)[1] == "external_fragmentation" and any(v > 0 for v in data[n])]
     return util + frag if util or frag else list(data)
 
@@ -96,12 +84,9 @@ def counter_events(history, name: str, kind: str) -> list[tuple[int, str]]:
 
 
 def split_series_name(name: str) -> tuple[str, str]:
-    """``"contiguous.utilisation"`` -> ("contiguous", "utilisation"); a bare name has system ""."""
-    for sep in (".", "/", ":"):
-        if sep in name:
-            system, metric = name.rsplit(sep, 1)
-            return system, metric
-    return "", name
+    """``"grow_in_place.utilisation"`` -> ("grow_in_place", "utilisation"); a bare name has system ""."""
+    system, _, metric = name.rpartition(".")
+    return system, metric
 
 
 def render_timeline(
@@ -120,9 +105,8 @@ def render_timeline(
     and orders the names to draw (default: every series). The y axis runs
     from 0 to 1 (fractions) or to the largest value when a series exceeds 1.
     Series are coloured by metric and dashed by system, so ``paged.utilisation``
-    and ``contiguous.utilisation`` share a colour and differ in dash.
-    ``events`` is an iterable of ``(step, kind)`` pairs or dicts with
-    ``step`` and ``kind`` keys (``"preempt"`` is drawn red).
+    and ``grow_in_place.utilisation`` share a colour and differ in dash.
+    ``events`` is an iterable of ``(step, kind)`` pairs (``"preempt"`` is drawn red).
     """
     data = history_series(history)
     names = list(data) if series is None else [n for n in series if n in data]
@@ -162,12 +146,8 @@ def render_timeline(
     )
     parts.append(f'<text x="{left}" y="{top + plot_h + 14}" font-size="9" fill="#666">step 0</text>')
 
-    for ev in events or ():
-        if hasattr(ev, "items"):
-            ev_step, kind = ev.get("step"), ev.get("kind", "event")
-        else:
-            ev_step, kind = ev[0], ev[1] if len(ev) > 1 else "event"
-        if ev_step is None or n_steps == 0:
+    for ev_step, kind in events:
+        if n_steps == 0:
             continue
         x = sx(min(max(float(ev_step), 0), max(n_steps - 1, 0)))
         color = "#d62728" if kind == "preempt" else "#7f7f7f"
