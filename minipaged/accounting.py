@@ -11,35 +11,32 @@ are allocated, so it runs instantly on any machine.
 L layers, h_kv key/value heads, d_h head dimension, b bytes per number; the 2
 is one K and one V. A *slot* is the room for one token's K and V in every
 layer, so one slot costs ``kv_bytes_per_token`` bytes.
+
+Sequence lengths come from :mod:`minipaged.workload`: a length preset's
+prompt plus output, cut off at ``max_len`` (:func:`sample_lengths`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from numbers import Integral
-from typing import Iterable, Sequence
 
 import numpy as np
+
+from minipaged.validation import check_int
+from minipaged.workload import WorkloadPreset, get_length_preset
 
 # ----------------------------------------------------------------------------
 # input checking: every error names the argument it is about
 # ----------------------------------------------------------------------------
 
 
-def _int(name: str, value, minimum: int) -> int:
-    """``value`` as a Python int >= minimum, or a ValueError that names ``name``."""
-    if isinstance(value, bool) or not isinstance(value, Integral):
-        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
-
-
 def _lengths(lengths, name: str = "lengths") -> list[int]:
     if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Iterable):
-        raise ValueError(f"{name} must be a sequence of token counts, got {lengths!r}")
-    out = [_int(f"{name}[{i}]", n, 0) for i, n in enumerate(lengths)]
+        raise TypeError(f"{name} must be a sequence of token counts, got {lengths!r}")
+    out = [check_int(n, f"{name}[{i}]") for i, n in enumerate(lengths)]
     if not out:
         raise ValueError(f"{name} must not be empty")
     return out
@@ -62,14 +59,15 @@ def dtype_bytes(dtype) -> int:
     if isinstance(dtype, str):
         key = dtype.lower().removeprefix("torch.")
         if key not in DTYPE_BYTES:
-            raise ValueError(f"dtype {dtype!r} is unknown; use bytes (1, 2, 4), a torch dtype, or one of {sorted(DTYPE_BYTES)}")
+            raise ValueError(f"dtype {dtype!r} is unknown; use bytes (1, 2, 4), a torch dtype, "
+                             f"or one of {sorted(DTYPE_BYTES)}")
         return DTYPE_BYTES[key]
     if isinstance(dtype, Integral) and not isinstance(dtype, bool):
-        return _int("dtype", dtype, 1)
+        return check_int(dtype, "dtype", minimum=1)
     itemsize = getattr(dtype, "itemsize", None)  # torch.dtype and numpy dtypes both have it
     if isinstance(itemsize, int) and itemsize > 0:
         return itemsize
-    raise ValueError(f"dtype must be bytes per element, a dtype name or a torch dtype, got {dtype!r}")
+    raise TypeError(f"dtype must be bytes per element, a dtype name or a torch dtype, got {dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -85,7 +83,7 @@ class ModelSpec:
 
     def __post_init__(self):
         for arg in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "dtype_bytes"):
-            _int(arg, getattr(self, arg), 1)
+            check_int(getattr(self, arg), arg, minimum=1)
         if self.num_attention_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_kv_heads ({self.num_kv_heads}) must divide num_attention_heads ({self.num_attention_heads})"
@@ -101,12 +99,12 @@ class ModelSpec:
     def kv_bytes_per_token(self, dtype=None) -> int:
         return kv_bytes_per_token(self, dtype)
 
-    def kv_bytes(self, n_tokens: int, dtype=None) -> int:
-        return kv_bytes(self, n_tokens, dtype)
+    def kv_bytes(self, num_tokens: int, dtype=None) -> int:
+        return kv_bytes(self, num_tokens, dtype)
 
 
 # From each model's published configuration (layers, heads, head size).
-PRESETS: dict[str, ModelSpec] = {
+MODEL_PRESETS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in [
         ModelSpec("OPT-13B", num_layers=40, num_attention_heads=40, num_kv_heads=40, head_dim=128),
@@ -118,20 +116,22 @@ PRESETS: dict[str, ModelSpec] = {
 }
 
 
-def get_preset(name: str) -> ModelSpec:
-    """The preset called ``name`` (case-insensitive), e.g. ``get_preset("llama-3-8b")``."""
-    for key, spec in PRESETS.items():
-        if isinstance(name, str) and key.lower() == name.lower():
+def get_model_preset(name: str) -> ModelSpec:
+    """The model preset called ``name`` (case-insensitive), e.g. ``get_model_preset("llama-3-8b")``."""
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__} {name!r}")
+    for key, spec in MODEL_PRESETS.items():
+        if key.lower() == name.lower():
             return spec
-    raise ValueError(f"name {name!r} is not a preset; choose one of {', '.join(PRESETS)}")
+    raise ValueError(f"name {name!r} is not a model preset; choose one of {', '.join(MODEL_PRESETS)}")
 
 
 def _spec(model) -> ModelSpec:
     if isinstance(model, ModelSpec):
         return model
     if isinstance(model, str):
-        return get_preset(model)
-    raise ValueError(f"model must be a ModelSpec or a preset name, got {model!r}")
+        return get_model_preset(model)
+    raise TypeError(f"model must be a ModelSpec or a model preset name, got {model!r}")
 
 
 def kv_bytes_per_token(model: ModelSpec | str, dtype=None) -> int:
@@ -141,9 +141,9 @@ def kv_bytes_per_token(model: ModelSpec | str, dtype=None) -> int:
     return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * b
 
 
-def kv_bytes(model: ModelSpec | str, n_tokens: int, dtype=None) -> int:
-    """M = 2 · L · n · h_kv · d_h · b: the KV cache of ``n_tokens`` tokens, in bytes."""
-    return _int("n_tokens", n_tokens, 0) * kv_bytes_per_token(model, dtype)
+def kv_bytes(model: ModelSpec | str, num_tokens: int, dtype=None) -> int:
+    """M = 2 · L · n · h_kv · d_h · b: the KV cache of ``num_tokens`` tokens, in bytes."""
+    return check_int(num_tokens, "num_tokens") * kv_bytes_per_token(model, dtype)
 
 
 # ----------------------------------------------------------------------------
@@ -156,32 +156,32 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def blocks_needed(n_tokens: int, block_size: int) -> int:
+def blocks_needed(num_tokens: int, block_size: int) -> int:
     """ceil(n / B): a partly filled last block is still a whole block. 0 tokens need 0 blocks."""
-    n = _int("n_tokens", n_tokens, 0)
-    b = _int("block_size", block_size, 1)
+    n = check_int(num_tokens, "num_tokens")
+    b = check_int(block_size, "block_size", minimum=1)
     return ceil_div(n, b)
 
 
-def allocated_slots(n_tokens: int, block_size: int) -> int:
+def allocated_slots(num_tokens: int, block_size: int) -> int:
     """A_B(n) = B · ceil(n / B): the token slots a sequence of n tokens holds."""
-    return block_size * blocks_needed(n_tokens, block_size)
+    return block_size * blocks_needed(num_tokens, block_size)
 
 
-def tail_waste(n_tokens: int, block_size: int) -> int:
+def tail_waste(num_tokens: int, block_size: int) -> int:
     """W_B(n) = A_B(n) − n: empty slots in the last block, always between 0 and B − 1."""
-    return allocated_slots(n_tokens, block_size) - n_tokens
+    return allocated_slots(num_tokens, block_size) - num_tokens
 
 
 def paged_slots(lengths: Sequence[int], block_size: int) -> int:
     """Σ A_B(n_i): slots a batch holds when every sequence gets whole blocks."""
-    _int("block_size", block_size, 1)
+    check_int(block_size, "block_size", minimum=1)
     return sum(allocated_slots(n, block_size) for n in _lengths(lengths))
 
 
 def fixed_slots(lengths: Sequence[int], max_len: int) -> int:
     """Slots a batch holds when every sequence reserves ``max_len`` up front."""
-    m = _int("max_len", max_len, 1)
+    m = check_int(max_len, "max_len", minimum=1)
     lengths = _lengths(lengths)
     for i, n in enumerate(lengths):
         if n > m:
@@ -251,10 +251,10 @@ def slot_table(rows: Sequence[SlotRow]) -> str:
     )
 
 
-def presets_table(max_len: int = 4096, dtype=None) -> str:
-    """Every preset: its shape, KV bytes per token and for one ``max_len`` sequence."""
+def model_presets_table(max_len: int = 4096, dtype=None) -> str:
+    """Every model preset: its shape, KV bytes per token and for one ``max_len`` sequence."""
     rows = []
-    for s in PRESETS.values():
+    for s in MODEL_PRESETS.values():
         per_tok = kv_bytes_per_token(s, dtype)
         rows.append((s.name, s.num_layers, s.num_attention_heads, s.num_kv_heads, s.head_dim, s.attention,
                      f"{per_tok / 1024:g}", f"{kv_bytes(s, max_len, dtype) / 2**30:.3f}"))
@@ -263,101 +263,23 @@ def presets_table(max_len: int = 4096, dtype=None) -> str:
 
 
 # ----------------------------------------------------------------------------
-# length distributions (constructed, not measured traffic)
+# sequence lengths, from the workload's length presets
 # ----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class LengthDistribution:
-    """Sequence lengths in tokens, clipped to [1, max_len]. ``sample(n, seed)`` is deterministic."""
+def sample_lengths(preset: str | WorkloadPreset, num_seqs: int, max_len: int, seed: int = 0) -> np.ndarray:
+    """``num_seqs`` finished-sequence lengths (prompt + output, int64), cut off at ``max_len``.
 
-    max_len: int = 2048
-
-    def __post_init__(self):
-        _int("max_len", self.max_len, 1)
-
-    @property
-    def name(self) -> str:
-        return type(self).__name__
-
-    def _draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        raise NotImplementedError
-
-    def sample(self, n: int, seed: int) -> np.ndarray:
-        """``n`` lengths as int64, from ``numpy.random.default_rng(seed)``."""
-        n = _int("n", n, 0)
-        seed = _int("seed", seed, 0)
-        raw = self._draw(np.random.default_rng(seed), n)
-        return np.clip(np.ceil(raw), 1, self.max_len).astype(np.int64)
-
-    def with_max_len(self, max_len: int) -> "LengthDistribution":
-        return replace(self, max_len=max_len)
-
-
-@dataclass(frozen=True)
-class ChatLengths(LengthDistribution):
-    """Chat-like: log-normal around ``median`` tokens (most short, some long)."""
-
-    median: float = 300.0
-    sigma: float = 0.9
-
-    def __post_init__(self):
-        super().__post_init__()
-        if not (self.median > 0 and self.sigma >= 0):
-            raise ValueError(f"median must be > 0 and sigma >= 0, got median={self.median}, sigma={self.sigma}")
-
-    @property
-    def name(self) -> str:
-        return "chat"
-
-    def _draw(self, rng, n):
-        return rng.lognormal(mean=math.log(self.median), sigma=self.sigma, size=n)
-
-
-@dataclass(frozen=True)
-class LongTailLengths(LengthDistribution):
-    """Long-tailed: Pareto with minimum ``scale`` tokens and tail index ``alpha`` (smaller = heavier)."""
-
-    scale: float = 64.0
-    alpha: float = 1.2
-
-    def __post_init__(self):
-        super().__post_init__()
-        if not (self.scale > 0 and self.alpha > 0):
-            raise ValueError(f"scale and alpha must be > 0, got scale={self.scale}, alpha={self.alpha}")
-
-    @property
-    def name(self) -> str:
-        return "long-tail"
-
-    def _draw(self, rng, n):
-        return self.scale * (1.0 + rng.pareto(self.alpha, size=n))
-
-
-@dataclass(frozen=True)
-class UniformLengths(LengthDistribution):
-    """Every length from ``low`` to ``max_len`` equally likely."""
-
-    low: int = 1
-
-    def __post_init__(self):
-        super().__post_init__()
-        _int("low", self.low, 1)
-        if self.low > self.max_len:
-            raise ValueError(f"low ({self.low}) must be <= max_len ({self.max_len})")
-
-    @property
-    def name(self) -> str:
-        return "uniform"
-
-    def _draw(self, rng, n):
-        return rng.integers(self.low, self.max_len, size=n, endpoint=True)
-
-
-def default_distributions(max_len: int = 2048) -> dict[str, LengthDistribution]:
-    """The three constructed distributions the course uses, keyed by ``name``."""
-    dists = [ChatLengths(max_len=max_len), LongTailLengths(max_len=max_len), UniformLengths(max_len=max_len)]
-    return {d.name: d for d in dists}
+    Args:
+        preset: a name in ``workload.LENGTH_PRESETS`` or a ``WorkloadPreset``.
+        num_seqs: how many lengths.
+        max_len: the longest sequence the server allows; longer ones stop there.
+        seed: the seed of ``np.random.default_rng``.
+    """
+    preset = get_length_preset(preset)
+    m = check_int(max_len, "max_len", minimum=1)
+    rng = np.random.default_rng(check_int(seed, "seed"))
+    return np.minimum(preset.sequence_lengths(num_seqs, rng), m)
 
 
 # ----------------------------------------------------------------------------
@@ -396,11 +318,11 @@ class CapacityReport:
     block_size: int
     max_len: int
     dtype_bytes: int
-    distribution: LengthDistribution
+    preset: WorkloadPreset
     seed: int
     fixed: Breakdown
     paged: Breakdown
-    lengths: np.ndarray = field(repr=False)  # the sampled lengths, in admission order
+    lengths: np.ndarray = field(repr=False)  # the sampled lengths in admission order, up to the first refused
 
     @property
     def gain(self) -> float:
@@ -418,48 +340,53 @@ class CapacityReport:
 
     def __str__(self) -> str:
         head = (f"{self.model.name}, {self.budget_bytes / 2**30:g} GiB of KV, {self.dtype_bytes} B/number, "
-                f"max_len {self.max_len}, lengths {self.distribution!r} seed {self.seed}")
+                f"max_len {self.max_len}, {self.preset.name} lengths, seed {self.seed}")
         return f"{head}\n{self.table()}\npaging admits {self.gain:.2f}x the sequences"
 
 
 def capacity(model: ModelSpec | str, budget_bytes: int, block_size: int, max_len: int,
-             distribution: LengthDistribution, dtype=None, seed: int = 0) -> CapacityReport:
-    """How many sequences of a length distribution fit in ``budget_bytes`` of KV cache.
+             preset: str | WorkloadPreset, dtype=None, seed: int = 0) -> CapacityReport:
+    """How many sequences of a length preset fit in ``budget_bytes`` of KV cache.
 
     A snapshot: every sequence already holds its sampled length (no growth, no
     preemption). Sequences are admitted in sampled order until the next one
     does not fit. Fixed reservation charges ``max_len`` slots each; paging
     charges whole blocks plus an int32 block-table row of ceil(max_len / B)
-    entries each. A distribution with another ``max_len`` is re-clipped to
-    this one. The budget is KV memory only: weights and activations are
+    entries each. The budget is KV memory only: weights and activations are
     assumed to be paid already.
+
+    Args:
+        model: a ``ModelSpec`` or a name in ``MODEL_PRESETS``.
+        budget_bytes: the KV memory to fill.
+        block_size: B, tokens per block.
+        max_len: the reservation per sequence; sampled lengths are cut off there.
+        preset: the length preset (see :func:`sample_lengths`).
+        dtype: bytes per number (default: the model's own).
+        seed: the seed of the sampled lengths.
     """
     spec = _spec(model)
-    budget = _int("budget_bytes", budget_bytes, 0)
-    B = _int("block_size", block_size, 1)
-    m = _int("max_len", max_len, 1)
+    budget = check_int(budget_bytes, "budget_bytes")
+    B = check_int(block_size, "block_size", minimum=1)
+    m = check_int(max_len, "max_len", minimum=1)
+    preset = get_length_preset(preset)
     b = spec.dtype_bytes if dtype is None else dtype_bytes(dtype)
-    if not isinstance(distribution, LengthDistribution):
-        raise ValueError(f"distribution must be a LengthDistribution, got {distribution!r}")
-    dist = distribution.with_max_len(m) if distribution.max_len != m else distribution
     slot = kv_bytes_per_token(spec, b)
     row = BLOCK_TABLE_ENTRY_BYTES * blocks_needed(m, B)
 
     # Neither scheme can admit more sequences than this, so this many samples suffice.
     limit = budget // min(m * slot, B * slot + row)
-    lengths = dist.sample(limit + 1, seed)
+    lengths = sample_lengths(preset, limit + 1, m, seed)
 
     k = budget // (m * slot)
     eff = int(lengths[:k].sum()) * slot
     fixed = Breakdown("fixed", k, eff, 0, k * m * slot - eff, 0, budget - k * m * slot)
 
-    cost = (-(-lengths // B) * B) * slot + row  # bytes per sequence, paged
-    k = int(np.searchsorted(np.cumsum(cost), budget, side="right"))
-    used = lengths[:k]
-    eff = int(used.sum()) * slot
-    held = int((-(-used // B) * B).sum()) * slot
+    slots = (lengths + B - 1) // B * B  # A_B(n) of each sequence
+    k = int(np.searchsorted(np.cumsum(slots * slot + row), budget, side="right"))
+    eff = int(lengths[:k].sum()) * slot
+    held = int(slots[:k].sum()) * slot
     paged = Breakdown("paged", k, eff, held - eff, 0, k * row, budget - held - k * row)
-    return CapacityReport(spec, budget, B, m, b, dist, seed, fixed, paged, lengths[: max(k, fixed.num_seqs)])
+    return CapacityReport(spec, budget, B, m, b, preset, seed, fixed, paged, lengths[: max(k, fixed.num_seqs) + 1])
 
 
 # ----------------------------------------------------------------------------
@@ -469,7 +396,7 @@ def capacity(model: ModelSpec | str, budget_bytes: int, block_size: int, max_len
 
 @dataclass(frozen=True)
 class SavingRow:
-    distribution: str
+    preset: str
     batch_size: int
     fixed_bytes: int
     paged_bytes: int
@@ -480,35 +407,55 @@ class SavingRow:
         return 1.0 - self.paged_bytes / self.fixed_bytes
 
 
-def expected_saving(distribution: LengthDistribution, block_size: int, samples: int = 100_000, seed: int = 12345) -> float:
-    """1 − E[A_B(n)] / max_len, estimated from ``samples`` draws: the saving a large batch tends to."""
-    lengths = distribution.sample(samples, seed)
-    mean_alloc = float((-(-lengths // block_size) * block_size).mean())
-    return 1.0 - mean_alloc / distribution.max_len
+def expected_saving(preset: str | WorkloadPreset, block_size: int, max_len: int, num_samples: int = 100_000,
+                    seed: int = 12345) -> float:
+    """1 − E[A_B(n)] / max_len, estimated from ``num_samples`` draws: the saving a large batch tends to.
+
+    Args:
+        preset: the length preset (see :func:`sample_lengths`).
+        block_size: B, tokens per block.
+        max_len: the reservation per sequence; sampled lengths are cut off there.
+        num_samples: how many lengths to average over.
+        seed: the seed of the sampled lengths.
+    """
+    B = check_int(block_size, "block_size", minimum=1)
+    lengths = sample_lengths(preset, check_int(num_samples, "num_samples", minimum=1), max_len, seed)
+    mean_alloc = float(((lengths + B - 1) // B * B).mean())
+    return 1.0 - mean_alloc / max_len
 
 
-def saving_grid(model: ModelSpec | str, distributions: Sequence[LengthDistribution], batch_sizes: Sequence[int],
-                block_size: int = 16, dtype=None, seed: int = 0) -> list[SavingRow]:
-    """KV bytes of one batch under fixed reservation vs paging, per distribution and batch size.
+def saving_grid(model: ModelSpec | str, presets: Sequence[str | WorkloadPreset], batch_sizes: Sequence[int],
+                block_size: int = 16, max_len: int = 2048, dtype=None, seed: int = 0) -> list[SavingRow]:
+    """KV bytes of one batch under fixed reservation vs paging, per length preset and batch size.
 
     Each batch is ``batch_size`` fresh lengths (seeded). The block table is
     left out here, as in the claim being tested.
+
+    Args:
+        model: a ``ModelSpec`` or a name in ``MODEL_PRESETS``.
+        presets: the length presets, names or ``WorkloadPreset`` objects.
+        batch_sizes: the batch sizes to try, each >= 1.
+        block_size: B, tokens per block.
+        max_len: the reservation per sequence; sampled lengths are cut off there.
+        dtype: bytes per number (default: the model's own).
+        seed: the seed of every batch's lengths.
     """
-    B = _int("block_size", block_size, 1)
+    B = check_int(block_size, "block_size", minimum=1)
     slot = kv_bytes_per_token(model, dtype)
     rows = []
-    for dist in distributions:
-        exp = expected_saving(dist, B)
+    for preset in presets:
+        preset = get_length_preset(preset)
+        exp = expected_saving(preset, B, max_len)
         for bs in batch_sizes:
-            lengths = dist.sample(_int("batch_size", bs, 1), seed)
-            rows.append(SavingRow(dist.name, int(bs), fixed_slots(lengths, dist.max_len) * slot,
+            lengths = sample_lengths(preset, check_int(bs, "batch_size", minimum=1), max_len, seed)
+            rows.append(SavingRow(preset.name, int(bs), fixed_slots(lengths, max_len) * slot,
                                   paged_slots(lengths, B) * slot, exp))
     return rows
 
 
 def saving_table(rows: Sequence[SavingRow]) -> str:
     return format_table(
-        ["distribution", "batch", "fixed GiB", "paged GiB", "saving", "1 - E[A]/max_len"],
-        [(r.distribution, r.batch_size, f"{r.fixed_bytes / 2**30:.2f}", f"{r.paged_bytes / 2**30:.2f}",
+        ["lengths", "batch", "fixed GiB", "paged GiB", "saving", "1 - E[A]/max_len"],
+        [(r.preset, r.batch_size, f"{r.fixed_bytes / 2**30:.2f}", f"{r.paged_bytes / 2**30:.2f}",
           f"{100 * r.saving:.1f}%", f"{100 * r.expected_saving:.1f}%") for r in rows],
     )

@@ -1,21 +1,41 @@
-"""Workloads (who arrives when, with how long a prompt and answer) and the clocks that time them.
+"""Workloads: who arrives when, with how long a prompt and how long an answer.
+
+Chapter 01 sizes the KV cache from these lengths, chapter 02 replays them
+through the block allocator, chapter 05 through the engine. Every draw comes
+from one kind of generator, ``np.random.default_rng(seed)``, so a seed means
+the same workload everywhere.
+
+**Lengths** come from one family of distributions, :class:`LengthDistribution`:
+each shape draws raw lengths, which are rounded to whole tokens and clipped
+to its ``[low, high]``. The shapes: :class:`LogNormal` (most short, some
+long: the usual shape of chat prompts and answers), :class:`Pareto` (a heavy
+tail), :class:`Uniform`, :class:`Geometric` (an answer that stops at every
+token with the same probability) and :class:`Constant`.
+
+**Presets** (:data:`LENGTH_PRESETS`) pair a prompt-length and an output-length
+distribution under one name. The real-scale ones are constructed, not
+measured (we have no traffic traces), and state their parameters; the
+``tiny_`` ones are scaled down to the course's tiny model (chapters 02 and 05):
+
+==============  ==================================  ==================================
+preset          prompt tokens                       output tokens
+==============  ==================================  ==================================
+chat            log-normal, median 160, sigma 1.0,  log-normal, median 120, sigma 0.8,
+                in [1, 4096]                        in [1, 2048]
+long_tail       Pareto, scale 48, alpha 1.2,        Pareto, scale 32, alpha 1.2,
+                in [1, 8192]                        in [1, 4096]
+uniform         uniform on [1, 1024]                uniform on [1, 1024]
+tiny_chat       log-normal, median 48, sigma 0.6,   log-normal, median 32, sigma 0.6,
+                in [4, 192]                         in [2, 128]
+tiny_long_tail  log-normal, median 32, sigma 1.2,   log-normal, median 24, sigma 1.2,
+                in [4, 384]                         in [2, 256]
+tiny_geometric  uniform on [16, 128]                geometric, mean 96, in [1, 384]
+==============  ==================================  ==================================
 
 **Arrivals** are a Poisson process: independent users, so the gaps between
-requests are exponential with mean ``1 / rate``. **Lengths** come from a
-truncated log-normal, the usual shape of real prompt and answer lengths (most
-short, a few very long). Two presets state their parameters:
+requests are exponential with mean ``1 / rate`` (:func:`poisson_arrivals`).
 
-========  ================================  ================================
-preset    prompt tokens                     output tokens
-========  ================================  ================================
-chat      median 48, sigma 0.6, in [4,192]  median 32, sigma 0.6, in [2,128]
-longtail  median 32, sigma 1.2, in [4,384]  median 24, sigma 1.2, in [2,256]
-========  ================================  ================================
-
-(The numbers are scaled to the course's tiny model; real chat traffic has
-prompts of hundreds to thousands of tokens. Only the shape matters here.)
-
-A workload is a plain list of :class:`TraceRequest`, so a fixed trace can be
+A workload is a plain list of :class:`RequestSpec`, so a fixed trace can be
 saved to JSON and replayed exactly.
 """
 
@@ -24,68 +44,276 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass
+from numbers import Real
 from pathlib import Path
 
-import torch
+import numpy as np
+
+from minipaged.validation import check_int
+
+# ----------------------------------------------------------------------------
+# lengths: one family of distributions
+# ----------------------------------------------------------------------------
+
+
+def _check_real(value, name: str, minimum: float = 0.0, strict: bool = True) -> float:
+    """``value`` as a float > ``minimum`` (>= if not ``strict``), or an error that names ``name``."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if math.isnan(value) or value < minimum or (strict and value == minimum):
+        raise ValueError(f"{name} must be {'>' if strict else '>='} {minimum:g}, got {value!r}")
+    return value
+
+
+def _check_bounds(low, high) -> None:
+    check_int(low, "low", minimum=1)
+    check_int(high, "high", minimum=1)
+    if low > high:
+        raise ValueError(f"low ({low}) must be <= high ({high})")
 
 
 @dataclass(frozen=True)
-class TraceRequest:
-    arrival_time: float  # seconds from the start of the run
-    prompt_len: int
-    output_len: int  # becomes SamplingParams.max_tokens
+class LengthDistribution:
+    """Token lengths: a shape's raw draws, rounded to whole tokens and clipped to ``[low, high]``.
+
+    Subclasses are frozen dataclasses that have ``low`` and ``high`` and implement ``_draw``.
+    """
+
+    def _draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        """``n`` lengths as int64, each in ``[low, high]``.
+
+        Args:
+            n: how many lengths to draw (>= 0).
+            rng: the generator to draw from, ``np.random.default_rng(seed)``.
+        """
+        n = check_int(n, "n")
+        if not isinstance(rng, np.random.Generator):
+            raise TypeError(f"rng must be a numpy Generator (np.random.default_rng(seed)), got {type(rng).__name__}")
+        raw = np.asarray(self._draw(rng, n), dtype=np.float64)
+        return np.clip(np.rint(raw), self.low, self.high).astype(np.int64)
 
 
 @dataclass(frozen=True)
-class LengthDist:
-    """A log-normal length distribution truncated to ``[low, high]`` (clipped, then rounded)."""
+class LogNormal(LengthDistribution):
+    """Log-normal around ``median`` tokens: ``log(length)`` is normal with spread ``sigma``."""
 
     median: float
     sigma: float
     low: int
     high: int
 
-    def sample(self, n: int, generator: torch.Generator) -> list[int]:
-        z = torch.randn(n, generator=generator, dtype=torch.float64)
-        lengths = (math.log(self.median) + self.sigma * z).exp().round().clamp(self.low, self.high)
-        return [int(x) for x in lengths]
+    def __post_init__(self):
+        _check_real(self.median, "median")
+        _check_real(self.sigma, "sigma", strict=False)
+        _check_bounds(self.low, self.high)
+
+    def _draw(self, rng, n):
+        return rng.lognormal(mean=math.log(self.median), sigma=self.sigma, size=n)
 
 
-PRESETS = {
-    "chat": (LengthDist(48, 0.6, 4, 192), LengthDist(32, 0.6, 2, 128)),
-    "longtail": (LengthDist(32, 1.2, 4, 384), LengthDist(24, 1.2, 2, 256)),
+@dataclass(frozen=True)
+class Pareto(LengthDistribution):
+    """Pareto: at least ``scale`` tokens, with a tail of index ``alpha`` (smaller is heavier)."""
+
+    scale: float
+    alpha: float
+    low: int
+    high: int
+
+    def __post_init__(self):
+        _check_real(self.scale, "scale")
+        _check_real(self.alpha, "alpha")
+        _check_bounds(self.low, self.high)
+
+    def _draw(self, rng, n):
+        return self.scale * (1.0 + rng.pareto(self.alpha, size=n))
+
+
+@dataclass(frozen=True)
+class Uniform(LengthDistribution):
+    """Every length from ``low`` to ``high`` equally likely."""
+
+    low: int
+    high: int
+
+    def __post_init__(self):
+        _check_bounds(self.low, self.high)
+
+    def _draw(self, rng, n):
+        return rng.integers(self.low, self.high, size=n, endpoint=True)
+
+
+@dataclass(frozen=True)
+class Geometric(LengthDistribution):
+    """Lengths 1, 2, ... with mean ``mean``: every token ends the answer with probability ``1 / mean``."""
+
+    mean: float
+    low: int
+    high: int
+
+    def __post_init__(self):
+        _check_real(self.mean, "mean", minimum=1.0, strict=False)
+        _check_bounds(self.low, self.high)
+
+    def _draw(self, rng, n):
+        return rng.geometric(1.0 / self.mean, size=n)
+
+
+@dataclass(frozen=True)
+class Constant(LengthDistribution):
+    """Always ``value`` tokens."""
+
+    value: int
+
+    def __post_init__(self):
+        check_int(self.value, "value", minimum=1)
+
+    @property
+    def low(self) -> int:
+        return self.value
+
+    @property
+    def high(self) -> int:
+        return self.value
+
+    def _draw(self, rng, n):
+        return np.full(n, self.value)
+
+
+@dataclass(frozen=True)
+class WorkloadPreset:
+    """A named pair of length distributions: one for prompts, one for outputs."""
+
+    name: str
+    prompt_len: LengthDistribution
+    output_len: LengthDistribution
+
+    def __post_init__(self):
+        for arg in ("prompt_len", "output_len"):
+            if not isinstance(getattr(self, arg), LengthDistribution):
+                raise TypeError(f"{arg} must be a LengthDistribution, got {getattr(self, arg)!r}")
+
+    def sequence_lengths(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        """Prompt + output of ``n`` requests (int64): the tokens each sequence holds when it finishes.
+
+        Args:
+            n: how many sequences.
+            rng: the generator; prompts are drawn first, then outputs, as :func:`make_workload` does.
+        """
+        prompts = self.prompt_len.sample(n, rng)
+        return prompts + self.output_len.sample(n, rng)
+
+
+LENGTH_PRESETS: dict[str, WorkloadPreset] = {
+    p.name: p
+    for p in [
+        WorkloadPreset("chat", LogNormal(160, 1.0, 1, 4096), LogNormal(120, 0.8, 1, 2048)),
+        WorkloadPreset("long_tail", Pareto(48, 1.2, 1, 8192), Pareto(32, 1.2, 1, 4096)),
+        WorkloadPreset("uniform", Uniform(1, 1024), Uniform(1, 1024)),
+        WorkloadPreset("tiny_chat", LogNormal(48, 0.6, 4, 192), LogNormal(32, 0.6, 2, 128)),
+        WorkloadPreset("tiny_long_tail", LogNormal(32, 1.2, 4, 384), LogNormal(24, 1.2, 2, 256)),
+        WorkloadPreset("tiny_geometric", Uniform(16, 128), Geometric(96, 1, 384)),
+    ]
 }
 
 
-def poisson_arrivals(n: int, rate: float, generator: torch.Generator) -> list[float]:
-    """``n`` arrival times of a Poisson process with ``rate`` requests per second, starting at 0."""
-    if rate <= 0:
-        raise ValueError(f"rate must be > 0 requests per second, got {rate!r}")
-    gaps = torch.empty(n, dtype=torch.float64).exponential_(rate, generator=generator)
-    gaps[0] = 0.0  # the first request opens the run
-    return [float(t) for t in gaps.cumsum(0)]
+def get_length_preset(preset: str | WorkloadPreset) -> WorkloadPreset:
+    """``preset`` itself, or the entry of :data:`LENGTH_PRESETS` it names."""
+    if isinstance(preset, WorkloadPreset):
+        return preset
+    if not isinstance(preset, str):
+        raise TypeError(f"preset must be a name or a WorkloadPreset, got {type(preset).__name__} {preset!r}")
+    if preset not in LENGTH_PRESETS:
+        raise ValueError(f"preset must be one of {sorted(LENGTH_PRESETS)}, got {preset!r}")
+    return LENGTH_PRESETS[preset]
 
 
-def make_workload(n: int, rate: float, preset: str = "chat", seed: int = 0) -> list[TraceRequest]:
-    """A seeded Poisson workload; ``rate=math.inf`` puts every arrival at t = 0 (the "offline" batch)."""
-    if preset not in PRESETS:
-        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
-    gen = torch.Generator().manual_seed(seed)
-    prompt_dist, output_dist = PRESETS[preset]
-    arrivals = [0.0] * n if rate == math.inf else poisson_arrivals(n, rate, gen)
-    prompts, outputs = prompt_dist.sample(n, gen), output_dist.sample(n, gen)
-    return [TraceRequest(round(t, 6), p, o) for t, p, o in zip(arrivals, prompts, outputs)]
+# ----------------------------------------------------------------------------
+# requests: arrivals and lengths
+# ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request of a workload, fixed before the run (the engine's runtime state is ``Sequence``)."""
+
+    arrival_time: float  # seconds from the start of the run (chapter 02's trace: steps)
+    prompt_len: int
+    output_len: int  # becomes SamplingParams.max_tokens
+
+    def __post_init__(self):
+        arrival_time = _check_real(self.arrival_time, "arrival_time", strict=False)
+        if math.isinf(arrival_time):
+            raise ValueError("arrival_time must be finite, got inf")
+        object.__setattr__(self, "arrival_time", arrival_time)
+        object.__setattr__(self, "prompt_len", check_int(self.prompt_len, "prompt_len", minimum=1))
+        object.__setattr__(self, "output_len", check_int(self.output_len, "output_len", minimum=1))
+
+
+def poisson_arrivals(num_requests: int, rate: float, rng: np.random.Generator) -> np.ndarray:
+    """Arrival times (float64, non-decreasing, the first at 0) of a Poisson process.
+
+    Args:
+        num_requests: how many arrivals.
+        rate: requests per unit of time (> 0); ``math.inf`` puts every arrival at 0.
+        rng: the generator; it draws ``num_requests`` gaps whatever the rate.
+    """
+    num_requests = check_int(num_requests, "num_requests")
+    rate = _check_real(rate, "rate")
+    gaps = rng.exponential(1.0 / rate, size=num_requests)
+    if num_requests:
+        gaps[0] = 0.0  # the first request opens the run
+    return np.cumsum(gaps)
+
+
+def make_workload(num_requests: int, rate: float, preset: str | WorkloadPreset = "tiny_chat",
+                  seed: int = 0) -> list[RequestSpec]:
+    """A seeded workload: Poisson arrivals, then prompt lengths, then output lengths, from one generator.
+
+    Args:
+        num_requests: how many requests.
+        rate: requests per second (> 0); ``math.inf`` puts every arrival at 0 (an "offline" batch).
+            The lengths do not depend on the rate.
+        preset: a name in :data:`LENGTH_PRESETS` or a :class:`WorkloadPreset`.
+        seed: the seed of ``np.random.default_rng``.
+    """
+    preset = get_length_preset(preset)
+    rng = np.random.default_rng(check_int(seed, "seed"))
+    arrivals = poisson_arrivals(num_requests, rate, rng)
+    prompts = preset.prompt_len.sample(num_requests, rng)
+    outputs = preset.output_len.sample(num_requests, rng)
+    return [RequestSpec(float(t), int(p), int(o)) for t, p, o in zip(arrivals, prompts, outputs)]
 
 
 def prompt_token_ids(index: int, length: int, vocab_size: int, seed: int = 0) -> list[int]:
-    """The prompt of request ``index``: seeded random ids, the same on every replay."""
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
-    return torch.randint(0, vocab_size, (length,), generator=gen).tolist()
+    """The prompt of request ``index``: ``length`` seeded random ids in ``[0, vocab_size)``, the same on every replay.
+
+    Args:
+        index: the request's position in the workload (each request gets its own stream).
+        length: the prompt's length in tokens.
+        vocab_size: ids are drawn from ``0 .. vocab_size - 1``.
+        seed: the workload's seed.
+    """
+    index = check_int(index, "index")
+    length = check_int(length, "length")
+    vocab_size = check_int(vocab_size, "vocab_size", minimum=1)
+    rng = np.random.default_rng([check_int(seed, "seed"), index])
+    return rng.integers(0, vocab_size, size=length).tolist()
 
 
-def save_trace(trace: list[TraceRequest], path) -> None:
-    Path(path).write_text(json.dumps([asdict(r) for r in trace], indent=1))
+def save_workload(workload: list[RequestSpec], path) -> None:
+    """Write ``workload`` to ``path`` as JSON (a list of objects with the fields of :class:`RequestSpec`)."""
+    for i, r in enumerate(workload):
+        if not isinstance(r, RequestSpec):
+            raise TypeError(f"workload[{i}] must be a RequestSpec, got {type(r).__name__}")
+    Path(path).write_text(json.dumps([asdict(r) for r in workload], indent=1))
 
 
-def load_trace(path) -> list[TraceRequest]:
-    return [TraceRequest(**r) for r in json.loads(Path(path).read_text())]
+def load_workload(path) -> list[RequestSpec]:
+    """The workload :func:`save_workload` wrote to ``path``."""
+    return [RequestSpec(**r) for r in json.loads(Path(path).read_text())]
+

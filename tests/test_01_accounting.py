@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minipaged import accounting as acc
+from minipaged import workload as wl
 
 pytestmark = pytest.mark.ch01
 
@@ -27,17 +28,17 @@ def test_opt_13b_is_800_kib_per_token_fp16():
 
 
 def test_llama_3_8b_is_128_kib_per_token_bf16():
-    assert acc.kv_bytes_per_token(acc.get_preset("Llama-3-8B"), torch.bfloat16) == 128 * 1024
+    assert acc.kv_bytes_per_token(acc.get_model_preset("Llama-3-8B"), torch.bfloat16) == 128 * 1024
 
 
 def test_llama_2_7b_is_512_kib_per_token():
-    assert acc.get_preset("llama-2-7b").kv_bytes_per_token() == 512 * 1024
+    assert acc.get_model_preset("llama-2-7b").kv_bytes_per_token() == 512 * 1024
 
 
 def test_gqa_and_mqa_shrink_kv_by_the_head_ratio():
-    l2, l3 = acc.get_preset("Llama-2-7B"), acc.get_preset("Llama-3-8B")
+    l2, l3 = acc.get_model_preset("Llama-2-7B"), acc.get_model_preset("Llama-3-8B")
     assert acc.kv_bytes_per_token(l2) == 4 * acc.kv_bytes_per_token(l3)  # 32 vs 8 KV heads
-    falcon = acc.get_preset("Falcon-7B")
+    falcon = acc.get_model_preset("Falcon-7B")
     assert (falcon.attention, l3.attention, l2.attention) == ("MQA", "GQA", "MHA")
     assert acc.kv_bytes_per_token(falcon) == 2 * 32 * 1 * 64 * 2
 
@@ -49,9 +50,9 @@ def test_dtype_bytes(dtype, b):
     assert acc.kv_bytes_per_token("Llama-2-7B", dtype) == 32 * 32 * 128 * 2 * b
 
 
-@given(n=st.integers(0, 10**6), name=st.sampled_from(list(acc.PRESETS)))
+@given(n=st.integers(0, 10**6), name=st.sampled_from(list(acc.MODEL_PRESETS)))
 def test_kv_bytes_is_linear_in_tokens(n, name):
-    spec = acc.get_preset(name)
+    spec = acc.get_model_preset(name)
     expected = 2 * spec.num_layers * n * spec.num_kv_heads * spec.head_dim * spec.dtype_bytes
     assert acc.kv_bytes(spec, n) == expected == n * acc.kv_bytes_per_token(spec)
 
@@ -123,34 +124,52 @@ def test_fixed_can_hold_less_when_block_does_not_divide_max_len():
 
 
 @pytest.mark.parametrize("call, arg", [
-    (lambda: acc.blocks_needed(-1, 16), "n_tokens"),
+    (lambda: acc.blocks_needed(-1, 16), "num_tokens"),
     (lambda: acc.blocks_needed(10, 0), "block_size"),
     (lambda: acc.blocks_needed(10, -4), "block_size"),
-    (lambda: acc.blocks_needed(10.5, 16), "n_tokens"),
-    (lambda: acc.allocated_slots(10, 2.0), "block_size"),
-    (lambda: acc.tail_waste(True, 16), "n_tokens"),
     (lambda: acc.utilisation([3, -1], 16), "lengths[1]"),
     (lambda: acc.utilisation([], 16), "lengths"),
     (lambda: acc.utilisation([0, 0], 16), "lengths"),
     (lambda: acc.fixed_slots([10, 600], 512), "max_len"),
     (lambda: acc.fixed_slots([10], 0), "max_len"),
-    (lambda: acc.kv_bytes("Llama-3-8B", -5), "n_tokens"),
+    (lambda: acc.kv_bytes("Llama-3-8B", -5), "num_tokens"),
     (lambda: acc.kv_bytes_per_token("Llama-3-8B", "fp12"), "dtype"),
-    (lambda: acc.get_preset("GPT-5"), "name"),
+    (lambda: acc.get_model_preset("GPT-5"), "name"),
     (lambda: acc.ModelSpec("x", 2, 6, 4, 64), "num_kv_heads"),
-    (lambda: acc.ChatLengths(max_len=0), "max_len"),
-    (lambda: acc.ChatLengths().sample(-1, 0), "n"),
-    (lambda: acc.capacity("Llama-3-8B", 2**30, 0, 2048, acc.ChatLengths()), "block_size"),
+    (lambda: acc.sample_lengths("chat", -1, 2048), "n"),
+    (lambda: acc.sample_lengths("chat", 10, 0), "max_len"),
+    (lambda: acc.capacity("Llama-3-8B", 2**30, 0, 2048, "chat"), "block_size"),
+    (lambda: acc.capacity("Llama-3-8B", 2**30, 16, 2048, "nope"), "preset"),
+    (lambda: acc.saving_grid("Llama-3-8B", ["chat"], [0]), "batch_size"),
 ])
-def test_bad_input_names_the_argument(call, arg):
+def test_bad_values_raise_value_error_naming_the_argument(call, arg):
     with pytest.raises(ValueError) as info:
+        call()
+    assert arg in str(info.value)
+
+
+@pytest.mark.parametrize("call, arg", [
+    (lambda: acc.blocks_needed(10.5, 16), "num_tokens"),
+    (lambda: acc.allocated_slots(10, 2.0), "block_size"),
+    (lambda: acc.tail_waste(True, 16), "num_tokens"),
+    (lambda: acc.utilisation([3, 1.5], 16), "lengths[1]"),
+    (lambda: acc.utilisation(7, 16), "lengths"),
+    (lambda: acc.kv_bytes_per_token("Llama-3-8B", [2]), "dtype"),
+    (lambda: acc.kv_bytes_per_token(42), "model"),
+    (lambda: acc.get_model_preset(None), "name"),
+    (lambda: acc.ModelSpec("x", 2.0, 4, 4, 64), "num_layers"),
+    (lambda: acc.capacity("Llama-3-8B", 2.0**30, 16, 2048, "chat"), "budget_bytes"),
+    (lambda: acc.capacity("Llama-3-8B", 2**30, 16, 2048, 3), "preset"),
+])
+def test_wrong_types_raise_type_error_naming_the_argument(call, arg):
+    with pytest.raises(TypeError) as info:
         call()
     assert arg in str(info.value)
 
 
 def test_unknown_preset_lists_valid_names():
     with pytest.raises(ValueError, match="OPT-13B.*Llama-3-8B"):
-        acc.get_preset("llama-4")
+        acc.get_model_preset("llama-4")
 
 
 def test_length_above_max_len_is_named():
@@ -158,27 +177,27 @@ def test_length_above_max_len_is_named():
         acc.fixed_slots([10, 600], 512)
 
 
-# ---------------------------------------------------------------- distributions
+# ---------------------------------------------------------------- sequence lengths
 
 
-@pytest.mark.parametrize("dist", list(acc.default_distributions(1024).values()), ids=lambda d: d.name)
-def test_distributions_are_seeded_and_clipped(dist):
-    a, b, c = dist.sample(5000, 7), dist.sample(5000, 7), dist.sample(5000, 8)
-    assert a.dtype == np.int64 and a.shape == (5000,)
-    assert np.array_equal(a, b) and not np.array_equal(a, c)
-    assert a.min() >= 1 and a.max() <= 1024
-    assert "max_len=1024" in repr(dist)  # parameters are stated
+@settings(max_examples=30, deadline=None)
+@given(name=st.sampled_from(["chat", "long_tail", "uniform"]), max_len=st.integers(1, 4096),
+       seed=st.integers(0, 2**32))
+def test_sample_lengths_are_seeded_and_cut_off_at_max_len(name, max_len, seed):
+    a, b = acc.sample_lengths(name, 500, max_len, seed), acc.sample_lengths(name, 500, max_len, seed)
+    assert a.dtype == np.int64 and a.shape == (500,)
+    assert np.array_equal(a, b)
+    assert a.min() >= 1 and a.max() <= max_len
 
 
-def test_distribution_parameters_show_in_repr():
-    assert repr(acc.ChatLengths(max_len=512, median=100.0, sigma=0.5)) == \
-        "ChatLengths(max_len=512, median=100.0, sigma=0.5)"
-    assert "alpha=1.2" in repr(acc.LongTailLengths())
+def test_sample_lengths_are_prompt_plus_output():
+    p = wl.LENGTH_PRESETS["chat"]
+    full = p.sequence_lengths(1000, np.random.default_rng(3))
+    np.testing.assert_array_equal(acc.sample_lengths(p, 1000, 2048, seed=3), np.minimum(full, 2048))
 
 
 def test_long_tail_is_heavier_than_chat_at_the_top():
-    chat, tail = acc.ChatLengths(max_len=10**6), acc.LongTailLengths(max_len=10**6)
-    c, t = chat.sample(20000, 0), tail.sample(20000, 0)
+    c, t = acc.sample_lengths("chat", 20000, 10**6), acc.sample_lengths("long_tail", 20000, 10**6)
     assert np.median(t) < np.median(c)
     assert t.max() / np.median(t) > c.max() / np.median(c)
 
@@ -189,9 +208,9 @@ def test_long_tail_is_heavier_than_chat_at_the_top():
 def test_capacity_small_case_by_hand():
     # 1-layer, 1-head, head_dim 1, 1 byte: one slot = 2 bytes. max_len 8, B = 4.
     tiny = acc.ModelSpec("tiny", 1, 1, 1, 1, dtype_bytes=1)
-    dist = acc.UniformLengths(max_len=8)
-    lengths = dist.sample(100, 3)
-    r = acc.capacity(tiny, 100, 4, 8, dist, seed=3)
+    preset = wl.WorkloadPreset("short", wl.Uniform(1, 4), wl.Uniform(1, 4))
+    r = acc.capacity(tiny, 100, 4, 8, preset, seed=3)
+    lengths = r.lengths  # admission order, up to the first sequence paging refused
     assert r.fixed.num_seqs == 100 // 16 == 6
     assert r.fixed.effective_kv == 2 * int(lengths[:6].sum())
     cost = [2 * acc.allocated_slots(int(n), 4) + 4 * 2 for n in lengths]
@@ -203,16 +222,16 @@ def test_capacity_small_case_by_hand():
 
 @settings(max_examples=60, deadline=None)
 @given(
-    name=st.sampled_from(list(acc.PRESETS)),
+    name=st.sampled_from(list(acc.MODEL_PRESETS)),
     budget_mib=st.integers(0, 4096),
     B=st.sampled_from([1, 8, 16, 32, 128]),
     max_len=st.sampled_from([128, 512, 2048]),
-    which=st.sampled_from(["chat", "long-tail", "uniform"]),
+    which=st.sampled_from(["chat", "long_tail", "uniform"]),
     seed=st.integers(0, 2**16),
 )
 def test_capacity_invariants(name, budget_mib, B, max_len, which, seed):
     budget = budget_mib * 2**20
-    r = acc.capacity(name, budget, B, max_len, acc.default_distributions(max_len)[which], seed=seed)
+    r = acc.capacity(name, budget, B, max_len, which, seed=seed)
     assert r.fixed.total == budget == r.paged.total
     for part in (*r.fixed.parts().values(), *r.paged.parts().values()):
         assert part >= 0
@@ -223,26 +242,24 @@ def test_capacity_invariants(name, budget_mib, B, max_len, which, seed):
     slot = acc.kv_bytes_per_token(name)
     assert r.paged.tail_waste < r.paged.num_seqs * B * slot or r.paged.num_seqs == 0
     # the next sequence really would not fit
-    nxt = acc.allocated_slots(int(r.lengths[r.paged.num_seqs]) if len(r.lengths) > r.paged.num_seqs else
-                              int(acc.default_distributions(max_len)[which].sample(r.paged.num_seqs + 1, seed)[-1]),
-                              B) * slot + row
+    nxt = acc.allocated_slots(int(r.lengths[r.paged.num_seqs]), B) * slot + row
     assert r.paged.unused < nxt
 
 
 def test_paging_admits_fewer_when_every_sequence_is_max_len():
     # Paging is not free: with no short sequences, the block table is pure overhead.
     tiny = acc.ModelSpec("tiny", 1, 1, 1, 1, dtype_bytes=1)  # 2 bytes per slot
-    full = acc.UniformLengths(max_len=8, low=8)
+    full = wl.WorkloadPreset("all at max_len", wl.Constant(4), wl.Constant(4))
     r = acc.capacity(tiny, 48, 4, 8, full)
     assert (r.fixed.num_seqs, r.paged.num_seqs) == (3, 2)  # 16 B each vs 16 + 8 B each
     assert r.paged.block_table == 16 and r.paged.tail_waste == 0
 
 
 def test_capacity_report_prints_a_table():
-    r = acc.capacity("Llama-3-8B", 8 * 2**30, 16, 2048, acc.ChatLengths(), dtype="bf16", seed=0)
+    r = acc.capacity("Llama-3-8B", 8 * 2**30, 16, 2048, "chat", dtype="bf16", seed=0)
     text = str(r)
     for word in ("Llama-3-8B", "sequences", "effective KV", "tail waste", "reservation waste", "block table",
-                 "unused", "total", "ChatLengths(max_len=2048"):
+                 "unused", "total", "chat lengths"):
         assert word in text
     assert f"{r.paged.num_seqs}" in text and r.gain == r.paged.num_seqs / r.fixed.num_seqs
 
@@ -251,12 +268,12 @@ def test_capacity_report_prints_a_table():
 
 
 def test_saving_depends_on_distribution_not_batch_size():
-    dists = list(acc.default_distributions(2048).values())
-    rows = acc.saving_grid("Llama-2-7B", dists, [256, 1024, 4096], block_size=16)
+    rows = acc.saving_grid("Llama-2-7B", ["chat", "long_tail", "uniform"], [256, 1024, 4096], block_size=16,
+                           max_len=2048)
     by_dist = {}
     for r in rows:
         assert r.fixed_bytes == r.batch_size * 2048 * 512 * 1024
-        by_dist.setdefault(r.distribution, []).append(r)
+        by_dist.setdefault(r.preset, []).append(r)
     expected = {name: rs[0].expected_saving for name, rs in by_dist.items()}
     # different distributions save very different fractions...
     assert max(expected.values()) - min(expected.values()) > 0.3
@@ -267,12 +284,9 @@ def test_saving_depends_on_distribution_not_batch_size():
 
 
 def test_expected_saving_matches_formula_for_a_constant_length():
-    class Const(acc.LengthDistribution):
-        def _draw(self, rng, n):
-            return np.full(n, 880)
-
+    const = wl.WorkloadPreset("880", wl.Constant(800), wl.Constant(80))
     # 880 tokens in 2048: A_16 = 880, saving = 1 - 880/2048 = 57.0%
-    assert math.isclose(acc.expected_saving(Const(max_len=2048), 16), 1 - 880 / 2048)
+    assert math.isclose(acc.expected_saving(const, 16, 2048), 1 - 880 / 2048)
 
 
 # ---------------------------------------------------------------- exercise checks
@@ -289,7 +303,7 @@ def test_checks_pass_the_reference_and_catch_classic_mistakes(capsys):
     assert ch01.check_tail_waste(acc.tail_waste)
     assert not ch01.check_tail_waste(lambda n, b: b - n % b)  # a full last block wastes B?
     assert ch01.check_utilisation(acc.utilisation)
-    assert not ch01.check_utilisation(lambda ls, b: sum(ls) / (b * -(-sum(ls) // b)))  # rounds the total
+    assert not ch01.check_utilisation(lambda ls, b: sum(ls) / (b * acc.ceil_div(sum(ls), b)))  # rounds the total
     assert not ch01.check_utilisation(lambda ls, b: 1.0)
     out = capsys.readouterr().out
     assert out.count("PASS") == 4 and out.count("FAIL") == 6

@@ -17,12 +17,11 @@ WORKED = [37, 91, 128, 201, 511]
 
 
 def test_waste_vs_block_size_plots_one_minus_utilisation():
-    dist = acc.ChatLengths(max_len=1024)
-    fig = vm.plot_waste_vs_block_size(dist, block_sizes=(4, 16, 64), n_samples=300, seed=5)
+    fig = vm.plot_waste_vs_block_size("chat", 1024, block_sizes=(4, 16, 64), num_seqs=300, seed=5)
     assert isinstance(fig, Figure)
     ax = fig.axes[0]
     paged, fixed = ax.lines[0], ax.lines[1]
-    lengths = dist.sample(300, 5)
+    lengths = acc.sample_lengths("chat", 300, 1024, seed=5)
     assert list(paged.get_xdata()) == [4, 16, 64]
     expected = [100 * (1 - acc.utilisation(lengths, b)) for b in (4, 16, 64)]
     np.testing.assert_allclose(paged.get_ydata(), expected)
@@ -56,7 +55,7 @@ def test_fixed_vs_paged_rejects_too_long():
 
 
 def test_capacity_breakdown_bars_sum_to_the_budget():
-    report = acc.capacity("Llama-3-8B", 4 * 2**30, 32, 2048, acc.LongTailLengths(), seed=1)
+    report = acc.capacity("Llama-3-8B", 4 * 2**30, 32, 2048, "long_tail", seed=1)
     fig = vm.plot_capacity_breakdown(report)
     ax = fig.axes[0]
     assert len(ax.patches) == 10  # 5 parts x 2 schemes
@@ -77,21 +76,25 @@ def test_explorer_redraws_on_slider_change():
     assert "Llama-3-8B" in before and "paged admits" in before
     block.value = 256
     assert summary.value != before
-    r = acc.capacity("Llama-3-8B", 2**30, 256, 2048, acc.ChatLengths())
+    r = acc.capacity("Llama-3-8B", 2**30, 256, 2048, "chat")
     assert f"paged admits {r.paged.num_seqs}" in summary.value
     which.value = "uniform"
     max_len.value = 4096
-    r = acc.capacity("Llama-3-8B", 2**30, 256, 4096, acc.UniformLengths(max_len=4096))
+    r = acc.capacity("Llama-3-8B", 2**30, 256, 4096, "uniform")
     assert f"fixed admits {r.fixed.num_seqs}," in summary.value
     assert f"paged admits {r.paged.num_seqs}" in summary.value
 
 
 def test_waste_plot_highlights_the_chosen_block_size():
-    dist = acc.UniformLengths(max_len=512)
-    fig = vm.plot_waste_vs_block_size(dist, block_sizes=(8, 32), n_samples=100, seed=0, highlight=32)
+    fig = vm.plot_waste_vs_block_size("uniform", 512, block_sizes=(8, 32), num_seqs=100, seed=0, highlight=32)
     ax = fig.axes[0]
     assert len(ax.lines) == 3
     assert list(ax.lines[2].get_xdata()) == [32, 32]
-    u = acc.utilisation(dist.sample(100, 0), 32)
+    u = acc.utilisation(acc.sample_lengths("uniform", 100, 512, seed=0), 32)
     assert f"B = 32: {100 * (1 - u):.1f}%" in [t.get_text() for t in ax.get_legend().get_texts()]
-    assert len(vm.plot_waste_vs_block_size(dist, block_sizes=(8, 32), n_samples=100).axes[0].lines) == 2
+    assert len(vm.plot_waste_vs_block_size("uniform", 512, block_sizes=(8, 32), num_seqs=100).axes[0].lines) == 2
+
+
+def test_explorer_rejects_unknown_presets_up_front():
+    with pytest.raises(ValueError, match="preset"):
+        vm.memory_explorer(presets=("chat", "nope"))

@@ -6,11 +6,12 @@ and one live explorer that redraws them from ipywidgets controls.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from matplotlib.figure import Figure
 
 from minipaged import accounting as acc
+from minipaged.workload import WorkloadPreset, get_length_preset
 
 # one colour per kind of memory, shared by every figure in the chapter
 COLORS = {
@@ -24,27 +25,36 @@ COLORS = {
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-def plot_waste_vs_block_size(distribution: acc.LengthDistribution, block_sizes: Sequence[int] = BLOCK_SIZES,
-                             n_samples: int = 2000, seed: int = 0, highlight: int | None = None) -> Figure:
+def plot_waste_vs_block_size(preset: str | WorkloadPreset, max_len: int = 2048,
+                             block_sizes: Sequence[int] = BLOCK_SIZES, num_seqs: int = 2000, seed: int = 0,
+                             highlight: int | None = None) -> Figure:
     """Wasted share of the allocated slots, 1 − U, against B; fixed reservation as a dashed line.
 
-    ``highlight`` marks one block size (the explorer's current choice) with a dotted line.
+    Args:
+        preset: the length preset (see ``accounting.sample_lengths``).
+        max_len: the fixed reservation; sampled lengths are cut off there.
+        block_sizes: the values of B on the x axis.
+        num_seqs: how many sequence lengths to sample.
+        seed: the seed of the sampled lengths.
+        highlight: one block size (the explorer's current choice) to mark with a dotted line.
     """
-    lengths = distribution.sample(n_samples, seed)
+    preset = get_length_preset(preset)
+    lengths = acc.sample_lengths(preset, num_seqs, max_len, seed)
     waste = [100 * (1 - acc.utilisation(lengths, b)) for b in block_sizes]
-    fixed = 100 * (1 - acc.fixed_utilisation(lengths, distribution.max_len))
+    fixed = 100 * (1 - acc.fixed_utilisation(lengths, max_len))
     fig = Figure(figsize=(6.4, 3.6), layout="constrained")
     ax = fig.add_subplot()
     ax.plot(block_sizes, waste, "o-", color=COLORS["tail waste"], label="paged: tail waste")
-    ax.axhline(fixed, ls="--", color=COLORS["reservation waste"], label=f"fixed {distribution.max_len}: {fixed:.1f}%")
+    ax.axhline(fixed, ls="--", color=COLORS["reservation waste"], label=f"fixed {max_len}: {fixed:.1f}%")
     if highlight is not None:
-        ax.axvline(highlight, ls=":", color="grey", label=f"B = {highlight}: {100 * (1 - acc.utilisation(lengths, highlight)):.1f}%")
+        waste_here = 100 * (1 - acc.utilisation(lengths, highlight))
+        ax.axvline(highlight, ls=":", color="grey", label=f"B = {highlight}: {waste_here:.1f}%")
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(block_sizes), [str(b) for b in block_sizes])
     ax.set_ylim(0, 100)
     ax.set_xlabel("block size B (tokens)")
     ax.set_ylabel("wasted slots (% of allocated)")
-    ax.set_title(f"{distribution.name} lengths, {n_samples} sequences (seed {seed})")
+    ax.set_title(f"{preset.name} lengths, {num_seqs} sequences (seed {seed})")
     ax.legend(loc="best")
     return fig
 
@@ -89,29 +99,38 @@ def plot_capacity_breakdown(report: acc.CapacityReport) -> Figure:
                            f"paged B={report.block_size}\n{report.paged.num_seqs} seqs"])
     ax.set_xlim(0, 100)
     ax.set_xlabel(f"% of {report.budget_bytes / 2**30:g} GiB KV budget")
-    ax.set_title(f"{report.model.name}, {report.distribution.name} lengths (max_len {report.max_len})")
+    ax.set_title(f"{report.model.name}, {report.preset.name} lengths (max_len {report.max_len})")
     ax.legend(ncols=5, fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.35))
     return fig
 
 
 def memory_explorer(model="Llama-3-8B", budget_bytes: int = 16 * 2**30, dtype=None, seed: int = 0,
-                    distributions: dict[str, acc.LengthDistribution] | None = None):
-    """Live view: block size, max length and distribution controls redraw the waste and capacity figures."""
+                    presets: Sequence[str] = ("chat", "long_tail", "uniform")):
+    """Live view: block size, max length and length-preset controls redraw the waste and capacity figures.
+
+    Args:
+        model: a ``ModelSpec`` or a name in ``accounting.MODEL_PRESETS``.
+        budget_bytes: the KV memory to fill.
+        dtype: bytes per number (default: the model's own).
+        seed: the seed of the sampled lengths.
+        presets: the names in ``workload.LENGTH_PRESETS`` to choose from.
+    """
     import ipywidgets as W
     from IPython.display import display
 
-    dists = distributions or acc.default_distributions()
+    for name in presets:
+        get_length_preset(name)  # fail now, not in a callback
     block = W.SelectionSlider(options=list(BLOCK_SIZES), value=16, description="block size")
     max_len = W.SelectionSlider(options=[512, 1024, 2048, 4096, 8192], value=2048, description="max_len")
-    which = W.Dropdown(options=list(dists), description="lengths")
+    which = W.Dropdown(options=list(presets), description="lengths")
     summary = W.HTML()
     out = W.Output()
 
     @out.capture(clear_output=True, wait=True)
     def redraw(_change=None):
-        dist = dists[which.value].with_max_len(max_len.value)
-        report = acc.capacity(model, budget_bytes, block.value, max_len.value, dist, dtype=dtype, seed=seed)
-        display(plot_waste_vs_block_size(dist, seed=seed, highlight=block.value), plot_capacity_breakdown(report))
+        report = acc.capacity(model, budget_bytes, block.value, max_len.value, which.value, dtype=dtype, seed=seed)
+        display(plot_waste_vs_block_size(which.value, max_len.value, seed=seed, highlight=block.value),
+                plot_capacity_breakdown(report))
         # set last, so a changed summary means the new figures have been sent
         summary.value = (f"<b>{report.model.name}</b>: fixed admits {report.fixed.num_seqs}, "
                          f"paged admits {report.paged.num_seqs} sequences ({report.gain:.2f}x)")
