@@ -49,7 +49,7 @@ from minipaged.model import AttentionMetadata
 from minipaged.scheduler import EngineConfig, Scheduler, SchedulerOutput
 from minipaged.sequence import SamplingParams, Sequence
 from minipaged.validation import check_int
-from minipaged.workload import TraceRequest, prompt_token_ids
+from minipaged.workload import RequestSpec, prompt_token_ids
 
 
 @dataclass
@@ -229,7 +229,7 @@ class Engine:
 
     # -- whole workloads --------------------------------------------------
 
-    def run(self, workload: list[TraceRequest], progress: bool = True, seed: int = 0) -> list[Sequence]:
+    def run(self, workload: list[RequestSpec], progress: bool = True, seed: int = 0) -> list[Sequence]:
         """Replay a workload to the end (see :class:`Replay`); returns the sequences in the workload's order.
 
         Args:
@@ -271,7 +271,7 @@ class Replay:
         seed: the seed of the prompts' token ids (request ``i`` gets ``prompt_token_ids(i, ..., seed)``).
     """
 
-    def __init__(self, engine: Engine, workload: list[TraceRequest], seed: int = 0):
+    def __init__(self, engine: Engine, workload: list[RequestSpec], seed: int = 0):
         self.engine = engine
         self.seed = seed
         self.arrivals = deque(sorted(enumerate(workload), key=lambda item: item[1].arrival_time))

@@ -120,9 +120,9 @@ def model():
 
 
 def workload():
-    from minipaged.workload import TraceRequest
+    from minipaged.workload import RequestSpec
 
-    return [TraceRequest(0.0005 * i, 6 + (5 * i) % 17, 4 + (7 * i) % 13) for i in range(8)]
+    return [RequestSpec(0.0005 * i, 6 + (5 * i) % 17, 4 + (7 * i) % 13) for i in range(8)]
 
 
 def make_engine(model):

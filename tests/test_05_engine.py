@@ -13,7 +13,7 @@ from minipaged.model import LlamaConfig, LlamaForCausalLM, generate_contiguous
 from minipaged.scheduler import EngineConfig
 from minipaged.sequence import SamplingParams, SequenceStatus
 from minipaged.static_batching import static_engine
-from minipaged.workload import TraceRequest, load_trace, make_workload, poisson_arrivals, save_trace
+from minipaged.workload import RequestSpec, make_workload
 
 pytestmark = pytest.mark.ch05
 
@@ -155,8 +155,8 @@ def test_abort_frees_blocks_at_once(model):
 
 
 def test_virtual_clock_runs_are_deterministic_and_metrics_follow_events(model):
-    workload = make_workload(12, rate=40.0, preset="chat", seed=3)
-    workload = [TraceRequest(r.arrival_time, min(r.prompt_len, 40), min(r.output_len, 12)) for r in workload]
+    workload = make_workload(12, rate=40.0, preset="tiny_chat", seed=3)
+    workload = [RequestSpec(r.arrival_time, min(r.prompt_len, 40), min(r.output_len, 12)) for r in workload]
     config = EngineConfig(num_blocks=16, block_size=8, max_num_batched_tokens=64)
     runs = []
     for _ in range(2):
@@ -183,19 +183,25 @@ def test_virtual_clock_runs_are_deterministic_and_metrics_follow_events(model):
     assert runs[0]["ttft_p50"] <= runs[0]["ttft_p90"] <= runs[0]["ttft_p99"]
 
 
-def test_percentiles_and_workloads(tmp_path):
+def test_percentiles():
     assert percentiles([1.0, 2.0, 3.0, 4.0, 5.0]) == {50: 3.0, 90: 4.6, 99: pytest.approx(4.96)}
     assert all(math.isnan(v) for v in percentiles([]).values())
-    gen = torch.Generator().manual_seed(0)
-    arrivals = poisson_arrivals(4000, 20.0, gen)
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    assert arrivals[0] == 0.0 and all(g >= 0 for g in gaps)
-    assert sum(gaps) / len(gaps) == pytest.approx(1 / 20.0, rel=0.05)  # mean gap 1/rate
-    trace = make_workload(50, rate=5.0, preset="longtail", seed=1)
-    assert trace == make_workload(50, rate=5.0, preset="longtail", seed=1)
-    assert all(4 <= r.prompt_len <= 384 and 2 <= r.output_len <= 256 for r in trace)
-    assert all(r.arrival_time == 0.0 for r in make_workload(5, rate=math.inf))
-    save_trace(trace, tmp_path / "t.json")
-    assert load_trace(tmp_path / "t.json") == trace
-    with pytest.raises(ValueError, match="preset"):
-        make_workload(3, 1.0, preset="nope")
+
+
+def test_run_replays_arrivals_and_idles_between_them(model):
+    """Requests join when they arrive; an idle gap costs no step, and the prompts are the seeded ones."""
+    from minipaged.workload import prompt_token_ids
+
+    workload = [RequestSpec(0.0, 5, 3), RequestSpec(10.0, 4, 2), RequestSpec(0.001, 6, 2)]
+    engine = Engine(model, EngineConfig(num_blocks=16, block_size=4))
+    seqs = engine.run(workload, progress=False, seed=7)
+    assert [s.arrival_time for s in seqs] == [0.0, 10.0, 0.001]  # in the workload's order
+    assert seqs[2].first_token_time < 10.0 <= seqs[1].first_token_time
+    assert [s.prompt_token_ids for s in seqs] == [
+        prompt_token_ids(i, r.prompt_len, model.config.vocab_size, seed=7) for i, r in enumerate(workload)
+    ]
+    # Step 1 prefills request 0 alone; step 2 decodes it and prefills request 2, which arrived meanwhile;
+    # step 3 finishes both. Then the clock jumps to t = 10 without a step, and request 1 takes two.
+    assert [r.num_running for r in engine.metrics.history] == [1, 2, 0, 1, 0]
+    assert engine.metrics.history[2].time < 10.0 < engine.metrics.history[3].time
+    assert Engine(model).run([], progress=False) == []

@@ -33,7 +33,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m minipaged.bench engine", description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--rate", type=float, default=400.0, help="Poisson arrivals per second")
-    parser.add_argument("--preset", default="chat", choices=["chat", "longtail"])
+    parser.add_argument("--preset", default="tiny_chat", choices=["tiny_chat", "tiny_long_tail"],
+                        help="length preset of minipaged.workload, scaled to the tiny model")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-blocks", type=int, default=96)
     parser.add_argument("--max-num-seqs", type=int, default=32)

@@ -19,7 +19,7 @@ In a notebook::
     def make_engine():  # a fresh engine each time, so Reset can start over
         return Engine(model, EngineConfig(num_blocks=14, block_size=4, max_num_seqs=6))
 
-    dash = EngineDashboard(make_engine, workload)  # workload: list of TraceRequest
+    dash = EngineDashboard(make_engine, workload)  # workload: list of RequestSpec
     dash            # the live widget (mark the cell # NBVAL_IGNORE_OUTPUT)
 
 and, in a later checked cell, a deterministic picture for readers without a kernel::
@@ -286,7 +286,7 @@ class EngineDashboard(BlockMapView):
 
     ``engine`` is a function that builds a fresh :class:`~minipaged.engine.Engine`
     (then Reset starts over with a new one), or an engine (then Reset is not
-    available). ``workload`` is a list of :class:`~minipaged.workload.TraceRequest`
+    available). ``workload`` is a list of :class:`~minipaged.workload.RequestSpec`
     replayed through it by a :class:`~minipaged.engine.Replay`, one engine step
     per Step click or Play tick. A ``Replay`` may be passed instead of both.
 
