@@ -261,7 +261,7 @@ def _timelines(history, step: int, extra_events=()) -> tuple[str, str]:
     events = sorted(preemption_events(history) + list(extra_events), key=lambda e: e[0])
     cache = render_timeline(
         fractions, events=events, step=step, height=170,
-        title="KV usage (blocks) and token occupancy (tokens) per step; the gap is tail waste (red: preemption)",
+        title="KV usage and token occupancy per step (gap: tail waste; red: preemption)",
     )  # fmt: skip
     load = render_timeline(counts, events=events, step=step, height=150, title="sequences running and waiting")
     return cache, load
