@@ -141,3 +141,79 @@ class PagedKVCache:
             f"PagedKVCache(num_layers={self.num_layers}, num_blocks={self.num_blocks}, block_size={self.block_size}, "
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, device={self.device})"
         )
+
+    def _check_block_ids(self, block_ids, name: str, unique: bool = False) -> list[int]:
+        """``block_ids`` as a list of ints in ``[0, num_blocks)``, or an error that names ``name``."""
+        from minipaged.validation import check_int
+
+        if isinstance(block_ids, (str, bytes)) or not hasattr(block_ids, "__iter__"):
+            raise TypeError(f"{name} must be a list of block ids, got {type(block_ids).__name__}")
+        ids = [check_int(b, f"{name}[{i}]", minimum=None) for i, b in enumerate(block_ids)]
+        for i, b in enumerate(ids):
+            if not 0 <= b < self.num_blocks:
+                raise IndexError(f"{name}[{i}] = {b} is outside the pool of {self.num_blocks} blocks")
+        if unique and len(set(ids)) != len(ids):
+            raise ValueError(f"{name} must not repeat a block id (two copies would race for it), got {ids}")
+        return ids
+
+    @torch.inference_mode()
+    def swap_out(self, block_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copy some blocks' K and V to CPU memory, e.g. before a preempted sequence's blocks are freed.
+
+        Args:
+            block_ids: the blocks to save, in the order :meth:`swap_in` will restore them.
+
+        Returns:
+            Per layer, ``(k, v)`` CPU tensors of shape ``[len(block_ids), block_size, num_kv_heads, head_dim]``.
+            The pool is unchanged.
+        """
+        ids = torch.tensor(self._check_block_ids(block_ids, "block_ids"), dtype=torch.int64, device=self.device)
+        pools = zip(self.k_caches, self.v_caches)
+        return [(k.index_select(0, ids).cpu(), v.index_select(0, ids).cpu()) for k, v in pools]
+
+    @torch.inference_mode()
+    def swap_in(self, block_ids: list[int], saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy K and V saved by :meth:`swap_out` back into the pool, usually into other blocks than before.
+
+        Args:
+            block_ids: the destination blocks, one per saved block, in the saved order (no repeats).
+            saved: what :meth:`swap_out` returned: per layer, ``(k, v)`` of shape
+                ``[len(block_ids), block_size, num_kv_heads, head_dim]``, on any device.
+        """
+        ids = self._check_block_ids(block_ids, "block_ids", unique=True)
+        if not isinstance(saved, (list, tuple)):
+            raise TypeError(f"saved must be the list swap_out returned, got {type(saved).__name__}")
+        if len(saved) != self.num_layers:
+            raise ValueError(f"saved must hold one (k, v) pair per layer: {self.num_layers}, got {len(saved)}")
+        shape = (len(ids), self.block_size, self.num_kv_heads, self.head_dim)
+        for layer, pair in enumerate(saved):
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise ValueError(f"saved[{layer}] must be a (k, v) pair of tensors")
+            for name, t in zip("kv", pair):
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"saved[{layer}] {name} must be a torch.Tensor, got {type(t).__name__}")
+                if tuple(t.shape) != shape:
+                    got = tuple(t.shape)
+                    raise ValueError(f"saved[{layer}] {name} has shape {got}; {len(ids)} blocks need {shape}")
+        index = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        for k, v, (k_saved, v_saved) in zip(self.k_caches, self.v_caches, saved):
+            k.index_copy_(0, index, k_saved.to(device=self.device, dtype=self.dtype))
+            v.index_copy_(0, index, v_saved.to(device=self.device, dtype=self.dtype))
+
+    @torch.inference_mode()
+    def copy_blocks(self, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+        """Copy whole blocks inside the pool, in every layer (copy-on-write gives a writer its own block this way).
+
+        Args:
+            src_block_ids: the blocks to read.
+            dst_block_ids: where each one goes, pairwise (same length, no repeats). A destination may also
+                be a source: every source is read before anything is written.
+        """
+        src = self._check_block_ids(src_block_ids, "src_block_ids")
+        dst = self._check_block_ids(dst_block_ids, "dst_block_ids", unique=True)
+        if len(src) != len(dst):
+            raise ValueError(f"src_block_ids and dst_block_ids must pair up, got {len(src)} and {len(dst)} ids")
+        src_index = torch.tensor(src, dtype=torch.int64, device=self.device)
+        dst_index = torch.tensor(dst, dtype=torch.int64, device=self.device)
+        for pool in (*self.k_caches, *self.v_caches):
+            pool.index_copy_(0, dst_index, pool.index_select(0, src_index))

@@ -23,7 +23,15 @@ Public state (the live dashboard reads it; keep these names stable):
 * ``engine.step()`` returns a :class:`StepOutput` saying what happened.
 
 Time comes from ``engine.clock``, virtual by default (deterministic, see
-:mod:`minipaged.workload`) or wall-clock for benchmarks.
+:mod:`minipaged.clock`) or wall-clock for benchmarks.
+
+A workload (requests with arrival times) is replayed by :class:`Replay`, one
+step at a time: :meth:`Engine.run` drives it to the end, the chapter's
+dashboard steps it on every click.
+
+Vocabulary: the engine's API speaks of requests (``request_id``); with one
+sample per request, a request is one :class:`~minipaged.sequence.Sequence`
+and its ``request_id`` is the sequence's ``seq_id``.
 """
 
 from __future__ import annotations
@@ -35,16 +43,18 @@ import torch
 from tqdm.auto import tqdm
 
 from minipaged.cache import PagedKVCache
+from minipaged.clock import VirtualClock
 from minipaged.metrics import Metrics
 from minipaged.model import AttentionMetadata
 from minipaged.scheduler import EngineConfig, Scheduler, SchedulerOutput
 from minipaged.sequence import SamplingParams, Sequence
-from minipaged.workload import TraceRequest, VirtualClock, prompt_token_ids
+from minipaged.validation import check_int
+from minipaged.workload import RequestSpec, prompt_token_ids
 
 
 @dataclass
 class StepOutput:
-    """What one step did, by request id."""
+    """What one step did, by request id (= seq_id)."""
 
     step: int
     time: float
@@ -56,7 +66,12 @@ class StepOutput:
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """One token per row: argmax for greedy requests, else a draw from softmax(logits / T)."""
+    """One token per row: argmax for greedy requests, else a draw from softmax(logits / T).
+
+    Args:
+        logits: ``[len(seqs), vocab_size]``, one row per sequence to sample for.
+        seqs: those sequences (their sampling parameters and generators).
+    """
     tokens = logits.argmax(dim=-1).tolist()
     for i, seq in enumerate(seqs):
         t = seq.sampling_params.temperature
@@ -67,6 +82,14 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
 
 
 class Engine:
+    """A continuous-batching engine over one paged KV cache.
+
+    Args:
+        model: a :class:`~minipaged.model.LlamaForCausalLM` (its config sizes the cache).
+        config: the pool and the scheduler's knobs (:class:`EngineConfig` defaults if None).
+        clock: a :class:`~minipaged.clock.VirtualClock` (the default) or a :class:`~minipaged.clock.WallClock`.
+    """
+
     def __init__(self, model, config: EngineConfig | None = None, clock=None):
         self.model = model
         self.config = config or EngineConfig()
@@ -81,7 +104,7 @@ class Engine:
             device=model.device,
         )
         self.scheduler = Scheduler(self.config, self.cache.allocator)
-        self.metrics = Metrics(self.config.num_blocks)
+        self.metrics = Metrics(self.config.num_blocks, self.config.block_size)
         self.metrics.attach(self.cache.allocator)
         self.clock = clock or VirtualClock()
         self.requests: dict = {}
@@ -90,25 +113,34 @@ class Engine:
 
     # -- requests ---------------------------------------------------------
 
-    def add_request(self, prompt_ids, sampling_params: SamplingParams | None = None, request_id=None, arrival_time=None):
-        """Queue a request; returns its id. Errors (bad input, too big for the pool) change nothing."""
-        prompt_ids = [int(t) for t in prompt_ids]
+    def add_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
+                    request_id=None, arrival_time: float | None = None):  # fmt: skip
+        """Queue a request and return its id. Errors (bad input, too big for the pool) change nothing.
+
+        Args:
+            prompt_token_ids: the prompt, token ids in ``[0, vocab_size)``.
+            sampling_params: how to sample and when to stop (:class:`SamplingParams` defaults if None).
+            request_id: any hashable id not in use yet; None picks the next free integer.
+            arrival_time: when the request arrived, in the engine's clock (None: now).
+        """
         vocab = self.model.config.vocab_size
-        if not all(0 <= t < vocab for t in prompt_ids):
-            raise ValueError(f"prompt_ids must be token ids in [0, {vocab}), got {prompt_ids!r}")
+        prompt_token_ids = [check_int(t, f"prompt_token_ids[{i}]") for i, t in enumerate(prompt_token_ids)]
+        if not all(t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt_token_ids must be token ids in [0, {vocab}), got {prompt_token_ids!r}")
         if request_id is None:
             while self._next_id in self.requests:
                 self._next_id += 1
             request_id = self._next_id
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        seq = Sequence(request_id, prompt_ids, sampling_params or SamplingParams(),
+        seq = Sequence(request_id, prompt_token_ids, sampling_params or SamplingParams(),
                        self.clock.now() if arrival_time is None else arrival_time)
         self.scheduler.add(seq)  # raises if the request could never fit the pool
         self.requests[request_id] = seq
         return request_id
 
     def abort(self, request_id) -> None:
+        """Drop a waiting or running request now; its blocks (and swapped-out K/V) are freed at once."""
         if request_id not in self.requests:
             raise KeyError(f"abort: no request with id {request_id!r}")
         seq = self.requests[request_id]
@@ -123,6 +155,7 @@ class Engine:
     # -- one step ---------------------------------------------------------
 
     def step(self) -> StepOutput:
+        """Schedule, run one forward pass, sample, and record the step (see the module docstring)."""
         out = self.scheduler.schedule()
         result = StepOutput(step=len(self.metrics.history), time=self.clock.now())
         result.admitted = [s.seq_id for s in out.admitted]
@@ -146,32 +179,36 @@ class Engine:
                                  out.num_new_tokens, prefill, len(finished))
         return result
 
-    @torch.inference_mode()
     def swap(self, out: SchedulerOutput) -> int:
-        """Swap mode: save victims' K/V to CPU memory, restore readmitted ones'. Returns tokens moved.
+        """Swap mode: save victims' K/V to CPU memory, restore readmitted ones'. Returns the tokens moved.
 
-        It must run before the forward pass: a victim's freed blocks may already
-        belong to someone else this step, who is about to write into them.
+        The scheduler decided who moves; the cache copies (:meth:`PagedKVCache.swap_out`
+        and :meth:`~PagedKVCache.swap_in`). It must run before the forward pass: a
+        victim's freed blocks may already belong to someone else this step, who is
+        about to write into them.
+
+        Args:
+            out: this step's plan; its ``swap_out`` and ``swap_in`` lists say what moves.
         """
         moved = 0
         for seq, block_ids in out.swap_out:
-            ids = torch.tensor(block_ids, device=self.cache.device)
-            self.swap_space[seq.seq_id] = [
-                (k.index_select(0, ids).cpu(), v.index_select(0, ids).cpu()) for k, v in zip(self.cache.k_caches, self.cache.v_caches)
-            ]
+            self.swap_space[seq.seq_id] = self.cache.swap_out(block_ids)
             moved += seq.num_computed_tokens
         for seq in out.swap_in:
             saved = self.swap_space.pop(seq.seq_id)
-            ids = torch.tensor(seq.block_table.blocks[: len(saved[0][0])], device=self.cache.device)
-            for k, v, (k_saved, v_saved) in zip(self.cache.k_caches, self.cache.v_caches, saved):
-                k.index_copy_(0, ids, k_saved.to(self.cache.device))
-                v.index_copy_(0, ids, v_saved.to(self.cache.device))
+            num_saved_blocks = len(saved[0][0])
+            self.cache.swap_in(seq.block_table.blocks[:num_saved_blocks], saved)  # its first blocks, new ids
             moved += seq.num_computed_tokens
         return moved
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, last: list[bool]) -> torch.Tensor:
-        """One forward pass over every scheduled token; logits of the chunks that end a sequence."""
+        """One forward pass over every scheduled token; logits of the chunks that end a sequence.
+
+        Args:
+            out: this step's plan (sequences, their ``num_new_tokens`` and slot mappings).
+            last: per scheduled sequence, whether its chunk reaches its last token (then it is sampled).
+        """
         device = self.cache.device
         input_ids, positions = [], []
         for seq, n in zip(out.seqs, out.num_new_tokens):
@@ -192,34 +229,83 @@ class Engine:
 
     # -- whole workloads --------------------------------------------------
 
-    def run(self, workload: list[TraceRequest], progress: bool = True, seed: int = 0) -> list[Sequence]:
-        """Replay a workload: each request is added when its arrival time comes.
+    def run(self, workload: list[RequestSpec], progress: bool = True, seed: int = 0) -> list[Sequence]:
+        """Replay a workload to the end (see :class:`Replay`); returns the sequences in the workload's order.
 
-        Arrival times are relative to the start of the run. Prompts are the
-        seeded ids of :func:`minipaged.workload.prompt_token_ids`. Returns the
-        sequences in the workload's order.
+        Args:
+            workload: the requests, with arrival times relative to the start of the run.
+            progress: show a progress bar of finished requests.
+            seed: the seed of the prompts' token ids.
         """
-        arrivals = deque(sorted(enumerate(workload), key=lambda item: item[1].arrival_time))
-        vocab = self.model.config.vocab_size
-        start = self.clock.now()
-        seqs = [None] * len(workload)
-        bar = tqdm(total=len(workload), desc="requests", disable=not progress)
-        while arrivals or self.has_unfinished():
-            while arrivals and start + arrivals[0][1].arrival_time <= self.clock.now():
-                i, r = arrivals.popleft()
-                rid = self.add_request(prompt_token_ids(i, r.prompt_len, vocab, seed), SamplingParams(max_tokens=r.output_len),
-                                       arrival_time=start + r.arrival_time)
-                seqs[i] = self.requests[rid]
-            if not self.has_unfinished():
-                self.clock.wait_until(start + arrivals[0][1].arrival_time)  # idle until the next arrival
-                continue
-            bar.update(len(self.step().finished))
-        bar.close()
-        return seqs
+        replay = Replay(self, workload, seed)
+        with tqdm(total=len(workload), desc="requests", disable=not progress) as bar:
+            while not replay.done:
+                replay.step()
+                bar.update(self.metrics.history[-1].finished)
+        return replay.seqs
 
     def generate(self, prompts: list[list[int]], sampling_params: SamplingParams | None = None) -> list[list[int]]:
-        """Offline convenience: every prompt arrives now; returns each one's output tokens."""
+        """Offline convenience: every prompt arrives now; returns each one's output tokens.
+
+        Args:
+            prompts: the prompts' token ids.
+            sampling_params: the same for every prompt (:class:`SamplingParams` defaults if None).
+        """
         ids = [self.add_request(p, sampling_params) for p in prompts]
         while self.has_unfinished():
             self.step()
         return [self.requests[i].output_token_ids for i in ids]
+
+
+class Replay:
+    """A workload replayed through an engine, one engine step per :meth:`step`.
+
+    Before each step, the requests whose arrival time has come are added, with
+    the seeded prompts of :func:`minipaged.workload.prompt_token_ids`; when
+    nothing is queued or running, the clock first idles until the next arrival.
+    :meth:`Engine.run` steps it to the end; the dashboard steps it on every click.
+
+    Args:
+        engine: the engine to drive; arrival times count from its clock's time now.
+        workload: the requests, with arrival times relative to the start of the replay.
+        seed: the seed of the prompts' token ids (request ``i`` gets ``prompt_token_ids(i, ..., seed)``).
+    """
+
+    def __init__(self, engine: Engine, workload: list[RequestSpec], seed: int = 0):
+        self.engine = engine
+        self.seed = seed
+        self.arrivals = deque(sorted(enumerate(workload), key=lambda item: item[1].arrival_time))
+        self.start = engine.clock.now()
+        self.seqs: list[Sequence | None] = [None] * len(workload)  # in the workload's order, once added
+
+    @property
+    def allocator(self):
+        """The engine's block pool (views subscribe to its events)."""
+        return self.engine.cache.allocator
+
+    @property
+    def done(self) -> bool:
+        return not self.arrivals and not self.engine.has_unfinished()
+
+    def _add_arrivals(self) -> None:
+        vocab = self.engine.model.config.vocab_size
+        while self.arrivals and self.start + self.arrivals[0][1].arrival_time <= self.engine.clock.now():
+            i, r = self.arrivals.popleft()
+            prompt = prompt_token_ids(i, r.prompt_len, vocab, self.seed)
+            rid = self.engine.add_request(prompt, SamplingParams(max_tokens=r.output_len),
+                                          arrival_time=self.start + r.arrival_time)  # fmt: skip
+            self.seqs[i] = self.engine.requests[rid]
+
+    def step(self) -> bool:
+        """Add the arrivals that are due, idle to the next one if there is nothing to run, take one engine step.
+
+        Returns False once every request has finished (then nothing happens), True while work remains.
+        """
+        if self.done:
+            return False
+        self._add_arrivals()
+        if not self.engine.has_unfinished():
+            self.engine.clock.wait_until(self.start + self.arrivals[0][1].arrival_time)  # idle until the next arrival
+            self._add_arrivals()
+        self.engine.step()
+        return not self.done

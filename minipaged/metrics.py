@@ -1,6 +1,6 @@
 """What a serving run is judged by: per-request latencies, throughput, and the cache over time.
 
-Per request (times in the engine's clock, see :mod:`minipaged.workload`):
+Per request (times in the engine's clock, see :mod:`minipaged.clock`):
 
 * **TTFT**, time to first token = first token time - arrival. Queueing plus prefill.
 * **TPOT**, time per output token after the first = (finish - first token) / (outputs - 1).
@@ -11,9 +11,16 @@ not its average. Throughput is output tokens (and requests) per second over
 the run, from the first arrival to the last finish.
 
 Per step, :class:`Metrics` keeps a ``history`` of :class:`StepRecord` (queue
-lengths, KV blocks in use, tail waste, preemptions). It learns about blocks
-and preemptions by subscribing to the allocator's events, not by polling.
-The plotting functions are pure: data in, matplotlib figure out.
+lengths, the cache's memory use, preemptions). It learns about blocks and
+preemptions by subscribing to the allocator's events, not by polling. Memory
+use is two fractions of the pool, never to be confused with chapter 01's
+utilisation U (tokens / *allocated* slots):
+
+* **KV usage** = blocks in use / blocks in the pool (vLLM's ``kv_cache_usage_perc``);
+* **token occupancy** = tokens held / token slots in the pool. The gap
+  between the two is the tail waste of the sequences' last blocks.
+
+The numbers live here; :mod:`minipaged.viz.serving` draws them.
 """
 
 from __future__ import annotations
@@ -36,7 +43,8 @@ class StepRecord:
     num_batched_tokens: int
     num_prefill_tokens: int  # tokens of sequences still in prefill (their chunk is not a single decode token)
     kv_used_blocks: int
-    kv_utilisation: float  # blocks in use / blocks in the pool
+    kv_usage: float  # blocks in use / blocks in the pool
+    token_occupancy: float  # tokens the running sequences hold / token slots in the pool
     tail_waste: int  # reserved but unfilled slots in the last block of each running sequence
     preemptions: int  # in this step
     finished: int  # in this step
@@ -44,9 +52,13 @@ class StepRecord:
 
 @dataclass
 class Metrics:
-    """Step history plus counters fed by allocator events. ``attach(allocator)`` subscribes."""
+    """Step history plus counters fed by allocator events. ``attach(allocator)`` subscribes.
+
+    ``num_blocks`` and ``block_size`` are the pool's, the denominators of KV usage and token occupancy.
+    """
 
     num_blocks: int
+    block_size: int
     history: list[StepRecord] = field(default_factory=list)
     used_blocks: int = 0
     num_preemptions: int = 0
@@ -73,7 +85,17 @@ class Metrics:
 
     def record_step(self, time: float, running: list[Sequence], num_waiting: int, num_new_tokens: list[int],
                     num_prefill_tokens: int, num_finished: int) -> StepRecord:
-        waste = sum(s.block_table.tail_waste for s in running if s.block_table is not None)
+        """Append the record of the step that just ended and return it.
+
+        Args:
+            time: the clock at the end of the step.
+            running: the running sequences after the step.
+            num_waiting: how many sequences wait.
+            num_new_tokens: the tokens each scheduled sequence computed in the step.
+            num_prefill_tokens: how many of those belong to sequences still in prefill.
+            num_finished: how many sequences finished in the step.
+        """
+        tables = [s.block_table for s in running if s.block_table is not None]
         record = StepRecord(
             step=len(self.history),
             time=time,
@@ -82,8 +104,9 @@ class Metrics:
             num_batched_tokens=sum(num_new_tokens),
             num_prefill_tokens=num_prefill_tokens,
             kv_used_blocks=self.used_blocks,
-            kv_utilisation=self.used_blocks / self.num_blocks,
-            tail_waste=waste,
+            kv_usage=self.used_blocks / self.num_blocks,
+            token_occupancy=sum(t.num_tokens for t in tables) / (self.num_blocks * self.block_size),
+            tail_waste=sum(t.tail_waste for t in tables),
             preemptions=self._step_preemptions,
             finished=num_finished,
         )
@@ -106,13 +129,19 @@ def request_latencies(seqs: list[Sequence]) -> dict[str, list[float]]:
     done = [s for s in seqs if s.status is SequenceStatus.FINISHED]
     return {
         "ttft": [s.first_token_time - s.arrival_time for s in done],
-        "tpot": [(s.finish_time - s.first_token_time) / (s.num_output_tokens - 1) for s in done if s.num_output_tokens > 1],
+        "tpot": [
+            (s.finish_time - s.first_token_time) / (s.num_output_tokens - 1) for s in done if s.num_output_tokens > 1
+        ],
         "e2e": [s.finish_time - s.arrival_time for s in done],
     }
 
 
 def summarize(seqs: list[Sequence]) -> dict:
-    """Throughput and latency percentiles of one run, as plain numbers."""
+    """Throughput and latency percentiles of one run, as plain numbers.
+
+    Args:
+        seqs: the run's sequences (finished ones count; the run starts at the earliest arrival).
+    """
     done = [s for s in seqs if s.status is SequenceStatus.FINISHED]
     if not done:
         raise ValueError("no finished requests to summarise")
@@ -132,11 +161,17 @@ def summarize(seqs: list[Sequence]) -> dict:
 
 
 def format_summary(summaries: dict[str, dict], unit: str = "s") -> str:
-    """A small fixed-width table, one column per run; latencies in ``unit`` ("s" or "ms")."""
+    """A small fixed-width table, one column per run.
+
+    Args:
+        summaries: run name -> what :func:`summarize` returned.
+        unit: latencies in seconds (``"s"``) or milliseconds (``"ms"``).
+    """
     scale = 1000.0 if unit == "ms" else 1.0
     rows = [("throughput (tok/s)", "tokens_per_s", 1.0, ".1f"), ("requests/s", "requests_per_s", 1.0, ".2f")]
     for name in ("ttft", "tpot", "e2e"):
-        rows += [(f"{name.upper()} p{p} ({unit})", f"{name}_p{p}", scale, ".3f" if unit == "s" else ".1f") for p in PERCENTILES]
+        fmt = ".3f" if unit == "s" else ".1f"
+        rows += [(f"{name.upper()} p{p} ({unit})", f"{name}_p{p}", scale, fmt) for p in PERCENTILES]
     names = list(summaries)
     width = max(12, *(len(n) + 2 for n in names))
     lines = [f"{'':<20}" + "".join(f"{n:>{width}}" for n in names)]
@@ -144,63 +179,3 @@ def format_summary(summaries: dict[str, dict], unit: str = "s") -> str:
         lines.append(f"{label:<20}" + "".join(f"{summaries[n][key] * k:>{width}{fmt}}" for n in names))
     return "\n".join(lines)
 
-
-def plot_latency_percentiles(summaries: dict[str, dict], unit: str = "s"):
-    """Bar chart: TTFT / TPOT / E2E at p50, p90, p99, one bar colour per run."""
-    import matplotlib.pyplot as plt
-
-    scale = 1000.0 if unit == "ms" else 1.0
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
-    width = 0.8 / max(1, len(summaries))
-    for ax, metric in zip(axes, ("ttft", "tpot", "e2e")):
-        for i, (name, s) in enumerate(summaries.items()):
-            xs = [j + i * width for j in range(len(PERCENTILES))]
-            ax.bar(xs, [s[f"{metric}_p{p}"] * scale for p in PERCENTILES], width, label=name)
-        ax.set_xticks([j + width * (len(summaries) - 1) / 2 for j in range(len(PERCENTILES))])
-        ax.set_xticklabels([f"p{p}" for p in PERCENTILES])
-        ax.set_title(metric.upper())
-        ax.set_ylabel(unit)
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    return fig
-
-
-def plot_latency_cdf(latencies: dict[str, list[float]], title: str = "TTFT", unit: str = "s"):
-    """Empirical CDFs, one line per run: where the curves separate at the top is the tail."""
-    import matplotlib.pyplot as plt
-
-    scale = 1000.0 if unit == "ms" else 1.0
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    for name, values in latencies.items():
-        xs = sorted(v * scale for v in values)
-        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
-    ax.axhline(0.99, color="grey", lw=0.6, ls="--")
-    ax.set_xlabel(f"{title} ({unit})")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title(f"{title} distribution")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
-
-
-def plot_timeline(history: list[StepRecord], title: str = ""):
-    """Queue lengths and KV-cache use over time, with preemptions marked."""
-    import matplotlib.pyplot as plt
-
-    t = [r.time for r in history]
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 4.5), sharex=True)
-    ax1.plot(t, [r.num_running for r in history], label="running")
-    ax1.plot(t, [r.num_waiting for r in history], label="waiting")
-    pre = [r for r in history if r.preemptions]
-    if pre:
-        ax1.scatter([r.time for r in pre], [r.num_running for r in pre], color="red", marker="x", label="preemption", zorder=3)
-    ax1.set_ylabel("sequences")
-    ax1.legend(fontsize=8, loc="upper right")
-    ax1.set_title(title)
-    ax2.plot(t, [r.kv_utilisation for r in history], label="blocks in use / pool")
-    ax2.set_ylim(0, 1.05)
-    ax2.set_ylabel("KV pool")
-    ax2.set_xlabel("time (s)")
-    ax2.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    return fig

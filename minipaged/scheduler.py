@@ -32,16 +32,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minipaged.accounting import blocks_needed
 from minipaged.block_manager import BlockAllocator, BlockTable
 from minipaged.sequence import Sequence, SequenceStatus
+from minipaged.validation import check_int
 
 
 @dataclass
 class EngineConfig:
     """Everything the engine and scheduler are configured by; the defaults fit the tiny model on a CPU."""
 
+    num_blocks: int = 64  # the KV pool: num_blocks blocks of block_size token slots
     block_size: int = 16
-    num_blocks: int = 64
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 256  # tokens computed in one forward pass, all sequences together
     watermark: float = 0.01  # fraction of blocks admission leaves free for running sequences to grow into
@@ -50,14 +52,16 @@ class EngineConfig:
     backend: str = "torch"  # attention backend of the model forward: "torch" or "triton"
 
     def __post_init__(self):
-        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {value!r}")
+        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            setattr(self, name, check_int(getattr(self, name), f"EngineConfig.{name}", minimum=1))
+        if isinstance(self.watermark, bool) or not isinstance(self.watermark, (int, float)):
+            raise TypeError(f"EngineConfig.watermark must be a number, got {type(self.watermark).__name__}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"EngineConfig.watermark must be in [0, 1), got {self.watermark!r}")
         if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"EngineConfig.preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+            raise ValueError(
+                f"EngineConfig.preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
+            )
         if self.backend not in ("torch", "triton"):
             raise ValueError(f"EngineConfig.backend must be 'torch' or 'triton', got {self.backend!r}")
 
@@ -88,20 +92,29 @@ class SchedulerOutput:
         return not self.seqs
 
 
-def can_admit(num_free_blocks: int, blocks_needed: int, watermark_blocks: int, num_running: int, max_num_seqs: int) -> bool:
-    """May a waiting request whose first chunk needs ``blocks_needed`` new blocks start now?
+def can_admit(num_free_blocks: int, num_needed_blocks: int, watermark_blocks: int, num_running: int,
+              max_num_seqs: int) -> bool:  # fmt: skip
+    """May a waiting request whose first chunk needs ``num_needed_blocks`` new blocks start now?
 
     It must fit a free seat (``max_num_seqs``) and leave ``watermark_blocks``
     free afterwards: admitting right up to the last block would make the next
     decode step of the running sequences preempt someone at once.
+
+    Args:
+        num_free_blocks: free blocks in the pool now.
+        num_needed_blocks: new blocks the request's first chunk needs.
+        watermark_blocks: blocks that must stay free after admission.
+        num_running: sequences running now.
+        max_num_seqs: the most sequences that may run at once.
     """
-    return num_running < max_num_seqs and num_free_blocks - blocks_needed >= watermark_blocks
+    return num_running < max_num_seqs and num_free_blocks - num_needed_blocks >= watermark_blocks
 
 
 def pick_victim(running: list[Sequence]) -> Sequence:
-    """The youngest running request (latest arrival; on a tie, the later admitted), so older ones always progress.
+    """The youngest running sequence (latest arrival; on a tie, the later admitted), so older ones always progress.
 
-    ``running`` is in admission order.
+    Args:
+        running: the running sequences, in admission order (not modified).
     """
     return max(reversed(running), key=lambda s: s.arrival_time)
 
@@ -122,7 +135,7 @@ class Scheduler:
         minus the watermark, it could never be admitted, even to an empty pool.
         """
         longest = seq.num_prompt_tokens + seq.sampling_params.max_tokens - 1
-        need = -(-longest // self.config.block_size)
+        need = blocks_needed(longest, self.config.block_size)
         room = self.config.num_blocks - self.config.watermark_blocks
         if need > room:
             raise ValueError(
@@ -133,7 +146,8 @@ class Scheduler:
         if not self.config.chunked_prefill and longest > self.config.max_num_batched_tokens:
             raise ValueError(
                 f"request {seq.seq_id!r} may need to (re)compute {longest} tokens in one step, more than "
-                f"max_num_batched_tokens={self.config.max_num_batched_tokens}: enable chunked_prefill or raise the budget"
+                f"max_num_batched_tokens={self.config.max_num_batched_tokens}: "
+                "enable chunked_prefill or raise the budget"
             )
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
@@ -210,7 +224,7 @@ class Scheduler:
         """Free the victim's blocks, keep its tokens, queue it at the front; swap mode saves its K/V first."""
         swap = self.config.preemption_mode == "swap" and seq.num_computed_tokens > 0
         # Only the blocks holding computed K/V are saved (a chunk reserved this step is not written yet).
-        saved = seq.block_table.blocks[: -(-seq.num_computed_tokens // self.config.block_size)] if swap else []
+        saved = seq.block_table.blocks[: blocks_needed(seq.num_computed_tokens, self.config.block_size)] if swap else []
         if swap:
             out.swap_out.append((seq, saved))
         else:

@@ -14,7 +14,7 @@ compute the tokens that are not yet computed (as many as the budget allows),
 and when that reaches the end of the sequence, sample the next token.
 
 Timestamps (``arrival_time``, ``token_times``, ``finish_time``) are in the
-engine's clock, virtual or wall (see :mod:`minipaged.workload`).
+engine's clock, virtual or wall (see :mod:`minipaged.clock`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 import torch
+
+from minipaged.validation import check_int
 
 
 class SequenceStatus(Enum):
@@ -44,21 +46,30 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+        self.max_tokens = check_int(self.max_tokens, "max_tokens", minimum=1)
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
+            raise TypeError(f"temperature must be a number, got {type(self.temperature).__name__} {self.temperature!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__}")
+        if self.seed is not None:
+            self.seed = check_int(self.seed, "seed", minimum=None)
         if isinstance(self.stop_token_ids, int):
             self.stop_token_ids = (self.stop_token_ids,)
-        self.stop_token_ids = tuple(self.stop_token_ids)
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        self.stop_token_ids = tuple(check_int(t, f"stop_token_ids[{i}]") for i, t in enumerate(self.stop_token_ids))
 
 
 class Sequence:
-    """One request: its prompt, the tokens generated so far, its block table and its timings."""
+    """One sequence: its prompt, the tokens generated so far, its block table and its timings.
+
+    With one sample per request (this course's engine), a request is one sequence,
+    and the engine's ``request_id`` becomes the sequence's ``seq_id``.
+
+    Args:
+        seq_id: any hashable id, unique among the engine's sequences.
+        prompt_token_ids: the prompt, at least one token id.
+        sampling_params: how to pick each next token and when to stop.
+        arrival_time: when the request arrived, in the engine's clock.
+    """
 
     def __init__(self, seq_id, prompt_token_ids: list[int], sampling_params: SamplingParams, arrival_time: float = 0.0):
         if not prompt_token_ids:
@@ -115,7 +126,8 @@ class Sequence:
         """Record a sampled token; return True if the sequence is now done (length or stop token)."""
         self.token_ids.append(token_id)
         self.token_times.append(now)
-        return token_id in self.sampling_params.stop_token_ids or self.num_output_tokens >= self.sampling_params.max_tokens
+        params = self.sampling_params
+        return token_id in params.stop_token_ids or self.num_output_tokens >= params.max_tokens
 
     def __repr__(self) -> str:
         return (

@@ -19,17 +19,27 @@ kept computing padding; skipping it flatters the baseline).
 
 from __future__ import annotations
 
+from minipaged.accounting import blocks_needed
 from minipaged.block_manager import BlockTable
 from minipaged.engine import Engine
 from minipaged.scheduler import EngineConfig, Scheduler, SchedulerOutput
 from minipaged.sequence import Sequence, SequenceStatus
+from minipaged.validation import check_int
 
 
 class StaticBatchScheduler(Scheduler):
+    """Static batches of max-length reservations.
+
+    Args:
+        config: the engine's configuration (pool size, ``max_num_seqs``; the token budget is ignored).
+        allocator: the pool's allocator.
+        max_model_len: the tokens each request reserves, prompt and output together.
+    """
+
     def __init__(self, config: EngineConfig, allocator, max_model_len: int):
         super().__init__(config, allocator)
-        self.max_model_len = max_model_len
-        self.blocks_per_reservation = -(-max_model_len // config.block_size)
+        self.max_model_len = check_int(max_model_len, "max_model_len", minimum=1)
+        self.blocks_per_reservation = blocks_needed(max_model_len, config.block_size)
         self.batch_size = min(config.max_num_seqs, config.num_blocks // self.blocks_per_reservation)
         if self.batch_size == 0:
             raise ValueError(
@@ -41,7 +51,9 @@ class StaticBatchScheduler(Scheduler):
     def add(self, seq: Sequence) -> None:
         longest = seq.num_prompt_tokens + seq.sampling_params.max_tokens - 1
         if longest > self.max_model_len:
-            raise ValueError(f"request {seq.seq_id!r} may reach {longest} tokens, past max_model_len={self.max_model_len}")
+            raise ValueError(
+                f"request {seq.seq_id!r} may reach {longest} tokens, past max_model_len={self.max_model_len}"
+            )
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
@@ -73,8 +85,16 @@ class StaticBatchScheduler(Scheduler):
                     member.block_table = None
             self.batch = []
 
+
 def static_engine(model, config: EngineConfig, max_model_len: int, clock=None) -> Engine:
-    """An :class:`Engine` whose scheduler batches statically with max-length reservations."""
+    """An :class:`Engine` whose scheduler batches statically with max-length reservations.
+
+    Args:
+        model: the model, as for :class:`Engine`.
+        config: the engine's configuration.
+        max_model_len: the tokens each request reserves.
+        clock: as for :class:`Engine` (virtual by default).
+    """
     engine = Engine(model, config, clock)
     engine.scheduler = StaticBatchScheduler(engine.config, engine.cache.allocator, max_model_len)
     return engine

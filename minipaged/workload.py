@@ -37,26 +37,12 @@ requests are exponential with mean ``1 / rate`` (:func:`poisson_arrivals`).
 
 A workload is a plain list of :class:`RequestSpec`, so a fixed trace can be
 saved to JSON and replayed exactly.
-
-**Time.** Two clocks, same interface (``now()``, ``step(...)``, ``wait_until(t)``):
-
-* :class:`VirtualClock` charges each engine step a modelled cost and jumps
-  over idle gaps. Latencies are then a deterministic function of the
-  schedule, so notebooks can print them and tests can compare them. The cost
-  model is a rough picture of a 7B model on a data-centre GPU: a fixed cost
-  per step (reading the weights once), plus a cost per computed token
-  (prefill is compute), plus a cost per cached token attended to (reading
-  the KV cache), plus a cost per token of K/V swapped between GPU and CPU
-  memory (about 0.5 MB per token over a host link of about 25 GB/s).
-* :class:`WallClock` is real time (``time.perf_counter``); the benchmark
-  uses it, and idle gaps are really waited out.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import asdict, dataclass
 from numbers import Real
 from pathlib import Path
@@ -331,55 +317,3 @@ def load_workload(path) -> list[RequestSpec]:
     """The workload :func:`save_workload` wrote to ``path``."""
     return [RequestSpec(**r) for r in json.loads(Path(path).read_text())]
 
-
-@dataclass(frozen=True)
-class StepCost:
-    """Modelled seconds for one forward pass (see the module docstring)."""
-
-    per_step: float = 0.010
-    per_token: float = 0.0001
-    per_context_token: float = 0.000001
-    per_swapped_token: float = 0.00002
-
-    def __call__(self, num_batched_tokens: int, num_context_tokens: int, num_swapped_tokens: int = 0) -> float:
-        return (
-            self.per_step
-            + self.per_token * num_batched_tokens
-            + self.per_context_token * num_context_tokens
-            + self.per_swapped_token * num_swapped_tokens
-        )
-
-
-class VirtualClock:
-    """Deterministic time: each step costs ``cost(tokens, context)``; idle gaps are skipped over."""
-
-    def __init__(self, cost: StepCost = StepCost()):
-        self.cost = cost
-        self.t = 0.0
-
-    def now(self) -> float:
-        return self.t
-
-    def step(self, num_batched_tokens: int, num_context_tokens: int, num_swapped_tokens: int = 0) -> None:
-        self.t += self.cost(num_batched_tokens, num_context_tokens, num_swapped_tokens)
-
-    def wait_until(self, t: float) -> None:
-        self.t = max(self.t, t)
-
-
-class WallClock:
-    """Real seconds since the clock was made; a step costs whatever the forward pass really took."""
-
-    def __init__(self):
-        self.start = time.perf_counter()
-
-    def now(self) -> float:
-        return time.perf_counter() - self.start
-
-    def step(self, num_batched_tokens: int, num_context_tokens: int, num_swapped_tokens: int = 0) -> None:
-        pass  # the time has already passed
-
-    def wait_until(self, t: float) -> None:
-        delay = t - self.now()
-        if delay > 0:
-            time.sleep(delay)

@@ -6,11 +6,9 @@ import pytest
 
 from minipaged.metrics import StepRecord
 from minipaged.viz.blockmap import PoolSnapshot
-from minipaged.viz.svg import seq_color
 from minipaged.viz.dashboard import (
     PREEMPT_COLOR,
     EngineDashboard,
-    EngineReplay,
     EngineSnapshot,
     RequestInfo,
     engine_series,
@@ -18,6 +16,7 @@ from minipaged.viz.dashboard import (
     render_dashboard,
     render_queues,
 )
+from minipaged.viz.svg import seq_color
 
 pytestmark = pytest.mark.ch05
 
@@ -49,7 +48,10 @@ def chips(root, queue):
 
 def test_queues_show_every_request_in_order_with_its_state():
     running = [req(0), req(3, prompt=5, out=1, blocks=2)]
-    waiting = [req(7, "preempted", out=3, computed=0, blocks=0, preempted=2), req(9, "waiting", out=0, computed=0, blocks=0)]
+    waiting = [
+        req(7, "preempted", out=3, computed=0, blocks=0, preempted=2),
+        req(9, "waiting", out=0, computed=0, blocks=0),
+    ]
     root = ET.fromstring(render_queues(snapshot(running, waiting)))
     assert "minipaged-queues" in root.get("class") and root.get("data-step") == "4"
     assert (root.get("data-running"), root.get("data-waiting")) == ("2", "2")
@@ -80,14 +82,16 @@ def test_queues_summarise_past_max_items_and_show_empty_rows():
 
 
 def record(step, used, waste, running, waiting, preemptions):
-    return StepRecord(step, step * 0.01, running, waiting, 10, 0, used, used / 8, waste, preemptions, 0)
+    """A step of a pool of 8 blocks of 4 slots: ``used`` blocks hold all but ``waste`` of their slots."""
+    occupancy = (used * 4 - waste) / 32
+    return StepRecord(step, step * 0.01, running, waiting, 10, 0, used, used / 8, occupancy, waste, preemptions, 0)
 
 
 def test_engine_series_and_preemption_markers():
     history = [record(0, 2, 3, 1, 4, 0), record(1, 4, 2, 2, 3, 1), record(2, 0, 0, 0, 0, 0), record(3, 8, 8, 3, 0, 2)]
-    fractions, counts = engine_series(history, block_size=4)
-    assert fractions["kv_utilisation"] == [0.25, 0.5, 0.0, 1.0]
-    assert fractions["tail_waste"] == [3 / 8, 2 / 16, 0.0, 8 / 32]
+    fractions, counts = engine_series(history)
+    assert fractions["kv_usage"] == [0.25, 0.5, 0.0, 1.0]
+    assert fractions["token_occupancy"] == [5 / 32, 14 / 32, 0.0, 24 / 32]
     assert counts == {"running": [1, 2, 0, 3], "waiting": [4, 3, 0, 0]}
     assert preemption_events(history) == [(1, "preempt"), (3, "preempt")]
 
@@ -116,9 +120,9 @@ def model():
 
 
 def workload():
-    from minipaged.workload import TraceRequest
+    from minipaged.workload import RequestSpec
 
-    return [TraceRequest(0.0005 * i, 6 + (5 * i) % 17, 4 + (7 * i) % 13) for i in range(8)]
+    return [RequestSpec(0.0005 * i, 6 + (5 * i) % 17, 4 + (7 * i) % 13) for i in range(8)]
 
 
 def make_engine(model):
@@ -126,19 +130,21 @@ def make_engine(model):
     from minipaged.scheduler import EngineConfig
 
     # A pool small enough that the batch must preempt.
-    return Engine(model, EngineConfig(block_size=4, num_blocks=12, max_num_seqs=6, max_num_batched_tokens=32))
+    return Engine(model, EngineConfig(num_blocks=12, block_size=4, max_num_seqs=6, max_num_batched_tokens=32))
 
 
-def test_replay_matches_engine_run(model):
-    replay = EngineReplay(make_engine(model), workload())
+def test_replay_step_by_step_matches_engine_run(model):
+    from minipaged.engine import Replay
+
+    replay = Replay(make_engine(model), workload())
     steps = 0
     while replay.step():
         steps += 1
-    assert not replay.step()  # done stays done
+    assert replay.done and not replay.step()  # done stays done
     direct = make_engine(model)
     seqs = direct.run(workload(), progress=False)
     assert [s.output_token_ids for s in replay.seqs] == [s.output_token_ids for s in seqs]
-    assert len(replay.history) == len(direct.metrics.history) == steps + 1
+    assert len(replay.engine.metrics.history) == len(direct.metrics.history) == steps + 1
 
 
 def test_dashboard_follows_the_engine(model):
@@ -151,7 +157,8 @@ def test_dashboard_follows_the_engine(model):
     assert engine.metrics.num_preemptions > 0, "the small pool should force a preemption"
     queues = ET.fromstring(dash.panels["queues"].value)
     assert [g.get("data-seq") for g in chips(queues, "running")] == [str(s.seq_id) for s in engine.scheduler.running]
-    assert [g.get("data-seq") for g in chips(queues, "waiting")] == [str(s.seq_id) for s in engine.scheduler.waiting][:12]
+    waiting_ids = [str(s.seq_id) for s in engine.scheduler.waiting]
+    assert [g.get("data-seq") for g in chips(queues, "waiting")] == waiting_ids[:12]
     assert any(g.get("data-status") == "preempted" for g in chips(queues, "waiting"))
     block_map = ET.fromstring(dash.panels["map"].value)
     assert block_map.get("data-step") == str(len(engine.metrics.history))

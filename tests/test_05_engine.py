@@ -6,13 +6,14 @@ import random
 import pytest
 import torch
 
+from minipaged.clock import VirtualClock
 from minipaged.engine import Engine
 from minipaged.metrics import percentiles, summarize
 from minipaged.model import LlamaConfig, LlamaForCausalLM, generate_contiguous
 from minipaged.scheduler import EngineConfig
 from minipaged.sequence import SamplingParams, SequenceStatus
 from minipaged.static_batching import static_engine
-from minipaged.workload import TraceRequest, VirtualClock, load_trace, make_workload, poisson_arrivals, save_trace
+from minipaged.workload import RequestSpec, make_workload
 
 pytestmark = pytest.mark.ch05
 
@@ -24,7 +25,10 @@ def model():
 
 
 def random_requests(rng, n, vocab, max_prompt=40, max_out=12):
-    return [([rng.randrange(vocab) for _ in range(rng.randint(1, max_prompt))], rng.randint(1, max_out)) for _ in range(n)]
+    """``n`` (prompt token ids, max_tokens) pairs."""
+    return [
+        ([rng.randrange(vocab) for _ in range(rng.randint(1, max_prompt))], rng.randint(1, max_out)) for _ in range(n)
+    ]
 
 
 def drive(engine, requests, rng, abort_prob=0.0, arrivals_per_step=2):
@@ -49,7 +53,7 @@ def drive(engine, requests, rng, abort_prob=0.0, arrivals_per_step=2):
 def test_outputs_match_contiguous_under_preemption_chunking_and_aborts(model, chunked, mode):
     rng = random.Random(5 + chunked)
     # 20 blocks of 4 slots for up to 8 sequences that each grow to ~13 blocks: preemption is certain.
-    config = EngineConfig(block_size=4, num_blocks=20, max_num_seqs=8, max_num_batched_tokens=64 if not chunked else 24,
+    config = EngineConfig(num_blocks=20, block_size=4, max_num_seqs=8, max_num_batched_tokens=64 if not chunked else 24,
                           chunked_prefill=chunked, preemption_mode=mode)
     engine = Engine(model, config)
     requests = random_requests(rng, 16, model.config.vocab_size)
@@ -76,7 +80,7 @@ def test_outputs_match_contiguous_under_preemption_chunking_and_aborts(model, ch
 def test_static_batching_outputs_match_and_batches_wait_for_the_longest(model):
     rng = random.Random(11)
     requests = random_requests(rng, 10, model.config.vocab_size, max_prompt=20, max_out=10)
-    config = EngineConfig(block_size=4, num_blocks=24, max_num_seqs=8)
+    config = EngineConfig(num_blocks=24, block_size=4, max_num_seqs=8)
     engine = static_engine(model, config, max_model_len=30)  # 8 blocks per reservation: batches of 3
     assert engine.scheduler.batch_size == 3
     for i, (prompt, n) in enumerate(requests):
@@ -94,7 +98,7 @@ def test_static_batching_outputs_match_and_batches_wait_for_the_longest(model):
 
 def test_triton_backend_matches(model):
     pytest.importorskip("triton")
-    engine = Engine(model, EngineConfig(block_size=16, num_blocks=8, max_num_batched_tokens=16, backend="triton"))
+    engine = Engine(model, EngineConfig(num_blocks=8, block_size=16, max_num_batched_tokens=16, backend="triton"))
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3], [2, 7, 1, 8]]
     outs = engine.generate(prompts, SamplingParams(max_tokens=3))
     assert outs == [generate_contiguous(model, p, 3) for p in prompts]
@@ -118,11 +122,15 @@ def test_stop_token_ends_a_request_early(model):
 
 
 def test_clear_errors_leave_the_engine_unchanged(model):
-    engine = Engine(model, EngineConfig(block_size=4, num_blocks=4))
+    engine = Engine(model, EngineConfig(num_blocks=4, block_size=4))
     with pytest.raises(ValueError, match="pool has 4 blocks"):
         engine.add_request([1] * 15, SamplingParams(max_tokens=4))  # needs 18 slots = 5 blocks
     with pytest.raises(ValueError, match="token ids"):
         engine.add_request([1, model.config.vocab_size])
+    with pytest.raises(TypeError, match=r"prompt_token_ids\[1\]"):
+        engine.add_request([1, 2.0])
+    with pytest.raises(ValueError, match=r"prompt_token_ids\[0\]"):
+        engine.add_request([-1])
     assert not engine.requests and not engine.has_unfinished()
     rid = engine.add_request([1, 2], SamplingParams(max_tokens=2), request_id="a")
     with pytest.raises(ValueError, match="already in use"):
@@ -138,7 +146,7 @@ def test_clear_errors_leave_the_engine_unchanged(model):
 
 
 def test_abort_frees_blocks_at_once(model):
-    engine = Engine(model, EngineConfig(block_size=4, num_blocks=16))
+    engine = Engine(model, EngineConfig(num_blocks=16, block_size=4))
     rid = engine.add_request(list(range(20)), SamplingParams(max_tokens=5))
     engine.step()
     assert engine.cache.allocator.num_free == 11
@@ -147,14 +155,14 @@ def test_abort_frees_blocks_at_once(model):
 
 
 def test_virtual_clock_runs_are_deterministic_and_metrics_follow_events(model):
-    workload = make_workload(12, rate=40.0, preset="chat", seed=3)
-    workload = [TraceRequest(r.arrival_time, min(r.prompt_len, 40), min(r.output_len, 12)) for r in workload]
-    config = EngineConfig(block_size=8, num_blocks=16, max_num_batched_tokens=64)
+    workload = make_workload(12, rate=40.0, preset="tiny_chat", seed=3)
+    workload = [RequestSpec(r.arrival_time, min(r.prompt_len, 40), min(r.output_len, 12)) for r in workload]
+    config = EngineConfig(num_blocks=16, block_size=8, max_num_batched_tokens=64)
     runs = []
     for _ in range(2):
         engine = Engine(model, config, VirtualClock())
         events = []
-        engine.cache.allocator.subscribe(lambda e: events.append(e.kind))
+        engine.cache.allocator.subscribe(lambda e, events=events: events.append(e.kind))
         seqs = engine.run(workload, progress=False)
         runs.append(summarize(seqs))
         h = engine.metrics.history
@@ -164,25 +172,36 @@ def test_virtual_clock_runs_are_deterministic_and_metrics_follow_events(model):
         assert [r.step for r in h] == list(range(len(h)))
         assert all(a.time < b.time for a, b in zip(h, h[1:]))
         assert max(r.kv_used_blocks for r in h) <= config.num_blocks and h[-1].kv_used_blocks == 0
+        pool_slots = config.num_blocks * config.block_size
+        for r in h:  # KV usage counts blocks, token occupancy tokens: the gap is the tail waste
+            assert r.kv_usage == r.kv_used_blocks / config.num_blocks
+            assert r.token_occupancy * pool_slots == pytest.approx(r.kv_used_blocks * config.block_size - r.tail_waste)
+        assert any(r.token_occupancy < r.kv_usage for r in h)
         assert all(s.arrival_time == w.arrival_time for s, w in zip(seqs, workload))  # the clock starts at 0
         assert all(s.first_token_time >= s.arrival_time for s in seqs)
     assert runs[0] == runs[1]
     assert runs[0]["ttft_p50"] <= runs[0]["ttft_p90"] <= runs[0]["ttft_p99"]
 
 
-def test_percentiles_and_workloads(tmp_path):
+def test_percentiles():
     assert percentiles([1.0, 2.0, 3.0, 4.0, 5.0]) == {50: 3.0, 90: 4.6, 99: pytest.approx(4.96)}
     assert all(math.isnan(v) for v in percentiles([]).values())
-    gen = torch.Generator().manual_seed(0)
-    arrivals = poisson_arrivals(4000, 20.0, gen)
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    assert arrivals[0] == 0.0 and all(g >= 0 for g in gaps)
-    assert sum(gaps) / len(gaps) == pytest.approx(1 / 20.0, rel=0.05)  # mean gap 1/rate
-    trace = make_workload(50, rate=5.0, preset="longtail", seed=1)
-    assert trace == make_workload(50, rate=5.0, preset="longtail", seed=1)
-    assert all(4 <= r.prompt_len <= 384 and 2 <= r.output_len <= 256 for r in trace)
-    assert all(r.arrival_time == 0.0 for r in make_workload(5, rate=math.inf))
-    save_trace(trace, tmp_path / "t.json")
-    assert load_trace(tmp_path / "t.json") == trace
-    with pytest.raises(ValueError, match="preset"):
-        make_workload(3, 1.0, preset="nope")
+
+
+def test_run_replays_arrivals_and_idles_between_them(model):
+    """Requests join when they arrive; an idle gap costs no step, and the prompts are the seeded ones."""
+    from minipaged.workload import prompt_token_ids
+
+    workload = [RequestSpec(0.0, 5, 3), RequestSpec(10.0, 4, 2), RequestSpec(0.001, 6, 2)]
+    engine = Engine(model, EngineConfig(num_blocks=16, block_size=4))
+    seqs = engine.run(workload, progress=False, seed=7)
+    assert [s.arrival_time for s in seqs] == [0.0, 10.0, 0.001]  # in the workload's order
+    assert seqs[2].first_token_time < 10.0 <= seqs[1].first_token_time
+    assert [s.prompt_token_ids for s in seqs] == [
+        prompt_token_ids(i, r.prompt_len, model.config.vocab_size, seed=7) for i, r in enumerate(workload)
+    ]
+    # Step 1 prefills request 0 alone; step 2 decodes it and prefills request 2, which arrived meanwhile;
+    # step 3 finishes both. Then the clock jumps to t = 10 without a step, and request 1 takes two.
+    assert [r.num_running for r in engine.metrics.history] == [1, 2, 0, 1, 0]
+    assert engine.metrics.history[2].time < 10.0 < engine.metrics.history[3].time
+    assert Engine(model).run([], progress=False) == []

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from minipaged.accounting import blocks_needed
 from minipaged.block_manager import BlockAllocator
 from minipaged.scheduler import EngineConfig, Scheduler, can_admit, pick_victim
 from minipaged.sequence import SamplingParams, Sequence, SequenceStatus
@@ -50,12 +51,13 @@ def step(sched: Scheduler, now: float):
     assert len(held) == len(set(held)) == sched.allocator.num_used
     assert all(s.block_table is None for s in sched.waiting)
     for seq, saved in out.swap_out:  # swap mode saves exactly the blocks that hold computed K/V
-        assert len(saved) == -(-seq.num_computed_tokens // cfg.block_size) and seq in sched.waiting
+        assert len(saved) == blocks_needed(seq.num_computed_tokens, cfg.block_size) and seq in sched.waiting
     for seq in out.swap_in:
         assert seq in out.admitted and seq.num_computed_tokens > 0
     if cfg.preemption_mode == "recompute":
         assert not out.swap_out and all(s.num_computed_tokens == 0 for s in sched.waiting)
-    sampled = {s.seq_id: fake_token(s) for s, n in zip(out.seqs, out.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens}
+    scheduled = zip(out.seqs, out.num_new_tokens)
+    sampled = {s.seq_id: fake_token(s) for s, n in scheduled if s.num_computed_tokens + n == s.num_tokens}
     return out, sched.postprocess(out, sampled, now)
 
 
@@ -86,12 +88,14 @@ def pools_and_requests(draw):
 )
 def test_random_workload_invariants(pool_and_reqs, max_num_seqs, budget, watermark, chunked, aborts, stop, mode):
     block_size, num_blocks, reqs = pool_and_reqs
-    cfg = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=budget, watermark=watermark, chunked_prefill=chunked, preemption_mode=mode)
+    cfg = EngineConfig(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=budget, watermark=watermark, chunked_prefill=chunked,
+                       preemption_mode=mode)  # fmt: skip
     sched = Scheduler(cfg, BlockAllocator(num_blocks, block_size))
     seqs = []
     for i, (p, m, t) in enumerate(reqs):
-        seq = Sequence(i, [(i + j) % VOCAB for j in range(p)], SamplingParams(max_tokens=m, stop_token_ids=tuple(stop)), float(t))
+        params = SamplingParams(max_tokens=m, stop_token_ids=tuple(stop))
+        seq = Sequence(i, [(i + j) % VOCAB for j in range(p)], params, float(t))
         seqs.append(seq)
     arrivals = sorted(seqs, key=lambda s: s.arrival_time)
     accepted, finished, aborted, preemptions = [], [], set(), 0
@@ -126,7 +130,7 @@ def test_random_workload_invariants(pool_and_reqs, max_num_seqs, budget, waterma
 
 def test_preempts_youngest_and_keeps_tokens():
     # 4 blocks of 2 slots; two requests that each grow to 4 blocks cannot both stay.
-    cfg = EngineConfig(block_size=2, num_blocks=4, max_num_seqs=4, max_num_batched_tokens=16, watermark=0.0)
+    cfg = EngineConfig(num_blocks=4, block_size=2, max_num_seqs=4, max_num_batched_tokens=16, watermark=0.0)
     sched = Scheduler(cfg, BlockAllocator(4, 2))
     old = Sequence("old", [1, 2, 3], SamplingParams(max_tokens=5), arrival_time=0.0)
     young = Sequence("young", [4, 5, 6], SamplingParams(max_tokens=5), arrival_time=1.0)
@@ -148,7 +152,7 @@ def test_preempts_youngest_and_keeps_tokens():
 
 
 def test_preempted_goes_to_front_and_recomputes_everything():
-    cfg = EngineConfig(block_size=2, num_blocks=3, max_num_seqs=4, max_num_batched_tokens=16, watermark=0.0)
+    cfg = EngineConfig(num_blocks=3, block_size=2, max_num_seqs=4, max_num_batched_tokens=16, watermark=0.0)
     sched = Scheduler(cfg, BlockAllocator(3, 2))
     a = Sequence("a", [1, 2], SamplingParams(max_tokens=4), arrival_time=0.0)
     b = Sequence("b", [3, 4], SamplingParams(max_tokens=4), arrival_time=1.0)
@@ -169,7 +173,7 @@ def test_preempted_goes_to_front_and_recomputes_everything():
 
 
 def test_chunked_prefill_splits_a_long_prompt():
-    cfg = EngineConfig(block_size=4, num_blocks=32, max_num_batched_tokens=8)
+    cfg = EngineConfig(num_blocks=32, block_size=4, max_num_batched_tokens=8)
     sched = Scheduler(cfg, BlockAllocator(32, 4))
     seq = Sequence(0, list(range(20)), SamplingParams(max_tokens=2))
     sched.add(seq)
@@ -181,7 +185,7 @@ def test_chunked_prefill_splits_a_long_prompt():
 
 
 def test_without_chunking_a_prompt_waits_for_a_whole_budget():
-    cfg = EngineConfig(block_size=4, num_blocks=32, max_num_batched_tokens=12, chunked_prefill=False)
+    cfg = EngineConfig(num_blocks=32, block_size=4, max_num_batched_tokens=12, chunked_prefill=False)
     sched = Scheduler(cfg, BlockAllocator(32, 4))
     a = Sequence("a", [1] * 4, SamplingParams(max_tokens=3))
     b = Sequence("b", [1] * 10, SamplingParams(max_tokens=3))
@@ -194,7 +198,7 @@ def test_without_chunking_a_prompt_waits_for_a_whole_budget():
 
 
 def test_watermark_holds_back_admission():
-    cfg = EngineConfig(block_size=4, num_blocks=10, watermark=0.2)  # keep 2 blocks free
+    cfg = EngineConfig(num_blocks=10, block_size=4, watermark=0.2)  # keep 2 blocks free
     sched = Scheduler(cfg, BlockAllocator(10, 4))
     a = Sequence("a", [1] * 24, SamplingParams(max_tokens=2))  # 6 blocks
     b = Sequence("b", [1] * 8, SamplingParams(max_tokens=2))  # 2 more would leave 2: allowed
@@ -206,15 +210,15 @@ def test_watermark_holds_back_admission():
 
 
 def test_admission_and_victim_helpers():
-    assert can_admit(num_free_blocks=5, blocks_needed=3, watermark_blocks=2, num_running=0, max_num_seqs=4)
-    assert not can_admit(num_free_blocks=5, blocks_needed=4, watermark_blocks=2, num_running=0, max_num_seqs=4)
-    assert not can_admit(num_free_blocks=50, blocks_needed=1, watermark_blocks=0, num_running=4, max_num_seqs=4)
+    assert can_admit(num_free_blocks=5, num_needed_blocks=3, watermark_blocks=2, num_running=0, max_num_seqs=4)
+    assert not can_admit(num_free_blocks=5, num_needed_blocks=4, watermark_blocks=2, num_running=0, max_num_seqs=4)
+    assert not can_admit(num_free_blocks=50, num_needed_blocks=1, watermark_blocks=0, num_running=4, max_num_seqs=4)
     seqs = [Sequence(i, [1], SamplingParams(), arrival_time=t) for i, t in enumerate([0.0, 3.0, 1.0, 3.0])]
     assert pick_victim(seqs) is seqs[3]  # latest arrival; the tie goes to the later admitted
 
 
 def test_abort_frees_blocks_and_unknown_abort_is_an_error():
-    cfg = EngineConfig(block_size=4, num_blocks=8)
+    cfg = EngineConfig(num_blocks=8, block_size=4)
     sched = Scheduler(cfg, BlockAllocator(8, 4))
     a = Sequence("a", [1] * 10, SamplingParams(max_tokens=4))
     sched.add(a)
@@ -227,7 +231,7 @@ def test_abort_frees_blocks_and_unknown_abort_is_an_error():
 
 
 def test_request_too_big_for_the_pool_is_refused_up_front():
-    cfg = EngineConfig(block_size=4, num_blocks=4)
+    cfg = EngineConfig(num_blocks=4, block_size=4)
     sched = Scheduler(cfg, BlockAllocator(4, 4))
     with pytest.raises(ValueError, match="needs up to 5 blocks"):
         sched.add(Sequence(0, [1] * 16, SamplingParams(max_tokens=2)))
@@ -236,24 +240,37 @@ def test_request_too_big_for_the_pool_is_refused_up_front():
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
+    "kwargs, error, match",
     [
-        (dict(max_tokens=0), "max_tokens"),
-        (dict(max_tokens=2.5), "max_tokens"),
-        (dict(temperature=-1.0), "temperature"),
-        (dict(temperature=float("nan")), "temperature"),
-        (dict(stop_token_ids=(-3,)), "stop_token_ids"),
+        (dict(max_tokens=0), ValueError, "max_tokens"),
+        (dict(max_tokens=2.5), TypeError, "max_tokens"),
+        (dict(max_tokens=True), TypeError, "max_tokens"),
+        (dict(temperature=-1.0), ValueError, "temperature"),
+        (dict(temperature=float("nan")), ValueError, "temperature"),
+        (dict(temperature="hot"), TypeError, "temperature"),
+        (dict(seed=1.5), TypeError, "seed"),
+        (dict(stop_token_ids=(-3,)), ValueError, r"stop_token_ids\[0\]"),
+        (dict(stop_token_ids=(1, 2.0)), TypeError, r"stop_token_ids\[1\]"),
     ],
 )
-def test_bad_sampling_params(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_bad_sampling_params(kwargs, error, match):
+    with pytest.raises(error, match=match):
         SamplingParams(**kwargs)
 
 
-def test_bad_config():
-    with pytest.raises(ValueError, match="max_num_seqs"):
-        EngineConfig(max_num_seqs=0)
-    with pytest.raises(ValueError, match="watermark"):
-        EngineConfig(watermark=1.0)
-    with pytest.raises(ValueError, match="preemption_mode"):
-        EngineConfig(preemption_mode="teleport")
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(max_num_seqs=0), ValueError, "max_num_seqs"),
+        (dict(num_blocks=8.0), TypeError, "num_blocks"),
+        (dict(block_size=False), TypeError, "block_size"),
+        (dict(max_num_batched_tokens=-1), ValueError, "max_num_batched_tokens"),
+        (dict(watermark=1.0), ValueError, "watermark"),
+        (dict(watermark="0.1"), TypeError, "watermark"),
+        (dict(preemption_mode="teleport"), ValueError, "preemption_mode"),
+        (dict(backend="cuda"), ValueError, "backend"),
+    ],
+)
+def test_bad_config(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        EngineConfig(**kwargs)

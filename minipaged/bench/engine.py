@@ -19,19 +19,22 @@ import time
 
 import torch
 
+from minipaged.accounting import blocks_needed
+from minipaged.clock import WallClock
 from minipaged.engine import Engine
 from minipaged.metrics import format_summary, summarize
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 from minipaged.scheduler import EngineConfig
 from minipaged.static_batching import static_engine
-from minipaged.workload import WallClock, make_workload
+from minipaged.workload import make_workload
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m minipaged.bench engine", description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--rate", type=float, default=400.0, help="Poisson arrivals per second")
-    parser.add_argument("--preset", default="chat", choices=["chat", "longtail"])
+    parser.add_argument("--preset", default="tiny_chat", choices=["tiny_chat", "tiny_long_tail"],
+                        help="length preset of minipaged.workload, scaled to the tiny model")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-blocks", type=int, default=96)
     parser.add_argument("--max-num-seqs", type=int, default=32)
@@ -50,12 +53,13 @@ def main(argv: list[str]) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = LlamaForCausalLM(LlamaConfig(), seed=args.seed).to(device).eval()
     workload = make_workload(args.requests, args.rate, args.preset, seed=args.seed)
-    config = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+    config = EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, watermark=args.watermark,
                           preemption_mode=args.preemption_mode, backend=args.backend)
     max_model_len = max(r.prompt_len + r.output_len for r in workload)
     kv_tokens = args.num_blocks * args.block_size
-    print(f"workload: {args.requests} requests, {args.preset}, Poisson {args.rate:g}/s, seed {args.seed}; device {device}")
+    print(f"workload: {args.requests} requests, {args.preset}, Poisson {args.rate:g}/s, seed {args.seed}; "
+          f"device {device}")
     print(f"KV pool: {args.num_blocks} blocks x {args.block_size} = {kv_tokens} token slots for both systems")
 
     # Warm-up: the first forward passes pay one-off costs (allocator, kernel selection).
@@ -80,14 +84,15 @@ def main(argv: list[str]) -> int:
             print(f"{name} run {repeat + 1}: {len(engine.metrics.history)} steps in {elapsed:.1f} s wall-clock")
             if name not in runs or summary["tokens_per_s"] > runs[name]["tokens_per_s"]:
                 runs[name] = summary
-    static_batch = min(config.max_num_seqs, config.num_blocks // -(-max_model_len // config.block_size))
+    static_batch = min(config.max_num_seqs, config.num_blocks // blocks_needed(max_model_len, config.block_size))
     print(f"static batch: {static_batch} reservations of max_model_len={max_model_len} tokens fit the pool\n")
     print(format_summary(runs, unit="ms"))
     paged, static = runs["continuous+paged"], runs["static+reserved"]
     print(f"{'max concurrent seqs':<20}" + "".join(f"{r['max_concurrent']:>18}" for r in runs.values()))
     print(f"{'preemptions':<20}" + "".join(f"{r['preemptions']:>18}" for r in runs.values()))
     print()
-    print(f"throughput ratio (continuous+paged / static+reserved): {paged['tokens_per_s'] / static['tokens_per_s']:.2f}x")
+    ratio = paged["tokens_per_s"] / static["tokens_per_s"]
+    print(f"throughput ratio (continuous+paged / static+reserved): {ratio:.2f}x")
     print(f"p99 TTFT: {paged['ttft_p99'] * 1000:.0f} ms vs {static['ttft_p99'] * 1000:.0f} ms")
     print(f"max concurrent sequences: {paged['max_concurrent']} vs {static['max_concurrent']}")
     for name, r in runs.items():

@@ -14,7 +14,7 @@ from minipaged.block_manager import BlockAllocator
 from minipaged.checks import CheckFailed, check, expect_equal
 from minipaged.sequence import SamplingParams, Sequence
 
-# (num_free_blocks, blocks_needed, watermark_blocks, num_running, max_num_seqs)
+# (num_free_blocks, num_needed_blocks, watermark_blocks, num_running, max_num_seqs)
 ADMIT_CASES = [
     (10, 3, 1, 0, 4),  # plenty of room
     (10, 9, 1, 0, 4),  # exactly the watermark left: allowed
@@ -30,9 +30,10 @@ ADMIT_CASES = [
 
 def _replay(steps: int = 80) -> list[tuple]:
     """A tight pool and staggered arrivals: admission, watermark and preemption all matter."""
-    cfg = ref.EngineConfig(block_size=2, num_blocks=9, max_num_seqs=3, max_num_batched_tokens=6, watermark=0.1)
+    cfg = ref.EngineConfig(num_blocks=9, block_size=2, max_num_seqs=3, max_num_batched_tokens=6, watermark=0.1)
     sched = ref.Scheduler(cfg, BlockAllocator(cfg.num_blocks, cfg.block_size))
-    specs = [(0, 3, 9), (0, 5, 6), (1, 2, 9), (2, 4, 5), (3, 1, 10), (4, 6, 3), (6, 2, 8)]  # arrival, prompt, max_tokens
+    # (arrival, prompt length, max_tokens)
+    specs = [(0, 3, 9), (0, 5, 6), (1, 2, 9), (2, 4, 5), (3, 1, 10), (4, 6, 3), (6, 2, 8)]
     seqs = [Sequence(f"r{i}", [1 + i] * p, SamplingParams(max_tokens=m), float(t)) for i, (t, p, m) in enumerate(specs)]
     trace = []
     for tick in range(steps):
@@ -40,8 +41,9 @@ def _replay(steps: int = 80) -> list[tuple]:
             if seq.arrival_time == tick:
                 sched.add(seq)
         out = sched.schedule()
-        trace.append(([(s.seq_id, n) for s, n in zip(out.seqs, out.num_new_tokens)], [s.seq_id for s in out.preempted]))
-        sampled = {s.seq_id: 0 for s, n in zip(out.seqs, out.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens}
+        scheduled = list(zip(out.seqs, out.num_new_tokens))
+        trace.append(([(s.seq_id, n) for s, n in scheduled], [s.seq_id for s in out.preempted]))
+        sampled = {s.seq_id: 0 for s, n in scheduled if s.num_computed_tokens + n == s.num_tokens}
         sched.postprocess(out, sampled, float(tick))
     return trace
 
@@ -61,7 +63,7 @@ def _compare_schedules(patch_name: str, fn) -> int:
 
 @check(
     "ch05.can_admit",
-    hint="two conditions: a free seat (num_running < max_num_seqs) and, after taking blocks_needed, "
+    hint="two conditions: a free seat (num_running < max_num_seqs) and, after taking num_needed_blocks, "
     "at least watermark_blocks still free",
 )
 def check_can_admit(fn):

@@ -10,17 +10,16 @@ Pure renderers first, each a function of plain data:
 - :func:`render_dashboard`: everything above plus the block map, as one static
   HTML string (what a notebook shows when there is no kernel).
 
-Then :class:`EngineReplay`, a steppable replay of a workload through an
-:class:`~minipaged.engine.Engine` (one engine step per ``step()``), and
-:class:`EngineDashboard`, the live widget: the chapter 02 block-map controls
-(Step, Play/Pause, speed, Reset) over the engine's state.
+Then :class:`EngineDashboard`, the live widget: the chapter 02 block-map
+controls (Step, Play/Pause, speed, Reset) over a
+:class:`~minipaged.engine.Replay` of a workload, one engine step per click.
 
 In a notebook::
 
     def make_engine():  # a fresh engine each time, so Reset can start over
-        return Engine(model, EngineConfig(block_size=4, num_blocks=14, max_num_seqs=6))
+        return Engine(model, EngineConfig(num_blocks=14, block_size=4, max_num_seqs=6))
 
-    dash = EngineDashboard(make_engine, workload)  # workload: list of TraceRequest
+    dash = EngineDashboard(make_engine, workload)  # workload: list of RequestSpec
     dash            # the live widget (mark the cell # NBVAL_IGNORE_OUTPUT)
 
 and, in a later checked cell, a deterministic picture for readers without a kernel::
@@ -32,10 +31,10 @@ and, in a later checked cell, a deterministic picture for readers without a kern
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 from html import escape
 
+from minipaged.engine import Replay
 from minipaged.viz.blockmap import BlockMapView, PoolSnapshot, render_block_map
 from minipaged.viz.svg import TEXT_COLOR, fmt, seq_color, svg_open, tint
 from minipaged.viz.timeline import render_timeline
@@ -47,7 +46,6 @@ __all__ = [
     "engine_series",
     "preemption_events",
     "render_dashboard",
-    "EngineReplay",
     "EngineDashboard",
 ]
 
@@ -189,6 +187,10 @@ def render_queues(snapshot: EngineSnapshot, *, max_items: int = 12) -> str:
     Beyond ``max_items`` per row, a count says how many more there are.
     """
     snap = snapshot
+    caption = (
+        f"step {snap.step}, t = {snap.time:.3f} s: {len(snap.running)} running, {len(snap.waiting)} waiting, "
+        f"{snap.num_finished} finished, {snap.num_preemptions} preemptions"
+    )
     label_w = 64
     width = label_w + max_items * (CHIP_W + CHIP_GAP) + 70
     height = 20 + 2 * (CHIP_H + 14) + 8
@@ -201,7 +203,7 @@ def render_queues(snapshot: EngineSnapshot, *, max_items: int = 12) -> str:
             f' data-running="{len(snap.running)}" data-waiting="{len(snap.waiting)}"',
         ),
         f'<text class="caption" x="4" y="14" font-size="12" fill="{TEXT_COLOR}">'
-        f"{escape(f'step {snap.step}, t = {snap.time:.3f} s: {len(snap.running)} running, {len(snap.waiting)} waiting, {snap.num_finished} finished, {snap.num_preemptions} preemptions')}</text>",
+        f"{escape(caption)}</text>",
     ]
     for row, (queue, items) in enumerate((("running", snap.running), ("waiting", snap.waiting))):
         y = 22 + row * (CHIP_H + 14)
@@ -228,19 +230,22 @@ def _field(record, name):
     return record[name] if isinstance(record, dict) else getattr(record, name)
 
 
-def engine_series(history, block_size: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+def engine_series(history) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Two groups of series from :class:`~minipaged.metrics.StepRecord` history.
 
-    Fractions: ``kv_utilisation`` (blocks in use / pool) and ``tail_waste``
-    (unfilled slots in last blocks / slots in use). Counts: ``running`` and
-    ``waiting`` sequences.
+    Fractions of the pool: ``kv_usage`` (blocks in use / blocks in the pool)
+    and ``token_occupancy`` (tokens held / token slots in the pool); the gap
+    between them is the tail waste of the sequences' last blocks. Counts:
+    ``running`` and ``waiting`` sequences.
+
+    Args:
+        history: step records (or dicts with the same fields).
     """
-    fractions = {"kv_utilisation": [], "tail_waste": []}
+    fractions = {"kv_usage": [], "token_occupancy": []}
     counts = {"running": [], "waiting": []}
     for r in history:
-        used_slots = _field(r, "kv_used_blocks") * block_size
-        fractions["kv_utilisation"].append(float(_field(r, "kv_utilisation")))
-        fractions["tail_waste"].append(_field(r, "tail_waste") / used_slots if used_slots else 0.0)
+        fractions["kv_usage"].append(float(_field(r, "kv_usage")))
+        fractions["token_occupancy"].append(float(_field(r, "token_occupancy")))
         counts["running"].append(float(_field(r, "num_running")))
         counts["waiting"].append(float(_field(r, "num_waiting")))
     return fractions, counts
@@ -251,12 +256,12 @@ def preemption_events(history) -> list[tuple[int, str]]:
     return [(i, "preempt") for i, r in enumerate(history) if _field(r, "preemptions") > 0]
 
 
-def _timelines(history, block_size: int, step: int, extra_events=()) -> tuple[str, str]:
-    fractions, counts = engine_series(history, block_size)
+def _timelines(history, step: int, extra_events=()) -> tuple[str, str]:
+    fractions, counts = engine_series(history)
     events = sorted(preemption_events(history) + list(extra_events), key=lambda e: e[0])
     cache = render_timeline(
         fractions, events=events, step=step, height=170,
-        title="KV cache: blocks in use and tail waste per step (red: preemption)",
+        title="KV usage and token occupancy per step (gap: tail waste; red: preemption)",
     )  # fmt: skip
     load = render_timeline(counts, events=events, step=step, height=150, title="sequences running and waiting")
     return cache, load
@@ -264,74 +269,11 @@ def _timelines(history, block_size: int, step: int, extra_events=()) -> tuple[st
 
 def render_dashboard(snapshot: EngineSnapshot, history, *, columns: int | None = None, title: str = "engine") -> str:
     """The whole dashboard as one static HTML string: queues, block map and both timelines."""
-    cache, load = _timelines(history, snapshot.pool.block_size, snapshot.step)
+    cache, load = _timelines(history, snapshot.step)
     return (
         f'<div class="minipaged-dashboard-static"><p><b>{escape(title)}</b></p>'
         f"{render_queues(snapshot)}<br/>{render_block_map(snapshot.pool, columns=columns)}<br/>{cache}<br/>{load}</div>"
     )
-
-
-# ---------------------------------------------------------------------------
-# Stepping an engine through a workload
-# ---------------------------------------------------------------------------
-
-
-class EngineReplay:
-    """Replays ``workload`` through ``engine`` one engine step per :meth:`step`, as ``Engine.run`` does in one go.
-
-    Before each step, requests whose arrival time has come are added (with the
-    seeded prompts of :func:`minipaged.workload.prompt_token_ids`); when nothing
-    is queued or running, the clock jumps to the next arrival.
-    """
-
-    def __init__(self, engine, workload=(), seed: int = 0):
-        self.engine = engine
-        self.seed = seed
-        self.arrivals = deque(sorted(enumerate(workload), key=lambda item: item[1].arrival_time))
-        self.start = engine.clock.now()
-        self.seqs: list = []
-        self.last = None  # the latest StepOutput
-
-    @property
-    def allocator(self):
-        return self.engine.cache.allocator
-
-    @property
-    def tables(self) -> dict:
-        return {s.seq_id: s.block_table for s in self.engine.scheduler.running if s.block_table is not None}
-
-    @property
-    def history(self):
-        return self.engine.metrics.history
-
-    @property
-    def done(self) -> bool:
-        return not self.arrivals and not self.engine.has_unfinished()
-
-    def _admit_arrivals(self) -> None:
-        from minipaged.sequence import SamplingParams
-        from minipaged.workload import prompt_token_ids
-
-        vocab = self.engine.model.config.vocab_size
-        while self.arrivals and self.start + self.arrivals[0][1].arrival_time <= self.engine.clock.now():
-            i, r = self.arrivals.popleft()
-            rid = self.engine.add_request(
-                prompt_token_ids(i, r.prompt_len, vocab, self.seed),
-                SamplingParams(max_tokens=r.output_len),
-                arrival_time=self.start + r.arrival_time,
-            )
-            self.seqs.append(self.engine.requests[rid])
-
-    def step(self) -> bool:
-        """One engine step (after adding the arrivals that are due); False once everything has finished."""
-        if self.done:
-            return False
-        self._admit_arrivals()
-        if not self.engine.has_unfinished() and self.arrivals:
-            self.engine.clock.wait_until(self.start + self.arrivals[0][1].arrival_time)
-            self._admit_arrivals()
-        self.last = self.engine.step()
-        return not self.done
 
 
 # ---------------------------------------------------------------------------
@@ -344,9 +286,9 @@ class EngineDashboard(BlockMapView):
 
     ``engine`` is a function that builds a fresh :class:`~minipaged.engine.Engine`
     (then Reset starts over with a new one), or an engine (then Reset is not
-    available). ``workload`` is a list of :class:`~minipaged.workload.TraceRequest`
-    replayed through it, one engine step per Step click or Play tick.
-    An :class:`EngineReplay` may be passed instead of both.
+    available). ``workload`` is a list of :class:`~minipaged.workload.RequestSpec`
+    replayed through it by a :class:`~minipaged.engine.Replay`, one engine step
+    per Step click or Play tick. A ``Replay`` may be passed instead of both.
 
     The controls are the chapter 02 block map's (Step, Play/Pause, ms/step,
     Reset). The widget's root has the CSS class ``minipaged-dashboard``; every
@@ -358,14 +300,14 @@ class EngineDashboard(BlockMapView):
 
     def __init__(self, engine, workload=(), *, seed: int = 0, columns: int | None = None, interval: int = 300,
                  title: str = "continuous batching engine"):  # fmt: skip
-        if isinstance(engine, EngineReplay):
+        if isinstance(engine, Replay):
             source = engine
         elif hasattr(engine, "scheduler") and hasattr(engine, "step"):
-            source = EngineReplay(engine, workload, seed)
+            source = Replay(engine, workload, seed)
         elif callable(engine):
-            source = lambda: EngineReplay(engine(), workload, seed)  # noqa: E731
+            source = lambda: Replay(engine(), workload, seed)  # noqa: E731
         else:
-            raise TypeError(f"engine must be an Engine, an EngineReplay or a function that builds an Engine, got {engine!r}")
+            raise TypeError(f"engine must be an Engine, a Replay or a function that builds an Engine, got {engine!r}")
         super().__init__(source, columns=columns, interval=interval, title=title)
 
     def _layout(self, widgets) -> list:
@@ -376,9 +318,9 @@ class EngineDashboard(BlockMapView):
 
     def render(self) -> dict[str, str]:
         snap = self.engine_snapshot()
-        history = self.sim.history
+        history = self.sim.engine.metrics.history
         others = [e for e in self.events if e[1] != "preempt"]  # preemptions come from the step records
-        cache, load = _timelines(history, snap.pool.block_size, snap.step, others)
+        cache, load = _timelines(history, snap.step, others)
         return {
             "queues": render_queues(snap),
             "map": render_block_map(snap.pool, columns=self._columns),
