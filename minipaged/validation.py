@@ -110,10 +110,10 @@ def check_kv_write(key, value, k_cache, v_cache, slot_mapping) -> None:
         )
     _check_devices("key", tensors)
     if num_tokens:
-        num_slots = k_cache.shape[0] * k_cache.shape[1]
+        pool_slots = k_cache.shape[0] * k_cache.shape[1]
         lo, hi = torch.stack([slot_mapping.min(), slot_mapping.max()]).tolist()
-        if lo < -1 or hi >= num_slots:
-            raise IndexError(f"slot_mapping must lie in [-1, {num_slots}) (-1 = skip), got {lo} .. {hi}")
+        if lo < -1 or hi >= pool_slots:
+            raise IndexError(f"slot_mapping must lie in [-1, {pool_slots}) (-1 = skip), got {lo} .. {hi}")
 
 
 def check_paged_attention(
@@ -204,8 +204,8 @@ def check_paged_attention(
     stats = [lens.min(), lens.max(), bad_ids.sum()]
     if query_start_loc is not None:
         starts = query_start_loc.long()
-        query_lens = starts[1:] - starts[:-1]
-        stats += [starts[0], starts[-1], ((query_lens < 1) | (query_lens > lens)).sum()]
+        num_new_tokens = starts[1:] - starts[:-1]
+        stats += [starts[0], starts[-1], ((num_new_tokens < 1) | (num_new_tokens > lens)).sum()]
     stats = torch.stack(stats).tolist()
     lo, hi, num_bad_ids = stats[:3]
     if lo < 1:
@@ -224,8 +224,8 @@ def check_paged_attention(
         if first != 0 or last != num_tokens:
             raise ValueError(f"query_start_loc must run from 0 to num_tokens={num_tokens}, got {first} .. {last}")
         if num_bad_queries:
-            i = int(((query_lens < 1) | (query_lens > lens)).nonzero()[0])
+            i = int(((num_new_tokens < 1) | (num_new_tokens > lens)).nonzero()[0])
             raise ValueError(
-                f"sequence {i} has {int(query_lens[i])} query tokens; it needs 1 .. seq_lens[{i}]={int(lens[i])}"
+                f"sequence {i} has {int(num_new_tokens[i])} query tokens; it needs 1 .. seq_lens[{i}]={int(lens[i])}"
             )
     return hi

@@ -187,8 +187,8 @@ def test_write_kv_scatters_and_skips_minus_one(dtype, slot_dtype):
 @KERNEL_SETTINGS
 @given(data=st.data(), num_tokens=st.integers(0, 12), seed=st.integers(0, 2**16))
 def test_write_kv_equals_index_copy(data, num_tokens, seed):
-    num_slots = 6 * 4
-    slot_ids = st.integers(0, num_slots - 1)
+    pool_slots = 6 * 4
+    slot_ids = st.integers(0, pool_slots - 1)
     targets = data.draw(st.lists(slot_ids, min_size=num_tokens, max_size=num_tokens, unique=True))
     skipped = data.draw(st.lists(st.booleans(), min_size=num_tokens, max_size=num_tokens))
     slots = torch.tensor([-1 if skip else t for t, skip in zip(targets, skipped)], dtype=torch.int64, device=DEVICE)
@@ -199,10 +199,10 @@ def test_write_kv_equals_index_copy(data, num_tokens, seed):
     v_cache = torch.zeros_like(k_cache)
     write_kv(key, value, k_cache, v_cache, slots)
     keep = slots >= 0
-    expected_k = torch.zeros(num_slots, 2, 16, device=DEVICE).index_copy_(0, slots[keep], key[keep])
-    expected_v = torch.zeros(num_slots, 2, 16, device=DEVICE).index_copy_(0, slots[keep], value[keep])
-    assert torch.equal(k_cache.view(num_slots, 2, 16), expected_k)
-    assert torch.equal(v_cache.view(num_slots, 2, 16), expected_v)
+    expected_k = torch.zeros(pool_slots, 2, 16, device=DEVICE).index_copy_(0, slots[keep], key[keep])
+    expected_v = torch.zeros(pool_slots, 2, 16, device=DEVICE).index_copy_(0, slots[keep], value[keep])
+    assert torch.equal(k_cache.view(pool_slots, 2, 16), expected_k)
+    assert torch.equal(v_cache.view(pool_slots, 2, 16), expected_v)
 
 
 def test_write_then_decode_round_trip():
