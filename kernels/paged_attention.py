@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from minipaged._triton import interpreted
+from minipaged.validation import check_int, check_paged_attention
 
 # Head dims the kernel takes: tl.arange needs a power of two, tl.dot needs >= 16,
 # and above 256 one K tile no longer fits comfortably in registers/shared memory.
@@ -190,71 +191,36 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, parall
 
 
 def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_splits, validate) -> int | None:
-    """Raise a clear error for anything the kernel can't take; return max(seq_lens) if it was read.
+    """The shared checks of every paged-attention backend, then this kernel's own limits.
 
-    Shapes, dtypes and devices cost no device work. The value checks (``validate``) read
-    ``seq_lens`` and ``block_tables``, which costs one host-device sync.
+    Returns ``max(seq_lens)`` when ``validate`` read it (one host-device sync), else None.
     """
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables), ("seq_lens", seq_lens)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if q.dim() != 3:
-        raise ValueError(f"q must be [num_seqs, num_heads, head_dim], got shape {tuple(q.shape)}")
-    if k_cache.dim() != 4:
-        raise ValueError(f"k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got shape {tuple(k_cache.shape)}")
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} differs from k_cache shape {tuple(k_cache.shape)}")
-    num_seqs, num_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    if cache_head_dim != head_dim:
-        raise ValueError(f"q has head_dim {head_dim} but the caches have head_dim {cache_head_dim}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}) for grouped-query attention")
-    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables must be [num_seqs={num_seqs}, max_blocks_per_seq], got shape {tuple(block_tables.shape)}")
-    if seq_lens.shape != (num_seqs,):
-        raise ValueError(f"seq_lens must be [num_seqs={num_seqs}], got shape {tuple(seq_lens.shape)}")
-
+    max_seq_len = check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, check_values=validate)
+    _, block_size, _, head_dim = k_cache.shape
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"q must be float32, float16 or bfloat16, got {q.dtype}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise TypeError(f"k_cache and v_cache must have q's dtype {q.dtype}, got {k_cache.dtype} and {v_cache.dtype}")
-    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
-        if t.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"{name} must be int32 (or int64), got {t.dtype}")
-    devices = {t.device for t in (q, k_cache, v_cache, block_tables, seq_lens)}
-    if len(devices) > 1:
-        raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
-
+        raise TypeError(f"q must be float32, float16 or bfloat16 for the kernel, got {q.dtype}")
     if not _is_power_of_two(block_size) or block_size > MAX_BLOCK_SIZE:
-        raise ValueError(f"block_size must be a power of two up to {MAX_BLOCK_SIZE} (tl.arange needs one), got {block_size}")
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {HEAD_DIMS} (a power of two >= 16 for tl.arange and tl.dot), got {head_dim}")
-    if num_splits is not None and (not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS):
-        raise ValueError(f"num_splits must be None or an int in 1..{MAX_SPLITS}, got {num_splits!r}")
-    if num_seqs == 0 or not validate:
-        return None
-
-    # One host sync for all value checks: lengths in range, and every block a sequence
-    # owns points into the pool (an out-of-range id would read outside k_cache).
-    max_blocks_per_seq = block_tables.shape[1]
-    owned = torch.arange(max_blocks_per_seq, device=block_tables.device)[None, :] < (seq_lens[:, None] + block_size - 1) // block_size
-    bad_ids = ((block_tables < 0) | (block_tables >= num_blocks)) & owned
-    lo, hi, n_bad = torch.stack([seq_lens.min().long(), seq_lens.max().long(), bad_ids.sum()]).tolist()
-    if lo < 1:
-        raise ValueError(f"seq_lens must be >= 1 (the current token is in the cache), got min {lo}")
-    if hi > max_blocks_per_seq * block_size:
-        raise IndexError(
-            f"seq_lens max {hi} needs {triton.cdiv(hi, block_size)} blocks, but block_tables has only "
-            f"{max_blocks_per_seq} columns (block_size {block_size})"
+        raise ValueError(
+            f"block_size must be a power of two up to {MAX_BLOCK_SIZE} (tl.arange needs one), got {block_size}"
         )
-    if n_bad:
-        raise IndexError(f"block_tables has {n_bad} entries for owned blocks outside the pool [0, {num_blocks})")
-    return hi
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(
+            f"head_dim must be one of {HEAD_DIMS} (a power of two >= 16 for tl.arange and tl.dot), got {head_dim}"
+        )
+    if num_splits is not None:
+        check_int(num_splits, "num_splits", minimum=1)
+        if num_splits > MAX_SPLITS:
+            raise ValueError(f"num_splits must be None or an int in 1..{MAX_SPLITS}, got {num_splits}")
+    return max_seq_len
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, num_splits=None, validate=True):
     """Decode attention for one new token per sequence, reading K/V through ``block_tables``.
+
+    The inputs are :func:`minipaged.attention.paged_attention`'s (see the module docstring)
+    and are checked by the same :func:`minipaged.validation.check_paged_attention`, plus
+    the kernel's limits: fp32/fp16/bf16, a power-of-two ``block_size`` up to
+    ``MAX_BLOCK_SIZE``, ``head_dim`` in ``HEAD_DIMS``.
 
     Returns ``[num_seqs, num_heads, head_dim]`` in ``q.dtype``. ``scale`` defaults to
     ``head_dim ** -0.5``. ``num_splits=None`` picks unsplit or split-KV with

@@ -4,12 +4,15 @@ Per layer the cache is ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads
 A sequence's logical token ``t`` lives in physical block ``block_tables[s, t // block_size]``
 at offset ``t % block_size``; its *slot* is ``block_id * block_size + offset``.
 
-- :func:`write_kv` is the write path: new tokens' K/V go to their slots (``-1`` = skip).
+- The write path, new tokens' K/V to their slots, is chapter 02's :func:`minipaged.cache.write_kv`.
 - :func:`paged_attention` is the decode read path: one query token per sequence.
 - :func:`paged_prefill_attention` is the prefill / chunked-prefill read path: several
   query tokens per sequence, packed, each attending causally over the paged context.
+- :class:`AttentionMetadata` describes one packed batch: where each new token's K/V
+  goes and what each sequence reads.
 
-Every read path has the same signature for every backend:
+Every read path has the same signature and the same input checks
+(:func:`minipaged.validation.check_paged_attention`) for every backend:
 
 - ``"loop"``: block by block, one sequence at a time. Slow and obviously right.
 - ``"torch"``: vectorised gather through the block table, masked softmax, batched matmul.
@@ -18,8 +21,15 @@ Every read path has the same signature for every backend:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from itertools import accumulate
+
 import torch
 import torch.nn.functional as F
+
+from minipaged.accounting import blocks_needed
+from minipaged.block_manager import BlockTable, block_tables_tensor
+from minipaged.validation import check_paged_attention
 
 BACKENDS = ("loop", "torch", "triton")
 
@@ -39,8 +49,9 @@ def contiguous_attention(q, k, v, *, scale=None, causal=True):
     ``q: [q_len, num_heads, head_dim]``, ``k, v: [kv_len, num_kv_heads, head_dim]``.
     The queries are the *last* ``q_len`` positions of the context, so query ``i``
     sits at position ``kv_len - q_len + i`` and (with ``causal``) sees keys up to
-    and including that position. Computed in float32 with
-    ``scaled_dot_product_attention``; returns ``[q_len, num_heads, head_dim]`` in ``q.dtype``.
+    and including that position. Computed with ``scaled_dot_product_attention`` in
+    float32 (float64 for float64 inputs, the exact reference :mod:`minipaged.testing` uses);
+    returns ``[q_len, num_heads, head_dim]`` in ``q.dtype``.
     """
     q_len, kv_len = q.shape[0], k.shape[0]
     if q_len > kv_len:
@@ -52,10 +63,11 @@ def contiguous_attention(q, k, v, *, scale=None, causal=True):
         # SDPA's is_causal aligns query 0 with key 0; our queries are the end of the context.
         query_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
         mask = torch.arange(kv_len, device=q.device)[None, :] <= query_pos[:, None]
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = F.scaled_dot_product_attention(
-        q.float().transpose(0, 1),
-        k.float().transpose(0, 1),
-        v.float().transpose(0, 1),
+        q.to(compute).transpose(0, 1),
+        k.to(compute).transpose(0, 1),
+        v.to(compute).transpose(0, 1),
         attn_mask=mask,
         scale=scale,
         enable_gqa=True,
@@ -63,84 +75,12 @@ def contiguous_attention(q, k, v, *, scale=None, causal=True):
     return out.transpose(0, 1).to(q.dtype)
 
 
-# --------------------------------------------------------------------------- validation
+# --------------------------------------------------------------------------- backends
 
 
 def _check_backend(backend):
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-
-
-def _check_common(q, k_cache, v_cache, block_tables, seq_lens, num_seqs):
-    """Shapes, dtypes, devices and lengths shared by the decode and prefill paths."""
-    for name, t in [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables), ("seq_lens", seq_lens)]:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if q.dim() != 3:
-        raise ValueError(f"q must be 3-D [tokens, num_heads, head_dim], got shape {tuple(q.shape)}")
-    if k_cache.dim() != 4:
-        raise ValueError(f"k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got shape {tuple(k_cache.shape)}")
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache has shape {tuple(v_cache.shape)}, but k_cache has {tuple(k_cache.shape)}")
-    num_heads, head_dim = q.shape[1:]
-    num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    if cache_head_dim != head_dim:
-        raise ValueError(f"q has head_dim {head_dim}, but k_cache has head_dim {cache_head_dim}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"q's num_heads ({num_heads}) must be a multiple of k_cache's num_kv_heads ({num_kv_heads})")
-    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables must be [num_seqs={num_seqs}, max_blocks_per_seq], got shape {tuple(block_tables.shape)}")
-    if seq_lens.shape != (num_seqs,):
-        raise ValueError(f"seq_lens must be [num_seqs={num_seqs}], got shape {tuple(seq_lens.shape)}")
-
-    if not q.dtype.is_floating_point:
-        raise TypeError(f"q must be a floating-point tensor, got {q.dtype}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise TypeError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype} and {v_cache.dtype}")
-    if block_tables.dtype != torch.int32:
-        raise TypeError(f"block_tables must be int32, got {block_tables.dtype}")
-    if seq_lens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"seq_lens must be int32 or int64, got {seq_lens.dtype}")
-    for name, t in [("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables), ("seq_lens", seq_lens)]:
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device}, but q is on {q.device}: all inputs must share a device")
-    if num_seqs == 0:
-        return
-
-    lens = seq_lens.tolist()
-    max_blocks_per_seq = block_tables.shape[1]
-    if min(lens) < 1:
-        raise ValueError(f"seq_lens must be >= 1 (the current token is already in the cache), got {min(lens)}")
-    if max(lens) > max_blocks_per_seq * block_size:
-        raise ValueError(
-            f"seq_lens holds {max(lens)}, but block_tables has room for only "
-            f"{max_blocks_per_seq} blocks x {block_size} = {max_blocks_per_seq * block_size} tokens"
-        )
-    # Only the blocks a sequence owns are read, so only those must point into the pool.
-    owned = torch.arange(max_blocks_per_seq, device=q.device)[None, :] < (seq_lens[:, None] + block_size - 1) // block_size
-    bad = owned & ((block_tables < 0) | (block_tables >= num_blocks))
-    if bad.any():
-        s, i = bad.nonzero()[0].tolist()
-        raise IndexError(f"block_tables[{s}, {i}] = {int(block_tables[s, i])} is outside the pool's {num_blocks} blocks")
-
-
-def _check_query_start_loc(query_start_loc, seq_lens, num_tokens, device):
-    if not isinstance(query_start_loc, torch.Tensor):
-        raise TypeError(f"query_start_loc must be a torch.Tensor, got {type(query_start_loc).__name__}")
-    if query_start_loc.dim() != 1 or query_start_loc.shape[0] < 1:
-        raise ValueError(f"query_start_loc must be [num_seqs + 1], got shape {tuple(query_start_loc.shape)}")
-    if query_start_loc.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"query_start_loc must be int32 (or int64), got {query_start_loc.dtype}")
-    if query_start_loc.device != device:
-        raise ValueError(f"query_start_loc is on {query_start_loc.device}, but q is on {device}")
-    starts = query_start_loc.tolist()
-    if starts[0] != 0 or starts[-1] != num_tokens:
-        raise ValueError(f"query_start_loc must run from 0 to num_tokens={num_tokens}, got {starts[0]} .. {starts[-1]}")
-    query_lens = [b - a for a, b in zip(starts, starts[1:])]
-    for i, (q_len, ctx) in enumerate(zip(query_lens, seq_lens.tolist())):
-        if not 1 <= q_len <= ctx:
-            raise ValueError(f"sequence {i} has {q_len} query tokens; it needs 1 .. seq_lens[{i}]={ctx}")
-    return starts
 
 
 def _kernel(name):
@@ -155,51 +95,6 @@ def _kernel(name):
     return fn
 
 
-# --------------------------------------------------------------------------- write path
-
-
-def write_kv(key, value, k_cache, v_cache, slot_mapping, *, backend="torch"):
-    """Store token ``i``'s K/V ``[num_tokens, num_kv_heads, head_dim]`` at slot ``slot_mapping[i]``, in place.
-
-    A slot of ``-1`` is skipped (a padding token). ``"triton"`` uses the chapter-04
-    scatter kernel; ``"torch"`` and ``"loop"`` (so a model can pass one backend to
-    both paths) use one ``index_copy_`` on the flattened cache.
-    """
-    _check_backend(backend)
-    if backend == "triton":
-        return _kernel("write_kv")(key, value, k_cache, v_cache, slot_mapping)
-    for name, t in [("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping)]:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
-            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
-    row = tuple(k_cache.shape[2:])
-    if key.dim() != 3 or tuple(key.shape[1:]) != row or value.shape != key.shape:
-        raise ValueError(f"key and value must be [num_tokens, {row[0]}, {row[1]}], got {tuple(key.shape)} and {tuple(value.shape)}")
-    if slot_mapping.shape != (key.shape[0],):
-        raise ValueError(f"slot_mapping must be [num_tokens={key.shape[0]}], got shape {tuple(slot_mapping.shape)}")
-    if slot_mapping.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"slot_mapping must be int64 (or int32), got {slot_mapping.dtype}")
-    if not key.dtype == value.dtype == k_cache.dtype == v_cache.dtype:
-        raise TypeError(f"key, value and the caches must share a dtype, got {key.dtype}, {value.dtype}, {k_cache.dtype}")
-    for name, t in [("value", value), ("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping)]:
-        if t.device != key.device:
-            raise ValueError(f"{name} is on {t.device}, but key is on {key.device}: all inputs must share a device")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous: a slot is a row of their flattened view")
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    if key.shape[0] and not (-1 <= int(slot_mapping.min()) and int(slot_mapping.max()) < num_slots):
-        raise IndexError(f"slot_mapping must lie in [-1, {num_slots}) (-1 = skip), got {slot_mapping.min()} .. {slot_mapping.max()}")
-
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    k_cache.view(-1, *row).index_copy_(0, slots, key[keep])
-    v_cache.view(-1, *row).index_copy_(0, slots, value[keep])
-
-
 # --------------------------------------------------------------------------- the loop reference
 
 
@@ -211,7 +106,7 @@ def _attend_blocks(q, k_cache, v_cache, block_ids, seq_len, scale):
     q = q.float().view(q_len, num_kv_heads, group, head_dim) * scale
     query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
     scores, values = [], []
-    for logical in range(-(-seq_len // block_size)):
+    for logical in range(blocks_needed(seq_len, block_size)):
         physical = int(block_ids[logical])  # the block table lookup
         start = logical * block_size
         n = min(block_size, seq_len - start)  # the last block may be partly filled
@@ -240,9 +135,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, 
     ``head_dim ** -0.5``. Returns ``[num_seqs, num_heads, head_dim]`` in ``q.dtype``.
     """
     _check_backend(backend)
-    _check_common(q, k_cache, v_cache, block_tables, seq_lens, num_seqs=q.shape[0] if q.dim() == 3 else -1)
-    if backend == "triton":
+    if backend == "triton":  # the kernel runs the same checks, plus its own limits
         return _kernel("paged_decode_attention")(q, k_cache, v_cache, block_tables, seq_lens, scale=scale)
+    check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if q.shape[0] == 0:
         return torch.empty_like(q)
@@ -281,9 +176,10 @@ def _paged_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, scale):
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     lens = seq_lens.tolist()
-    max_blocks = -(-max(lens) // block_size)
+    max_blocks = blocks_needed(max(lens), block_size)
     # Table entries past a sequence's own blocks may hold anything: read block 0 there instead.
-    owned = torch.arange(max_blocks, device=q.device)[None, :] < (seq_lens[:, None].long() + block_size - 1) // block_size
+    blocks_owned = (seq_lens[:, None].long() + block_size - 1) // block_size
+    owned = torch.arange(max_blocks, device=q.device)[None, :] < blocks_owned
     block_ids = torch.where(owned, block_tables[:, :max_blocks], 0)
     past_end = torch.arange(max_blocks * block_size, device=q.device)[None, :] >= seq_lens[:, None]
     # GQA without copying K/V per query head: the `group` query heads that share a
@@ -294,7 +190,7 @@ def _paged_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, scale):
     k_buf, v_buf = _gather_buffers(min(chunk, num_seqs) * max_blocks, k_cache)
     for start in range(0, num_seqs, chunk):
         end = min(start + chunk, num_seqs)
-        n = -(-max(lens[start:end]) // block_size)
+        n = blocks_needed(max(lens[start:end]), block_size)
         ctx = n * block_size
         # One index_select per cache: whole blocks, in logical order, into a contiguous buffer.
         ids = block_ids[start:end, :n].flatten()
@@ -317,7 +213,9 @@ def _paged_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, scale):
 # --------------------------------------------------------------------------- prefill
 
 
-def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale=None, backend="torch"):
+def paged_prefill_attention(
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale=None, backend="torch"
+):
     """Prefill or chunked-prefill attention over the paged context, several queries per sequence.
 
     ``q: [num_tokens, num_heads, head_dim]`` packs every sequence's new tokens:
@@ -329,9 +227,8 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_s
     this chunk up to itself. Returns ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
     """
     _check_backend(backend)
-    num_seqs = query_start_loc.shape[0] - 1 if isinstance(query_start_loc, torch.Tensor) and query_start_loc.dim() == 1 else -1
-    _check_common(q, k_cache, v_cache, block_tables, seq_lens, num_seqs=num_seqs)
-    starts = _check_query_start_loc(query_start_loc, seq_lens, q.shape[0], q.device)
+    check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    starts = query_start_loc.tolist()
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if backend == "triton":
         return _prefill_as_decode(q, k_cache, v_cache, block_tables, seq_lens, starts, scale)
@@ -354,7 +251,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_s
         if backend == "loop":
             out[a:b] = _attend_blocks(q[a:b], k_cache, v_cache, block_tables[i], seq_len, scale).to(q.dtype)
             continue
-        ids = block_tables[i, : -(-seq_len // block_size)]
+        ids = block_tables[i, : blocks_needed(seq_len, block_size)]
         # Slicing to seq_len drops the unwritten tail, so no masking of V is needed here.
         k = k_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:seq_len]
         v = v_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:seq_len]
@@ -379,4 +276,52 @@ def _prefill_as_decode(q, k_cache, v_cache, block_tables, seq_lens, starts, scal
     return _kernel("paged_decode_attention")(q, k_cache, v_cache, block_tables[rows], lens, scale=scale)
 
 
-__all__ = ["BACKENDS", "contiguous_attention", "paged_attention", "paged_prefill_attention", "write_kv"]
+# --------------------------------------------------------------------------- one batch, as the model sees it
+
+
+@dataclass
+class AttentionMetadata:
+    """What the attention layers need to know about one packed batch, beyond the tokens themselves.
+
+    Sequence ``i``'s new tokens are ``input_ids[query_start_loc[i] : query_start_loc[i + 1]]``,
+    the last ``num_new_tokens[i]`` positions of its context.
+    """
+
+    slot_mapping: torch.Tensor  # int64 [num_tokens]: where each new token's K/V is written; -1 = nowhere
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq]: logical block -> physical block
+    seq_lens: torch.Tensor  # int32 [num_seqs]: context length *after* this step's tokens are written
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]: cumulative num_new_tokens, starting at 0
+    max_query_len: int  # 1 means a decode-only batch (paged_attention); more means prefill chunks
+
+    @classmethod
+    def pack(cls, tables: list[BlockTable], num_new_tokens: list[int], slot_mapping: torch.Tensor, device="cpu"):
+        """Describe a step whose new tokens were just appended to the tables.
+
+        Args:
+            tables: one :class:`~minipaged.block_manager.BlockTable` per sequence, already
+                holding this step's tokens.
+            num_new_tokens: ``num_new_tokens[i]`` tokens of ``tables[i]`` are computed in this step.
+            slot_mapping: int64 ``[sum(num_new_tokens)]``, the slots ``append_tokens`` returned.
+            device: where the metadata tensors go (the model's device).
+        """
+        return cls(
+            slot_mapping=slot_mapping.to(device),
+            block_tables=block_tables_tensor(tables).to(device),
+            seq_lens=torch.tensor([t.num_tokens for t in tables], dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor([0, *accumulate(num_new_tokens)], dtype=torch.int32, device=device),
+            max_query_len=max(num_new_tokens),
+        )
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_query_len == 1
+
+    def positions(self) -> torch.Tensor:
+        """int64 ``[num_tokens]``: each new token's position in its sequence (for RoPE)."""
+        num_new_tokens = (self.query_start_loc[1:] - self.query_start_loc[:-1]).long()
+        first = torch.repeat_interleave(self.seq_lens.long() - num_new_tokens, num_new_tokens)
+        starts = torch.repeat_interleave(self.query_start_loc[:-1].long(), num_new_tokens)
+        return first + torch.arange(len(first), device=first.device) - starts
+
+
+__all__ = ["BACKENDS", "AttentionMetadata", "contiguous_attention", "paged_attention", "paged_prefill_attention"]

@@ -4,6 +4,10 @@ Layout per layer (vLLM's flash layout): ``[num_blocks, block_size, num_kv_heads,
 Viewed as ``[num_blocks * block_size, num_kv_heads, head_dim]``, a token's row
 index is its slot, ``block_id * block_size + offset``, so a write is one
 ``index_copy_`` and a read is one ``index_select``.
+
+- :func:`write_kv` is the write path on raw cache tensors: new tokens' K/V go to
+  their slots (``-1`` = skip). Chapter 03's model calls it for every layer.
+- :class:`PagedKVCache` owns the pools of every layer and their allocator.
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from minipaged.attention import write_kv
-from minipaged.block_manager import BlockAllocator, BlockTable, _count
+from minipaged.block_manager import BlockAllocator, BlockTable
+from minipaged.validation import check_int, check_kv_write
+
+WRITE_BACKENDS = ("torch", "triton")
 
 
 @dataclass
@@ -41,7 +47,8 @@ class MemoryReport:
         return "\n".join(
             [
                 f"sequences          {self.num_seqs}",
-                f"blocks used/total  {self.used_blocks}/{self.total_blocks} ({self.free_blocks} free, block_size {self.block_size})",
+                f"blocks used/total  {self.used_blocks}/{self.total_blocks} "
+                f"({self.free_blocks} free, block_size {self.block_size})",
                 f"effective tokens   {self.effective_tokens}",
                 f"tail waste         {self.tail_waste} slots",
                 f"utilisation        {self.utilisation:.2%}",
@@ -59,7 +66,47 @@ def _binary(n: int) -> str:
     return f"{n} B"
 
 
+def write_kv(key, value, k_cache, v_cache, slot_mapping, *, backend: str = "torch") -> None:
+    """Store token ``i``'s K and V at slot ``slot_mapping[i]`` of ``k_cache`` and ``v_cache``, in place.
+
+    Args:
+        key, value: ``[num_tokens, num_kv_heads, head_dim]``, the new tokens' K and V.
+        k_cache, v_cache: one layer's pools, ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        slot_mapping: int64 (or int32) ``[num_tokens]``: ``block_id * block_size + offset``,
+            or ``-1`` to skip the token (a padding token).
+        backend: ``"torch"``, one ``index_copy_`` per pool on its flattened view; or
+            ``"triton"``, chapter 04's scatter kernel (``minipaged.kernels.write_kv``).
+
+    Both backends check their inputs with :func:`minipaged.validation.check_kv_write`
+    and raise before anything is written.
+    """
+    if backend not in WRITE_BACKENDS:
+        raise ValueError(f"backend must be one of {WRITE_BACKENDS}, got {backend!r}")
+    if backend == "triton":
+        from minipaged.kernels import write_kv as triton_write_kv  # chapter 04, reached by name only
+
+        return triton_write_kv(key, value, k_cache, v_cache, slot_mapping)
+    check_kv_write(key, value, k_cache, v_cache, slot_mapping)
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous: a slot is a row of their flattened view")
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    row = k_cache.shape[2:]
+    k_cache.view(-1, *row).index_copy_(0, slots, key[keep])
+    v_cache.view(-1, *row).index_copy_(0, slots, value[keep])
+
+
 class PagedKVCache:
+    """The K and V pools of every layer, allocated once, and the allocator that hands out their blocks.
+
+    Args:
+        num_layers: decoder layers; each gets its own ``k_caches[layer]`` and ``v_caches[layer]``.
+        num_blocks, block_size: the pool, ``num_blocks`` blocks of ``block_size`` token slots
+            (checked by :class:`~minipaged.block_manager.BlockAllocator`).
+        num_kv_heads, head_dim: one token's K (and V) row is ``[num_kv_heads, head_dim]``.
+        dtype, device: of the pools.
+    """
+
     def __init__(
         self,
         num_layers: int,
@@ -70,9 +117,9 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         device="cpu",
     ):
-        for name, value in [("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)]:
-            if _count(value, name) == 0:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+        num_layers = check_int(num_layers, "num_layers", minimum=1)
+        num_kv_heads = check_int(num_kv_heads, "num_kv_heads", minimum=1)
+        head_dim = check_int(head_dim, "head_dim", minimum=1)
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         self.allocator = BlockAllocator(num_blocks, block_size)
@@ -85,28 +132,24 @@ class PagedKVCache:
         self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
 
     @property
-    def num_slots(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
     def bytes_per_block(self) -> int:
         """K and V of one block over all layers."""
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.k_caches[0].element_size()
+        row_bytes = self.num_kv_heads * self.head_dim * self.k_caches[0].element_size()
+        return 2 * self.num_layers * self.block_size * row_bytes
 
     def new_table(self, seq_id=None) -> BlockTable:
         return BlockTable(self.allocator, seq_id)
 
     def _check_layer(self, layer) -> int:
-        layer = _count(layer, "layer")
+        layer = check_int(layer, "layer")
         if layer >= self.num_layers:
             raise IndexError(f"layer {layer} is out of range: the cache has {self.num_layers} layers")
         return layer
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Store token i's K/V at ``slot_mapping[i]``; a slot of -1 is skipped (padding).
+        """Store token ``i``'s K/V of ``layer`` at ``slot_mapping[i]``; a slot of -1 is skipped (padding).
 
-        The scatter and its input checks are chapter 03's ``write_kv``: one
-        ``index_copy_`` per pool, and errors raised before anything is written.
+        ``key, value: [num_tokens, num_kv_heads, head_dim]``; the scatter is :func:`write_kv`.
         """
         write_kv(key, value, self.k_caches[self._check_layer(layer)], self.v_caches[layer], slot_mapping)
 
@@ -138,8 +181,9 @@ class PagedKVCache:
 
     def __repr__(self) -> str:
         return (
-            f"PagedKVCache(num_layers={self.num_layers}, num_blocks={self.num_blocks}, block_size={self.block_size}, "
-            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, device={self.device})"
+            f"PagedKVCache(num_layers={self.num_layers}, num_blocks={self.num_blocks}, "
+            f"block_size={self.block_size}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"dtype={self.dtype}, device={self.device})"
         )
 
     def _check_block_ids(self, block_ids, name: str, unique: bool = False) -> list[int]:

@@ -10,28 +10,26 @@ Two ways to run it:
 
 - contiguous: :meth:`LlamaForCausalLM.forward_contiguous` for one sequence, whose
   ``past_key_values`` are per-layer ``(k, v)`` tensors that grow by concatenation.
-  :func:`generate_contiguous` is the greedy reference.
 - paged (vLLM-like): ``model(input_ids, positions, kv_caches, attn_metadata)`` over
-  a packed batch of tokens from many sequences. :class:`AttentionMetadata` says
-  where each token's K/V goes and what each sequence reads; :func:`build_metadata`
-  makes it from :class:`~minipaged.block_manager.BlockTable` objects, and
-  :func:`generate_paged` is greedy decoding of a batch through a
-  :class:`~minipaged.cache.PagedKVCache`.
+  a packed batch of tokens from many sequences;
+  :class:`~minipaged.attention.AttentionMetadata` says where each token's K/V goes
+  and what each sequence reads.
+
+This module holds the layers and the model only. The greedy loops that drive it
+in chapter 03 are in :mod:`minipaged.generate`; chapter 05's engine serves it.
 """
 
 from __future__ import annotations
 
 import math
-from itertools import accumulate
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minipaged.attention import contiguous_attention, paged_attention, paged_prefill_attention, write_kv
-from minipaged.block_manager import BlockTable, OutOfBlocks, block_tables_tensor
-from minipaged.cache import PagedKVCache
+from minipaged.attention import AttentionMetadata, contiguous_attention, paged_attention, paged_prefill_attention
+from minipaged.cache import write_kv
 
 
 @dataclass
@@ -89,7 +87,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class LlamaAttention(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
@@ -144,71 +143,6 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
 
-# --------------------------------------------------------------------------- paged metadata
-
-
-@dataclass
-class AttentionMetadata:
-    """What the attention layers need to know about one packed batch, beyond the tokens themselves.
-
-    Sequence ``i``'s new tokens are ``input_ids[query_start_loc[i] : query_start_loc[i + 1]]``,
-    the last ``query_len`` positions of its context.
-    """
-
-    slot_mapping: torch.Tensor  # int64 [num_tokens]: where each new token's K/V is written; -1 = nowhere
-    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq]: logical block -> physical block
-    seq_lens: torch.Tensor  # int32 [num_seqs]: context length *after* this step's tokens are written
-    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]: cumulative query lengths, starting at 0
-    max_query_len: int  # 1 means a decode-only batch (paged_attention); more means prefill chunks
-
-    @classmethod
-    def pack(cls, tables: list[BlockTable], query_lens: list[int], slot_mapping: torch.Tensor, device="cpu"):
-        """Describe a step whose ``query_lens[i]`` new tokens were just appended to ``tables[i]`` at ``slot_mapping``."""
-        return cls(
-            slot_mapping=slot_mapping.to(device),
-            block_tables=block_tables_tensor(tables).to(device),
-            seq_lens=torch.tensor([t.num_tokens for t in tables], dtype=torch.int32, device=device),
-            query_start_loc=torch.tensor([0, *accumulate(query_lens)], dtype=torch.int32, device=device),
-            max_query_len=max(query_lens),
-        )
-
-    @property
-    def is_decode(self) -> bool:
-        return self.max_query_len == 1
-
-    def positions(self) -> torch.Tensor:
-        """int64 ``[num_tokens]``: each new token's position in its sequence (for RoPE)."""
-        query_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
-        first = torch.repeat_interleave((self.seq_lens - query_lens).long(), query_lens.long())
-        offset = torch.arange(len(first), device=first.device) - torch.repeat_interleave(
-            self.query_start_loc[:-1].long(), query_lens.long()
-        )
-        return first + offset
-
-
-def build_metadata(tables: list[BlockTable], query_lens: list[int], device="cpu") -> AttentionMetadata:
-    """Reserve slots for ``query_lens[i]`` new tokens in ``tables[i]`` and describe the batch.
-
-    This *appends* to the tables (``append_tokens``, which may allocate blocks and
-    raise ``OutOfBlocks``), so call it once per step, just before the forward.
-    """
-    if len(tables) != len(query_lens):
-        raise ValueError(f"got {len(tables)} tables but {len(query_lens)} query_lens")
-    if not tables:
-        raise ValueError("a batch needs at least one sequence")
-    if any(n < 1 for n in query_lens):
-        raise ValueError(f"every sequence needs at least one new token, got query_lens {query_lens}")
-    # All or nothing: check the pool first, so a short pool leaves every table as it was.
-    need = {}
-    for table, n in zip(tables, query_lens):
-        need[table.allocator] = need.get(table.allocator, 0) + table.blocks_needed(n)
-    for allocator, n in need.items():
-        if not allocator.can_allocate(n):
-            raise OutOfBlocks(f"this step needs {n} new blocks but only {allocator.num_free} are free")
-    slot_mapping = torch.cat([t.append_tokens(n) for t, n in zip(tables, query_lens)])
-    return AttentionMetadata.pack(tables, query_lens, slot_mapping, device)
-
-
 # --------------------------------------------------------------------------- the model
 
 
@@ -249,11 +183,19 @@ class LlamaForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
-    def forward(self, input_ids, positions, kv_caches, attn_metadata: AttentionMetadata, *, backend="torch", all_logits=False):
+    def forward(
+        self, input_ids, positions, kv_caches, attn_metadata: AttentionMetadata, *, backend="torch", all_logits=False
+    ):
         """Run a packed batch through the paged cache; return the logits of each sequence's last token.
 
-        ``input_ids, positions: int64 [num_tokens]``. ``kv_caches`` is a
-        :class:`PagedKVCache` or a list of per-layer ``(k_cache, v_cache)``.
+        Args:
+            input_ids, positions: int64 ``[num_tokens]``, the step's new tokens of every sequence, packed.
+            kv_caches: a :class:`~minipaged.cache.PagedKVCache` or a list of per-layer ``(k_cache, v_cache)``.
+            attn_metadata: the step's :class:`~minipaged.attention.AttentionMetadata`.
+            backend: the attention backend (``"loop"``, ``"torch"`` or ``"triton"``); the K/V
+                writes use the Triton kernel with ``"triton"`` and PyTorch otherwise.
+            all_logits: return every token's logits, not only each sequence's last.
+
         Each layer writes the new K/V to ``attn_metadata.slot_mapping``, then
         attends through the block tables: ``paged_attention`` when every
         sequence has one new token, ``paged_prefill_attention`` otherwise.
@@ -262,22 +204,30 @@ class LlamaForCausalLM(nn.Module):
         md = attn_metadata
         num_tokens = input_ids.shape[0] if input_ids.dim() == 1 else -1
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
-            raise ValueError(f"input_ids and positions must both be [num_tokens], got {tuple(input_ids.shape)} and {tuple(positions.shape)}")
+            raise ValueError(
+                "input_ids and positions must both be [num_tokens], "
+                f"got {tuple(input_ids.shape)} and {tuple(positions.shape)}"
+            )
         if md.slot_mapping.shape != (num_tokens,) or int(md.query_start_loc[-1]) != num_tokens:
             raise ValueError(
                 f"attn_metadata describes {md.slot_mapping.shape[0]} slots and {int(md.query_start_loc[-1])} "
                 f"query tokens, but input_ids has {num_tokens}"
             )
-        caches = list(zip(kv_caches.k_caches, kv_caches.v_caches)) if hasattr(kv_caches, "k_caches") else list(kv_caches)
+        if hasattr(kv_caches, "k_caches"):
+            caches = list(zip(kv_caches.k_caches, kv_caches.v_caches))
+        else:
+            caches = list(kv_caches)
         if len(caches) != len(self.model.layers):
             raise ValueError(f"kv_caches has {len(caches)} layers, the model {len(self.model.layers)}")
+        write_backend = "triton" if backend == "triton" else "torch"
 
         def attend(layer, q, k, v):
             k_cache, v_cache = caches[layer]
-            write_kv(k, v, k_cache, v_cache, md.slot_mapping, backend=backend)
+            write_kv(k, v, k_cache, v_cache, md.slot_mapping, backend=write_backend)
+            tables, lens = md.block_tables, md.seq_lens
             if md.is_decode:
-                return paged_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, backend=backend)
-            return paged_prefill_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, backend=backend)
+                return paged_attention(q, k_cache, v_cache, tables, lens, backend=backend)
+            return paged_prefill_attention(q, k_cache, v_cache, tables, lens, md.query_start_loc, backend=backend)
 
         hidden = self.model(input_ids, positions, self.rope_cos, self.rope_sin, attend)
         if not all_logits:
@@ -302,81 +252,3 @@ class LlamaForCausalLM(nn.Module):
 
         hidden = self.model(input_ids, positions, self.rope_cos, self.rope_sin, attend)
         return self.lm_head(hidden), present
-
-
-# --------------------------------------------------------------------------- greedy generation
-
-
-@torch.no_grad()
-def generate_contiguous(model: LlamaForCausalLM, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy decoding of one prompt with the contiguous cache: the reference output."""
-    if not prompt_ids:
-        raise ValueError("prompt_ids must hold at least one token")
-    ids = torch.tensor(prompt_ids, device=model.device)
-    logits, past = model.forward_contiguous(ids, torch.arange(len(ids), device=model.device))
-    out = []
-    for _ in range(max_new_tokens):
-        token = int(logits[-1].argmax())
-        out.append(token)
-        if len(out) == max_new_tokens:
-            break
-        position = torch.tensor([len(prompt_ids) + len(out) - 1], device=model.device)
-        logits, past = model.forward_contiguous(torch.tensor([token], device=model.device), position, past)
-    return out
-
-
-@torch.no_grad()
-def generate_paged(
-    model: LlamaForCausalLM,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    *,
-    block_size: int = 16,
-    num_blocks: int | None = None,
-    backend: str = "torch",
-    prefill_chunk_size: int | None = None,
-) -> list[list[int]]:
-    """Greedy decoding of a batch of prompts (any lengths) through one shared paged cache.
-
-    Every step runs all unfinished sequences as one packed batch. A sequence
-    still reading its prompt contributes up to ``prefill_chunk_size`` prompt
-    tokens (all of it when None); after that, one token per step. So with
-    chunking, prefill chunks and decode tokens share a batch, as in vLLM.
-    ``num_blocks`` defaults to exactly what the batch needs.
-    """
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt must hold at least one token")
-    if prefill_chunk_size is not None and prefill_chunk_size < 1:
-        raise ValueError(f"prefill_chunk_size must be >= 1 or None, got {prefill_chunk_size}")
-    cfg = model.config
-    if num_blocks is None:
-        num_blocks = sum(-(-(len(p) + max_new_tokens) // block_size) for p in prompts)
-    cache = PagedKVCache(
-        cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, model.dtype, model.device
-    )
-    tables = [cache.new_table(seq_id=i) for i in range(len(prompts))]
-    fed = [0] * len(prompts)  # prompt tokens already in the cache
-    outputs: list[list[int]] = [[] for _ in prompts]
-    try:
-        while True:
-            active = [i for i in range(len(prompts)) if len(outputs[i]) < max_new_tokens]
-            if not active:
-                return outputs
-            step_ids = []
-            for i in active:
-                remaining = len(prompts[i]) - fed[i]
-                if remaining:
-                    n = remaining if prefill_chunk_size is None else min(remaining, prefill_chunk_size)
-                    step_ids.append(prompts[i][fed[i] : fed[i] + n])
-                else:
-                    step_ids.append(outputs[i][-1:])
-            md = build_metadata([tables[i] for i in active], [len(s) for s in step_ids], device=model.device)
-            input_ids = torch.tensor([t for s in step_ids for t in s], device=model.device)
-            logits = model(input_ids, md.positions(), cache, md, backend=backend)
-            for row, i in enumerate(active):
-                fed[i] = min(len(prompts[i]), fed[i] + len(step_ids[row]))
-                if fed[i] == len(prompts[i]):  # a mid-prompt chunk's logits predict nothing we keep
-                    outputs[i].append(int(logits[row].argmax()))
-    finally:
-        for table in tables:
-            table.release()

@@ -1,4 +1,4 @@
-"""PagedKVCache: write/gather round trip through block tables, input validation, memory report."""
+"""PagedKVCache and write_kv: write/gather round trip through block tables, input validation, memory report."""
 
 import pytest
 import torch
@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minipaged.block_manager import OutOfBlocks
-from minipaged.cache import PagedKVCache
+from minipaged.cache import PagedKVCache, write_kv
 
 pytestmark = pytest.mark.ch02
 
@@ -137,5 +137,37 @@ def test_memory_report_counts_tail_waste_and_bytes():
 def test_constructor_validates():
     with pytest.raises(ValueError, match="num_kv_heads must be >= 1"):
         PagedKVCache(1, 4, 4, 0, 8)
+    with pytest.raises(TypeError, match="head_dim must be an int"):
+        PagedKVCache(1, 4, 4, 1, 8.0)
     with pytest.raises(TypeError, match="dtype must be a torch.dtype"):
         PagedKVCache(1, 4, 4, 1, 8, dtype="float32")
+
+
+def test_write_kv_lands_at_slots_and_skips_minus_one():
+    k_cache = torch.zeros(4, 2, 1, 3)
+    v_cache = torch.zeros(4, 2, 1, 3)
+    key = torch.arange(1, 10, dtype=torch.float32).view(3, 1, 3)
+    slots = torch.tensor([5, -1, 0])
+    write_kv(key, -key, k_cache, v_cache, slots)
+    flat = k_cache.view(-1, 1, 3)
+    assert torch.equal(flat[5], key[0]) and torch.equal(flat[0], key[2])  # slot 5 = block 2, offset 1
+    assert torch.equal(k_cache[2, 1], key[0]) and torch.equal(v_cache[2, 1], -key[0])
+    assert int((k_cache != 0).any(-1).sum()) == 2  # the -1 token went nowhere
+
+
+def test_write_kv_rejects_bad_input_before_writing():
+    k_cache, v_cache = torch.zeros(2, 4, 1, 2), torch.zeros(2, 4, 1, 2)
+    key = torch.ones(2, 1, 2)
+    with pytest.raises(IndexError, match="slot_mapping"):
+        write_kv(key, key, k_cache, v_cache, torch.tensor([0, 8]))
+    with pytest.raises(TypeError, match="slot_mapping"):
+        write_kv(key, key, k_cache, v_cache, torch.tensor([0.0, 1.0]))
+    with pytest.raises(TypeError, match="dtype"):
+        write_kv(key.half(), key.half(), k_cache, v_cache, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="key"):
+        write_kv(torch.ones(2, 2, 2), torch.ones(2, 2, 2), k_cache, v_cache, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="contiguous"):
+        write_kv(key, key, k_cache.transpose(0, 1).contiguous().transpose(0, 1), v_cache, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        write_kv(key, key, k_cache, v_cache, torch.tensor([0, 1]), backend="loop")
+    assert not k_cache.any() and not v_cache.any()  # nothing was written

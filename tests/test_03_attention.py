@@ -1,8 +1,8 @@
-"""Paged attention (decode, prefill, chunked prefill) and write_kv against contiguous attention.
+"""Paged attention (decode, prefill, chunked prefill) against contiguous attention.
 
-Every cache is built the same way: each sequence's blocks are drawn from a random
-permutation of the pool, and every slot no sequence wrote holds NaN, so a read
-through a wrong entry (or a NaN multiplied by a 0 weight) shows up as NaN.
+Every case is :func:`minipaged.testing.make_paged_case`: each sequence's blocks are
+drawn from a random permutation of the pool, and every slot no sequence wrote holds
+NaN, so a read through a wrong entry (or a NaN multiplied by a 0 weight) shows up as NaN.
 """
 
 import pytest
@@ -11,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minipaged._triton import HAVE_TRITON
-from minipaged.attention import contiguous_attention, paged_attention, paged_prefill_attention, write_kv
+from minipaged.attention import contiguous_attention, paged_attention, paged_prefill_attention
+from minipaged.cache import write_kv
+from minipaged.testing import make_paged_case
 
 pytestmark = pytest.mark.ch03
 
@@ -21,53 +23,22 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 HEADS = {"MHA": (4, 4), "GQA": (8, 2), "MQA": (4, 1)}
 
 
-def paged_setup(seq_lens, block_size, num_kv_heads, head_dim, dtype=torch.float32, spare_blocks=3, seed=0):
-    """Random K/V per sequence, written into a NaN-filled pool through random block tables.
-
-    Returns ``(k_cache, v_cache, block_tables, ks, vs)``; ``ks[i]`` is sequence i's contiguous K.
-    """
-    g = torch.Generator().manual_seed(seed)
-    need = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(need) + spare_blocks
-    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
-    v_cache = k_cache.clone()
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    unowned = perm[sum(need) :]
-    # Padding points at an unowned (all-NaN) block where there is one: it must never be read.
-    pad = unowned[0] if unowned else 0
-    block_tables = torch.full((len(seq_lens), max(need) + 1), pad, dtype=torch.int32)
-    ks, vs = [], []
-    for i, n in enumerate(seq_lens):
-        blocks, perm = perm[: need[i]], perm[need[i] :]
-        block_tables[i, : need[i]] = torch.tensor(blocks, dtype=torch.int32)
-        k = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype)
-        v = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype)
-        pos = torch.arange(n)
-        slots = block_tables[i].long()[pos // block_size] * block_size + pos % block_size
-        write_kv(k, v, k_cache, v_cache, slots)
-        ks.append(k)
-        vs.append(v)
-    return k_cache, v_cache, block_tables, ks, vs
-
-
 def decode_case(seq_lens, block_size, heads, head_dim=16, dtype=torch.float32, seed=0):
     num_heads, num_kv_heads = heads
-    k_cache, v_cache, block_tables, ks, vs = paged_setup(seq_lens, block_size, num_kv_heads, head_dim, dtype, seed=seed)
-    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
-    expected = torch.cat([contiguous_attention(q[i : i + 1], ks[i], vs[i]) for i in range(len(seq_lens))])
-    return (q, k_cache, v_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32)), expected
-
-
-def prefill_case(seq_lens, query_lens, block_size, heads, head_dim=16, dtype=torch.float32, seed=0):
-    num_heads, num_kv_heads = heads
-    k_cache, v_cache, block_tables, ks, vs = paged_setup(seq_lens, block_size, num_kv_heads, head_dim, dtype, seed=seed)
-    q = torch.randn(sum(query_lens), num_heads, head_dim, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
-    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-    expected = torch.cat(
-        [contiguous_attention(q[starts[i] : starts[i + 1]], ks[i], vs[i]) for i in range(len(seq_lens))]
+    case = make_paged_case(
+        seq_lens, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        dtype=dtype, seed=seed,
     )
-    args = (q, k_cache, v_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32), starts)
-    return args, expected
+    return case.decode_args, case.reference()
+
+
+def prefill_case(seq_lens, num_new_tokens, block_size, heads, head_dim=16, dtype=torch.float32, seed=0):
+    num_heads, num_kv_heads = heads
+    case = make_paged_case(
+        seq_lens, num_new_tokens=num_new_tokens, block_size=block_size, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, seed=seed,
+    )
+    return case.prefill_args, case.reference()
 
 
 def assert_close(actual, expected, dtype):
@@ -131,7 +102,7 @@ def test_decode_small_gather_budget_chunks_the_batch(monkeypatch):
 
 
 def test_decode_works_in_and_out_of_inference_mode(monkeypatch):
-    """The torch backend reuses a gather buffer between calls; one made under inference_mode must not break later calls."""
+    """The torch backend reuses a gather buffer; one made under inference_mode must not break later calls."""
     import minipaged.attention as attention
 
     monkeypatch.setattr(attention, "_workspace", {})
@@ -149,15 +120,11 @@ def test_loop_and_torch_backends_agree():
 
 
 def test_scale_is_used():
-    args, _ = decode_case([9, 4], block_size=4, heads=(4, 2))
-    q, k_cache, v_cache, block_tables, seq_lens = args
-    ks = [k_cache[block_tables[0, :3].long()].flatten(0, 1)[:9], k_cache[block_tables[1, :1].long()].flatten(0, 1)[:4]]
-    vs = [v_cache[block_tables[0, :3].long()].flatten(0, 1)[:9], v_cache[block_tables[1, :1].long()].flatten(0, 1)[:4]]
-    expected = torch.cat([contiguous_attention(q[i : i + 1], ks[i], vs[i], scale=0.3) for i in range(2)])
+    case = make_paged_case([9, 4], block_size=4, num_heads=4, num_kv_heads=2, head_dim=16)
     for backend in ["loop", "torch"]:
-        out = paged_attention(*args, scale=0.3, backend=backend)
-        assert_close(out, expected, torch.float32)
-        assert not torch.allclose(out, paged_attention(*args, backend=backend))
+        out = paged_attention(*case.decode_args, scale=0.3, backend=backend)
+        assert_close(out, case.reference(scale=0.3), torch.float32)
+        assert not torch.allclose(out, paged_attention(*case.decode_args, backend=backend))
 
 
 def test_moving_a_block_and_its_table_entry_changes_nothing():
@@ -170,7 +137,8 @@ def test_moving_a_block_and_its_table_entry_changes_nothing():
         cache[old] = float("nan")
     block_tables[0, 1] = new
     for backend in ["loop", "torch"]:
-        assert_close(paged_attention(q, k_cache, v_cache, block_tables, seq_lens, backend=backend), expected, torch.float32)
+        out = paged_attention(q, k_cache, v_cache, block_tables, seq_lens, backend=backend)
+        assert_close(out, expected, torch.float32)
 
 
 # --------------------------------------------------------------------------- prefill
@@ -193,8 +161,8 @@ def test_prefill_matches_contiguous(backend, heads, dtype):
 )
 def test_prefill_any_chunks(data, block_size, heads):
     seq_lens = data.draw(st.lists(st.integers(1, 40), min_size=1, max_size=4))
-    query_lens = [data.draw(st.integers(1, n)) for n in seq_lens]
-    args, expected = prefill_case(seq_lens, query_lens, block_size, heads, head_dim=8)
+    num_new_tokens = [data.draw(st.integers(1, n)) for n in seq_lens]
+    args, expected = prefill_case(seq_lens, num_new_tokens, block_size, heads, head_dim=8)
     assert_close(paged_prefill_attention(*args, backend="torch"), expected, torch.float32)
 
 
@@ -214,10 +182,12 @@ def test_chunked_prefill_equals_one_causal_pass(backend, chunk):
     for start in range(0, n, chunk):
         end = min(start + chunk, n)
         pos = torch.arange(start, end)
-        write_kv(k[start:end], v[start:end], k_cache, v_cache, block_tables[0].long()[pos // block_size] * block_size + pos % block_size)
+        slots = block_tables[0].long()[pos // block_size] * block_size + pos % block_size
+        write_kv(k[start:end], v[start:end], k_cache, v_cache, slots)
         starts = torch.tensor([0, end - start], dtype=torch.int32)
         seq_lens = torch.tensor([end], dtype=torch.int32)
-        rows.append(paged_prefill_attention(q[start:end], k_cache, v_cache, block_tables, seq_lens, starts, backend=backend))
+        args = (q[start:end], k_cache, v_cache, block_tables, seq_lens, starts)
+        rows.append(paged_prefill_attention(*args, backend=backend))
     assert_close(torch.cat(rows), contiguous_attention(q, k, v), torch.float32)
 
 
@@ -225,35 +195,6 @@ def test_prefill_of_one_token_per_sequence_is_decode():
     args, _ = decode_case([4, 17, 1], block_size=4, heads=(4, 2))
     starts = torch.arange(4, dtype=torch.int32)
     assert torch.allclose(paged_prefill_attention(*args, starts), paged_attention(*args), atol=1e-6)
-
-
-# --------------------------------------------------------------------------- write path
-
-
-def test_write_kv_lands_at_slots_and_skips_minus_one():
-    k_cache = torch.zeros(4, 2, 1, 3)
-    v_cache = torch.zeros(4, 2, 1, 3)
-    key = torch.arange(1, 10, dtype=torch.float32).view(3, 1, 3)
-    slots = torch.tensor([5, -1, 0])
-    write_kv(key, -key, k_cache, v_cache, slots)
-    flat = k_cache.view(-1, 1, 3)
-    assert torch.equal(flat[5], key[0]) and torch.equal(flat[0], key[2])  # slot 5 = block 2, offset 1
-    assert torch.equal(k_cache[2, 1], key[0]) and torch.equal(v_cache[2, 1], -key[0])
-    assert int((k_cache != 0).any(-1).sum()) == 2  # the -1 token went nowhere
-
-
-def test_write_kv_rejects_bad_slots_before_writing():
-    k_cache, v_cache = torch.zeros(2, 4, 1, 2), torch.zeros(2, 4, 1, 2)
-    key = torch.ones(2, 1, 2)
-    with pytest.raises(IndexError, match="slot_mapping"):
-        write_kv(key, key, k_cache, v_cache, torch.tensor([0, 8]))
-    with pytest.raises(TypeError, match="slot_mapping"):
-        write_kv(key, key, k_cache, v_cache, torch.tensor([0.0, 1.0]))
-    with pytest.raises(TypeError, match="dtype"):
-        write_kv(key.half(), key.half(), k_cache, v_cache, torch.tensor([0, 1]))
-    with pytest.raises(ValueError, match="key"):
-        write_kv(torch.ones(2, 2, 2), torch.ones(2, 2, 2), k_cache, v_cache, torch.tensor([0, 1]))
-    assert not k_cache.any() and not v_cache.any()  # nothing was written
 
 
 # --------------------------------------------------------------------------- validation
@@ -278,7 +219,7 @@ def good_decode_args():
         (lambda a: a.__setitem__(4, a[4].float()), TypeError, "seq_lens must be int32"),
         (lambda a: a.__setitem__(4, a[4][:1]), ValueError, "seq_lens must be"),
         (lambda a: a.__setitem__(4, torch.tensor([5, 0], dtype=torch.int32)), ValueError, ">= 1"),
-        (lambda a: a.__setitem__(4, torch.tensor([5, 99], dtype=torch.int32)), ValueError, "room for only"),
+        (lambda a: a.__setitem__(4, torch.tensor([5, 99], dtype=torch.int32)), IndexError, "room for only"),
         (lambda a: a[3].__setitem__((1, 0), 1000), IndexError, r"block_tables\[1, 0\]"),
         (lambda a: a.__setitem__(0, a[0].to("meta")), ValueError, "share a device"),
         (lambda a: a.__setitem__(3, a[3].to("meta")), ValueError, "block_tables is on meta"),
@@ -302,16 +243,19 @@ def test_prefill_errors_name_query_start_loc():
     args, _ = prefill_case([6, 9], [2, 3], block_size=4, heads=(4, 2))
     q, k_cache, v_cache, block_tables, seq_lens, starts = args
     with pytest.raises(ValueError, match="query_start_loc must run from 0"):
-        paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, torch.tensor([0, 2, 4], dtype=torch.int32))
+        short = torch.tensor([0, 2, 4], dtype=torch.int32)
+        paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, short)
     with pytest.raises(ValueError, match="sequence 0 has 7 query tokens"):
         q10 = torch.zeros(10, *q.shape[1:])
-        paged_prefill_attention(q10, k_cache, v_cache, block_tables, seq_lens, torch.tensor([0, 7, 10], dtype=torch.int32))
+        starts10 = torch.tensor([0, 7, 10], dtype=torch.int32)
+        paged_prefill_attention(q10, k_cache, v_cache, block_tables, seq_lens, starts10)
     with pytest.raises(TypeError, match="query_start_loc must be int32"):
         paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, starts.float())
     with pytest.raises(ValueError, match="query_start_loc is on meta"):
         paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, starts.to("meta"))
     with pytest.raises(ValueError, match="block_tables must be"):
-        paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, torch.tensor([0, 5], dtype=torch.int32))
+        one_seq = torch.tensor([0, 5], dtype=torch.int32)
+        paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, one_seq)
 
 
 # --------------------------------------------------------------------------- triton backend (small shapes)

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from minipaged.accounting import blocks_needed
 from minipaged.attention import paged_attention
 from minipaged.checks import FAIL, PASS, TODO
 from minipaged.checks.ch03 import check_paged_attention
@@ -18,7 +19,7 @@ def gather_times_zero(q, k_cache, v_cache, block_tables, seq_lens, scale=None):
     out = []
     for i in range(num_seqs):
         n = int(seq_lens[i])
-        blocks = block_tables[i, : -(-n // block_size)].long()
+        blocks = block_tables[i, : blocks_needed(n, block_size)].long()
         k = k_cache[blocks].flatten(0, 1).repeat_interleave(num_heads // num_kv_heads, 1)
         v = v_cache[blocks].flatten(0, 1).repeat_interleave(num_heads // num_kv_heads, 1)
         scores = torch.einsum("hd,thd->ht", q[i], k) * scale

@@ -1,4 +1,4 @@
-"""The tiny Llama: HF parameter names, seeded weights, metadata, and paged == contiguous greedy decoding."""
+"""The tiny Llama and chapter 03's greedy loops: HF names, seeded weights, metadata, paged == contiguous."""
 
 import pytest
 import torch
@@ -7,13 +7,8 @@ from hypothesis import strategies as st
 
 from minipaged.block_manager import OutOfBlocks
 from minipaged.cache import PagedKVCache
-from minipaged.model import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    build_metadata,
-    generate_contiguous,
-    generate_paged,
-)
+from minipaged.generate import build_metadata, generate_contiguous, generate_paged
+from minipaged.model import LlamaConfig, LlamaForCausalLM
 
 pytestmark = pytest.mark.ch03
 
@@ -48,7 +43,8 @@ def test_state_dict_uses_hugging_face_llama_names():
         expected |= {f"model.layers.{i}.input_layernorm.weight", f"model.layers.{i}.post_attention_layernorm.weight"}
     assert names == expected
     sd = LlamaForCausalLM(cfg).state_dict()
-    assert sd["model.layers.0.self_attn.k_proj.weight"].shape == (cfg.num_key_value_heads * cfg.head_dim, cfg.hidden_size)
+    k_proj = sd["model.layers.0.self_attn.k_proj.weight"]
+    assert k_proj.shape == (cfg.num_key_value_heads * cfg.head_dim, cfg.hidden_size)
     assert sd["model.layers.0.mlp.gate_proj.weight"].shape == (cfg.intermediate_size, cfg.hidden_size)
 
 
@@ -164,10 +160,12 @@ def test_build_metadata_on_a_short_pool_changes_no_table():
     assert cache.allocator.num_free == 2
 
 
-def test_build_metadata_rejects_bad_query_lens():
+def test_build_metadata_rejects_bad_num_new_tokens():
     cache = PagedKVCache(1, 4, 4, 1, 8)
-    with pytest.raises(ValueError, match="query_lens"):
+    with pytest.raises(ValueError, match="num_new_tokens"):
         build_metadata([cache.new_table()], [0])
+    with pytest.raises(TypeError, match="num_new_tokens"):
+        build_metadata([cache.new_table()], [1.0])
     with pytest.raises(ValueError, match="tables"):
         build_metadata([cache.new_table()], [1, 2])
     with pytest.raises(ValueError, match="at least one sequence"):

@@ -6,6 +6,7 @@ import torch
 from minipaged.checks import FAIL, PASS, TODO, ch04
 from minipaged.kernels import paged_decode_attention
 from minipaged.kernels.paged_attention import _paged_decode_kernel
+from minipaged.testing import make_paged_case
 
 pytestmark = pytest.mark.ch04
 
@@ -16,8 +17,8 @@ def stub_kernel():
 
 
 def test_reference_agrees_with_the_library_kernel():
-    case = ch04.paged_case([3, 17], 4, 2, 16, 8)
-    torch.testing.assert_close(paged_decode_attention(*case), ch04.gathered_attention(*case), atol=1e-5, rtol=1e-5)
+    case = make_paged_case([3, 17], block_size=8, num_heads=4, num_kv_heads=2, head_dim=16)
+    torch.testing.assert_close(paged_decode_attention(*case.decode_args), case.reference(), atol=1e-5, rtol=1e-5)
 
 
 def test_correct_kernel_passes(capsys):
@@ -51,5 +52,8 @@ def test_reading_unowned_slots_fails_with_a_reason(capsys):
 
 
 def test_wrong_values_fail():
-    result = ch04.check_paged_decode_kernel(lambda q, *rest: paged_decode_attention(q, *rest) + 0.01, _paged_decode_kernel)
+    def off_by_a_bit(q, *rest):
+        return paged_decode_attention(q, *rest) + 0.01
+
+    result = ch04.check_paged_decode_kernel(off_by_a_bit, _paged_decode_kernel)
     assert result.status == FAIL and "max abs error" in result.message

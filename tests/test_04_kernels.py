@@ -14,60 +14,33 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from minipaged.attention import contiguous_attention
 from minipaged.kernels import paged_decode_attention, write_kv
 from minipaged.kernels.paged_attention import MIN_TOKENS_PER_SPLIT, choose_num_splits
+from minipaged.testing import PagedCase, make_paged_case
 
 pytestmark = pytest.mark.ch04
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# Output is rounded to the input dtype once; the reference is exact fp32 on the same inputs.
+# Output is rounded to the input dtype once; the reference is float64 on the same inputs.
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-def reference(q, k_cache, v_cache, block_tables, seq_lens, scale=None):
-    """Gather each sequence's K/V through its block table, then plain softmax attention in fp32."""
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    group = q.shape[1] // num_kv_heads
-    scale = head_dim**-0.5 if scale is None else scale
-    out = []
-    for seq, seq_len in enumerate(seq_lens.tolist()):
-        owned = block_tables[seq, : -(-seq_len // block_size)].long()
-        k = k_cache[owned].reshape(-1, num_kv_heads, head_dim)[:seq_len].float().repeat_interleave(group, dim=1)
-        v = v_cache[owned].reshape(-1, num_kv_heads, head_dim)[:seq_len].float().repeat_interleave(group, dim=1)
-        weights = (torch.einsum("hd,thd->ht", q[seq].float(), k) * scale).softmax(dim=-1)
-        out.append(torch.einsum("ht,thd->hd", weights, v))
-    return torch.stack(out)
-
-
-def make_case(seq_lens, *, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32, spare_blocks=5, seed=0):
-    """Random caches and a random (shuffled) block table; blocks nobody owns are NaN."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(blocks_per_seq) + spare_blocks
-    width = max(blocks_per_seq) + 2  # extra columns: entries past a sequence's blocks
-    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
-    v_cache = torch.full_like(k_cache, float("nan"))
-    block_tables = torch.full((len(seq_lens), width), -7, dtype=torch.int32)  # garbage past the end
-    physical = torch.randperm(num_blocks, generator=gen)
-    used = 0
-    for seq, (n, nblk) in enumerate(zip(seq_lens, blocks_per_seq)):
-        ids = physical[used : used + nblk]
-        used += nblk
-        block_tables[seq, :nblk] = ids.int()
-        # Fill only the slots the sequence owns: the tail of its last block stays NaN too.
-        slots = (ids[:, None] * block_size + torch.arange(block_size)).flatten()[:n]
-        k_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
-        v_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
-    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(dtype)
-    seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
-    return [t.to(DEVICE) for t in (q, k_cache, v_cache, block_tables, seq_lens)]
+def make_case(
+    seq_lens, *, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32, spare_blocks=5, seed=0
+):
+    """Shuffled block tables over a NaN pool, with two table columns past the longest sequence."""
+    return make_paged_case(
+        seq_lens, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        dtype=dtype, spare_blocks=spare_blocks, extra_columns=2, seed=seed, device=DEVICE,
+    )
 
 
 def assert_matches_reference(case, out, dtype=torch.float32, scale=None):
-    expected = reference(*case, scale=scale)
-    assert out.dtype == case[0].dtype and out.shape == case[0].shape
+    expected = case.reference(scale=scale, dtype=torch.float64)
+    assert out.dtype == case.q.dtype and out.shape == case.q.shape
     assert torch.isfinite(out).all(), "the kernel read a NaN from a block or slot it does not own"
-    err = (out.float() - expected).abs().max().item()
+    err = (out.double() - expected).abs().max().item()
     assert err <= TOLERANCE[dtype], f"max abs error {err:.3g} > {TOLERANCE[dtype]}"
 
 
@@ -79,7 +52,7 @@ LENGTHS = [1, 37, 64, 150]  # a single token, partial last blocks and tiles, an 
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["unsplit", "split3"])
 def test_decode_matches_reference(dtype, num_heads, num_kv_heads, num_splits):
     case = make_case(LENGTHS, num_heads=num_heads, num_kv_heads=num_kv_heads, dtype=dtype)
-    out = paged_decode_attention(*case, num_splits=num_splits)
+    out = paged_decode_attention(*case.decode_args, num_splits=num_splits)
     assert_matches_reference(case, out, dtype)
 
 
@@ -87,19 +60,19 @@ def test_decode_matches_reference(dtype, num_heads, num_kv_heads, num_splits):
 def test_block_sizes_including_smaller_than_a_dot_tile(block_size):
     # Below MIN_TILE (64) one loop step covers several blocks, each with its own table lookup.
     case = make_case([1, 45, 130], block_size=block_size, num_heads=2, num_kv_heads=1, head_dim=16)
-    assert_matches_reference(case, paged_decode_attention(*case, num_splits=1))
+    assert_matches_reference(case, paged_decode_attention(*case.decode_args, num_splits=1))
 
 
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
 def test_head_dims(head_dim):
     case = make_case([5, 33], head_dim=head_dim, num_heads=8, num_kv_heads=1)  # group of 8: GQA as in Llama-3
-    assert_matches_reference(case, paged_decode_attention(*case))
+    assert_matches_reference(case, paged_decode_attention(*case.decode_args))
 
 
 def test_custom_scale_and_more_splits_than_tiles():
     # 8 splits of a 1-tile sequence leave empty splits; the merge must give them no weight.
     case = make_case([3, 20, 50])
-    assert_matches_reference(case, paged_decode_attention(*case, scale=0.3, num_splits=8), scale=0.3)
+    assert_matches_reference(case, paged_decode_attention(*case.decode_args, scale=0.3, num_splits=8), scale=0.3)
 
 
 # The interpreter runs a case in ~0.1-0.5 s, so the property tests draw few, small examples.
@@ -116,7 +89,7 @@ KERNEL_SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check
 )
 def test_any_lengths_tables_and_splits_match_the_reference(seq_lens, block_size, heads, num_splits, seed):
     case = make_case(seq_lens, num_heads=heads[0], num_kv_heads=heads[1], head_dim=16, block_size=block_size, seed=seed)
-    assert_matches_reference(case, paged_decode_attention(*case, num_splits=num_splits))
+    assert_matches_reference(case, paged_decode_attention(*case.decode_args, num_splits=num_splits))
 
 
 def test_split_heuristic():
@@ -129,22 +102,23 @@ def test_split_heuristic():
 
 def test_automatic_split_on_a_long_context():
     # One long sequence and one KV head: the heuristic splits (CPU_PARALLELISM stands in for SMs).
-    case = make_case([3 * MIN_TOKENS_PER_SPLIT + 5, 9], num_heads=2, num_kv_heads=1, head_dim=16, block_size=64, spare_blocks=0)
+    lens = [3 * MIN_TOKENS_PER_SPLIT + 5, 9]
+    case = make_case(lens, num_heads=2, num_kv_heads=1, head_dim=16, block_size=64, spare_blocks=0)
     assert choose_num_splits(2, 1, 3 * MIN_TOKENS_PER_SPLIT + 5, parallelism=8) > 1
-    assert_matches_reference(case, paged_decode_attention(*case))
+    assert_matches_reference(case, paged_decode_attention(*case.decode_args))
     # Without the value checks (no host sync) the heuristic bounds the context by the table width.
-    assert_matches_reference(case, paged_decode_attention(*case, validate=False))
+    assert_matches_reference(case, paged_decode_attention(*case.decode_args, validate=False))
 
 
 def test_non_contiguous_views():
-    q, k_cache, v_cache, block_tables, seq_lens = make_case([7, 40])
+    case = make_case([7, 40])
+    q, k_cache, v_cache, block_tables, seq_lens = case.decode_args
     # K and V interleaved in one pool, q with heads and seqs swapped in memory, a sliced table.
     kv = torch.stack([k_cache, v_cache], dim=1)
     q_t = q.transpose(0, 1).contiguous().transpose(0, 1)
     wide_tables = torch.cat([block_tables, block_tables], dim=1)[:, : block_tables.shape[1]]
-    case = (q_t, kv[:, 0], kv[:, 1], wide_tables, seq_lens)
     assert not (q_t.is_contiguous() or kv[:, 0].is_contiguous() or wide_tables.is_contiguous())
-    assert_matches_reference(case, paged_decode_attention(*case, num_splits=2))
+    assert_matches_reference(case, paged_decode_attention(q_t, kv[:, 0], kv[:, 1], wide_tables, seq_lens, num_splits=2))
 
 
 def test_offsets_past_2_to_the_31():
@@ -166,17 +140,21 @@ def test_offsets_past_2_to_the_31():
     except (RuntimeError, MemoryError) as exc:  # a GPU under 9 GB, or a host that refuses to overcommit
         pytest.skip(f"cannot reserve two 4 GiB pools here: {exc}")
     seq_lens = torch.tensor([40, 17], dtype=torch.int32, device=DEVICE)
-    block_tables = torch.tensor([[num_blocks - 1, num_blocks - 10, num_blocks - 3], [num_blocks - 20, num_blocks - 2, 0]],
-                                dtype=torch.int32, device=DEVICE)
+    rows = [[num_blocks - 1, num_blocks - 10, num_blocks - 3], [num_blocks - 20, num_blocks - 2, 0]]
+    block_tables = torch.tensor(rows, dtype=torch.int32, device=DEVICE)
     assert int(block_tables.max()) * per_block > 2**31
     gen = torch.Generator().manual_seed(1)
-    for ids in block_tables.tolist():
+    for ids in rows:
         for b in ids:
             k_cache[b] = torch.randn(shape[1:], generator=gen).half().to(DEVICE)
             v_cache[b] = torch.randn(shape[1:], generator=gen).half().to(DEVICE)
     q = torch.randn(2, 2, head_dim, generator=gen).half().to(DEVICE)
-    case = (q, k_cache, v_cache, block_tables, seq_lens)
-    assert_matches_reference(case, paged_decode_attention(*case, num_splits=1), torch.float16)
+    # The contiguous K/V each sequence's table points at, for the reference.
+    keys = [k_cache[ids].flatten(0, 1)[:n] for ids, n in zip(rows, seq_lens.tolist())]
+    values = [v_cache[ids].flatten(0, 1)[:n] for ids, n in zip(rows, seq_lens.tolist())]
+    starts = torch.arange(3, dtype=torch.int32, device=DEVICE)
+    case = PagedCase(q, k_cache, v_cache, block_tables, seq_lens, starts, keys, values)
+    assert_matches_reference(case, paged_decode_attention(*case.decode_args, num_splits=1), torch.float16)
 
     key = torch.randn(2, num_kv_heads, head_dim, generator=gen).half().to(DEVICE)
     slots = torch.tensor([(num_blocks - 1) * block_size + 5, -1], device=DEVICE)
@@ -209,8 +187,9 @@ def test_write_kv_scatters_and_skips_minus_one(dtype, slot_dtype):
 @KERNEL_SETTINGS
 @given(data=st.data(), num_tokens=st.integers(0, 12), seed=st.integers(0, 2**16))
 def test_write_kv_equals_index_copy(data, num_tokens, seed):
-    num_slots = 6 * 4
-    targets = data.draw(st.lists(st.integers(0, num_slots - 1), min_size=num_tokens, max_size=num_tokens, unique=True))
+    pool_slots = 6 * 4
+    slot_ids = st.integers(0, pool_slots - 1)
+    targets = data.draw(st.lists(slot_ids, min_size=num_tokens, max_size=num_tokens, unique=True))
     skipped = data.draw(st.lists(st.booleans(), min_size=num_tokens, max_size=num_tokens))
     slots = torch.tensor([-1 if skip else t for t, skip in zip(targets, skipped)], dtype=torch.int64, device=DEVICE)
     gen = torch.Generator().manual_seed(seed)
@@ -220,9 +199,10 @@ def test_write_kv_equals_index_copy(data, num_tokens, seed):
     v_cache = torch.zeros_like(k_cache)
     write_kv(key, value, k_cache, v_cache, slots)
     keep = slots >= 0
-    expected_k = torch.zeros(num_slots, 2, 16, device=DEVICE).index_copy_(0, slots[keep], key[keep])
-    expected_v = torch.zeros(num_slots, 2, 16, device=DEVICE).index_copy_(0, slots[keep], value[keep])
-    assert torch.equal(k_cache.view(num_slots, 2, 16), expected_k) and torch.equal(v_cache.view(num_slots, 2, 16), expected_v)
+    expected_k = torch.zeros(pool_slots, 2, 16, device=DEVICE).index_copy_(0, slots[keep], key[keep])
+    expected_v = torch.zeros(pool_slots, 2, 16, device=DEVICE).index_copy_(0, slots[keep], value[keep])
+    assert torch.equal(k_cache.view(pool_slots, 2, 16), expected_k)
+    assert torch.equal(v_cache.view(pool_slots, 2, 16), expected_v)
 
 
 def test_write_then_decode_round_trip():
@@ -235,19 +215,19 @@ def test_write_then_decode_round_trip():
     block_tables = torch.tensor([[9, 2, 0], [4, 11, 7]], dtype=torch.int32, device=DEVICE)
     keys = [torch.randn(n, num_kv_heads, head_dim, generator=gen).to(DEVICE) for n in lens]
     values = [torch.randn(n, num_kv_heads, head_dim, generator=gen).to(DEVICE) for n in lens]
+    positions = [torch.arange(n, device=DEVICE) for n in lens]
     slots = torch.cat(
-        [block_tables[s].long()[torch.arange(n, device=DEVICE) // block_size] * block_size + torch.arange(n, device=DEVICE) % block_size
-         for s, n in enumerate(lens)]
+        [block_tables[s].long()[p // block_size] * block_size + p % block_size for s, p in enumerate(positions)]
     )
     padding = torch.full((3,), -1, device=DEVICE)  # padded tokens must not land anywhere
-    write_kv(torch.cat(keys + [keys[0][:3]]), torch.cat(values + [values[0][:3]]), k_cache, v_cache, torch.cat([slots, padding]))
+    key, value = torch.cat(keys + [keys[0][:3]]), torch.cat(values + [values[0][:3]])
+    write_kv(key, value, k_cache, v_cache, torch.cat([slots, padding]))
 
     q = torch.randn(2, 4, head_dim, generator=gen).to(DEVICE)
-    out = paged_decode_attention(q, k_cache, v_cache, block_tables, torch.tensor(lens, dtype=torch.int32, device=DEVICE))
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    out = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
     for s in range(2):
-        k = keys[s].repeat_interleave(2, dim=1).transpose(0, 1)  # [heads, tokens, dim]
-        v = values[s].repeat_interleave(2, dim=1).transpose(0, 1)
-        expected = torch.nn.functional.scaled_dot_product_attention(q[s][:, None], k, v)[:, 0]
+        expected = contiguous_attention(q[s : s + 1], keys[s], values[s])[0]
         torch.testing.assert_close(out[s], expected, atol=2e-5, rtol=1e-5)
 
 
@@ -255,29 +235,27 @@ def test_write_then_decode_round_trip():
 
 
 def _bad(change):
-    q, k_cache, v_cache, block_tables, seq_lens = make_case([5, 20], num_heads=4, num_kv_heads=2, head_dim=16, block_size=8)
+    q, k_cache, v_cache, block_tables, seq_lens = make_case(
+        [5, 20], num_heads=4, num_kv_heads=2, head_dim=16, block_size=8
+    ).decode_args
     args = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens)
     change(args)
     return args
 
 
+def _all(a, fn):
+    a.update(q=fn(a["q"]), k_cache=fn(a["k_cache"]), v_cache=fn(a["v_cache"]))
+
+
+# The checks every backend shares are tested in test_04_validation; these are the kernel's own limits.
 @pytest.mark.parametrize(
     "change, error, match",
     [
-        (lambda a: a.update(q=a["q"][0]), ValueError, "q must be"),
-        (lambda a: a.update(v_cache=a["v_cache"][:, :4]), ValueError, "v_cache shape"),
-        (lambda a: a.update(q=a["q"][:, :3]), ValueError, "multiple of num_kv_heads"),
-        (lambda a: a.update(q=a["q"].half()), TypeError, "k_cache and v_cache must have q's dtype"),
-        (lambda a: a.update(q=a["q"].double(), k_cache=a["k_cache"].double(), v_cache=a["v_cache"].double()), TypeError, "float32, float16 or bfloat16"),
-        (lambda a: a.update(block_tables=a["block_tables"].float()), TypeError, "block_tables must be int32"),
-        (lambda a: a.update(seq_lens=a["seq_lens"][:1]), ValueError, "seq_lens must be"),
-        (lambda a: a.update(seq_lens=torch.tensor([5, 0], dtype=torch.int32, device=DEVICE)), ValueError, ">= 1"),
-        (lambda a: a.update(seq_lens=torch.tensor([5, 100], dtype=torch.int32, device=DEVICE)), IndexError, "only 5 columns"),
-        (lambda a: a["block_tables"].__setitem__((1, 2), 10_000), IndexError, "outside the pool"),
-        (lambda a: a.update(k_cache=a["k_cache"][:, :6], v_cache=a["v_cache"][:, :6]), ValueError, "block_size must be a power of two"),
-        (lambda a: a.update(q=a["q"][..., :12], k_cache=a["k_cache"][..., :12], v_cache=a["v_cache"][..., :12]), ValueError, "head_dim must be one of"),
+        (lambda a: _all(a, torch.Tensor.double), TypeError, "float32, float16 or bfloat16"),
+        (lambda a: a.update(k_cache=a["k_cache"][:, :6], v_cache=a["v_cache"][:, :6]), ValueError, "power of two"),
+        (lambda a: _all(a, lambda t: t[..., :12]), ValueError, "head_dim must be one of"),
     ],
-    ids=["q-rank", "v-shape", "group", "dtype-mix", "float64", "table-dtype", "lens-shape", "empty-seq", "too-long", "bad-block-id", "block-size", "head-dim"],
+    ids=["float64", "block-size", "head-dim"],
 )
 def test_decode_rejects_bad_input(change, error, match):
     with pytest.raises(error, match=match):
@@ -287,39 +265,28 @@ def test_decode_rejects_bad_input(change, error, match):
 def test_decode_rejects_bad_num_splits():
     with pytest.raises(ValueError, match="num_splits"):
         paged_decode_attention(**_bad(lambda a: None), num_splits=0)
+    with pytest.raises(ValueError, match="num_splits"):
+        paged_decode_attention(**_bad(lambda a: None), num_splits=1000)
+    with pytest.raises(TypeError, match="num_splits"):
+        paged_decode_attention(**_bad(lambda a: None), num_splits=2.0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to mix with the CPU")
 def test_decode_rejects_mixed_devices():
-    with pytest.raises(ValueError, match="one device"):
+    with pytest.raises(ValueError, match="share a device"):
         paged_decode_attention(**_bad(lambda a: a.update(seq_lens=a["seq_lens"].cpu())))
 
 
-@pytest.mark.parametrize(
-    "slots, error, match",
-    [
-        (torch.tensor([0, -2]), IndexError, r"\[-1, 32\)"),
-        (torch.tensor([0, 32]), IndexError, r"\[-1, 32\)"),
-        (torch.tensor([0, 1.0]), TypeError, "slot_mapping must be int64"),
-        (torch.tensor([0]), ValueError, "slot_mapping must be"),
-    ],
-)
-def test_write_kv_rejects_bad_slots(slots, error, match):
-    k_cache = torch.zeros(4, 8, 2, 16, device=DEVICE)
+def test_write_kv_rejects_what_the_kernel_cannot_take():
     key = torch.ones(2, 2, 16, device=DEVICE)
-    with pytest.raises(error, match=match):
-        write_kv(key, key, k_cache, k_cache.clone(), slots.to(DEVICE))
-    assert not k_cache.any(), "nothing may be written when the input is rejected"
-
-
-def test_write_kv_rejects_mismatched_rows_and_dtypes():
-    k_cache = torch.zeros(4, 8, 2, 16, device=DEVICE)
     slots = torch.tensor([0, 1], device=DEVICE)
-    with pytest.raises(ValueError, match="cache rows"):
-        write_kv(torch.ones(2, 1, 16, device=DEVICE), torch.ones(2, 1, 16, device=DEVICE), k_cache, k_cache.clone(), slots)
-    with pytest.raises(TypeError, match="share a dtype"):
-        key = torch.ones(2, 2, 16, device=DEVICE)
-        write_kv(key, key.half(), k_cache, k_cache.clone(), slots)
+    k_cache = torch.zeros(4, 6, 2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="block_size must be a power of two"):
+        write_kv(key, key, k_cache, k_cache.clone(), slots)
+    k_cache = torch.zeros(4, 8, 2, 12, device=DEVICE)
+    with pytest.raises(ValueError, match="head_dim must be one of"):
+        write_kv(key[..., :12], key[..., :12], k_cache, k_cache.clone(), slots)
+    assert not k_cache.any(), "nothing may be written when the input is rejected"
 
 
 def test_without_triton_the_kernels_explain_how_to_get_it():
@@ -337,5 +304,6 @@ def test_without_triton_the_kernels_explain_how_to_get_it():
                 raise AssertionError(f"{fn.__name__} ran without triton")
         print("ok")
     """
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    command = [sys.executable, "-c", textwrap.dedent(code)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env=dict(os.environ))
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr

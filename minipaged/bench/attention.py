@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from minipaged.attention import paged_attention
+from minipaged.testing import make_paged_case
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 GOAL = (32, 1024)  # batch, context: the case the torch backend is tuned for
@@ -39,19 +40,22 @@ QUICK_CASES = [(4, 256), GOAL]
 
 
 def make_case(batch: int, context: int, dtype=torch.float32, seed: int = 0):
-    """A full paged pool, random block tables, and the same K/V laid out contiguously for SDPA."""
-    g = torch.Generator().manual_seed(seed)
-    blocks_per_seq = -(-context // BLOCK_SIZE)
-    num_blocks = batch * blocks_per_seq
-    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    k_cache = torch.randn(shape, generator=g, dtype=dtype)
-    v_cache = torch.randn(shape, generator=g, dtype=dtype)
-    block_tables = torch.randperm(num_blocks, generator=g).to(torch.int32).view(batch, blocks_per_seq)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32)
-    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=g, dtype=dtype)
-    k = k_cache[block_tables.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
-    v = v_cache[block_tables.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
-    return (q, k_cache, v_cache, block_tables, seq_lens), (q[:, :, None, :], k, v)
+    """A full paged pool with shuffled block tables, and the same K/V laid out contiguously for SDPA."""
+    case = make_paged_case(
+        [context] * batch,
+        block_size=BLOCK_SIZE,
+        num_heads=NUM_HEADS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        dtype=dtype,
+        spare_blocks=0,
+        extra_columns=0,
+        fill=0.0,
+        seed=seed,
+    )
+    k = torch.stack(case.keys).transpose(1, 2).contiguous()  # [batch, num_kv_heads, context, head_dim]
+    v = torch.stack(case.values).transpose(1, 2).contiguous()
+    return case.decode_args, (case.q[:, :, None, :], k, v)
 
 
 def contiguous_matmul(q4, k, v):

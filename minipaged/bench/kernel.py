@@ -11,7 +11,7 @@ Baselines, all moving the same K/V bytes:
 * ``sdpa``  contiguous K/V per sequence, ``torch.nn.functional.scaled_dot_product_attention``
   (what a non-paged cache gets; equal lengths, so no padding is wasted)
 * ``torch`` the vectorised PyTorch paged path, ``minipaged.attention`` backend ``"torch"``
-  (gather through the block table, then attention), when that module is present
+  (gather through the block table, then attention)
 * ``triton-unsplit`` the kernel with ``num_splits=1``, to show what split-KV adds
 
 The Triton kernel and SDPA are timed replaying a CUDA graph (as an engine runs decode
@@ -29,32 +29,29 @@ import argparse
 
 import torch
 
+from minipaged.attention import paged_attention
+from minipaged.testing import make_paged_case
+
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # A Llama-3-8B-like layer: 32 query heads sharing 8 KV heads, head_dim 128.
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 
 
-def make_decode_batch(batch, context_len, block_size, dtype, device, *, seed=0):
-    """A shuffled pool holding ``batch`` sequences of ``context_len`` tokens, plus their block tables."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    blocks_per_seq = -(-context_len // block_size)
-    num_blocks = batch * blocks_per_seq
-    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
-    k_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
-    v_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
-    # A random permutation: consecutive logical blocks land anywhere in the pool.
-    block_tables = torch.randperm(num_blocks, generator=gen, device=device).view(batch, blocks_per_seq).int()
-    seq_lens = torch.full((batch,), context_len, dtype=torch.int32, device=device)
-    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=gen, device=device, dtype=dtype)
-    return q, k_cache, v_cache, block_tables, seq_lens
-
-
-def _torch_paged_attention():
-    try:
-        from minipaged.attention import paged_attention
-    except ImportError:
-        return None
-    return lambda *args: paged_attention(*args, backend="torch")
+def make_decode_batch(batch, context_len, block_size, dtype, device, *, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS):
+    """A shuffled pool holding ``batch`` sequences of ``context_len`` tokens: ``(case, decode args)``."""
+    case = make_paged_case(
+        [context_len] * batch,
+        block_size=block_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=HEAD_DIM,
+        dtype=dtype,
+        spare_blocks=0,
+        extra_columns=0,
+        fill=0.0,
+        device=device,
+    )
+    return case, case.decode_args
 
 
 def copy_bandwidth(device, nbytes=1 << 30) -> float:
@@ -72,49 +69,43 @@ def cpu_check() -> int:
 
     print("No CUDA device: Triton runs in its CPU interpreter, which checks correctness only.")
     print("Bandwidth numbers need a GPU; running one tiny correctness check instead.")
-    q, k_cache, v_cache, block_tables, seq_lens = make_decode_batch(2, 40, 16, torch.float32, "cpu")
-    q, k_cache, v_cache = q[:, :4, :], k_cache[:, :, :1], v_cache[:, :, :1]  # 4 heads on 1 KV head: fast enough
-    out = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
-    k = k_cache[block_tables.long()].flatten(1, 2)[:, :40].transpose(1, 2)  # [batch, kv_heads, tokens, dim]
-    v = v_cache[block_tables.long()].flatten(1, 2)[:, :40].transpose(1, 2)
-    expected = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
-    err = (out - expected).abs().max().item()
-    print(f"max abs error against SDPA on the gathered K/V: {err:.1e} ({'ok' if err < 1e-4 else 'WRONG'})")
+    # 4 heads on 1 KV head: fast enough in the interpreter.
+    case, args = make_decode_batch(2, 40, 16, torch.float32, "cpu", num_heads=4, num_kv_heads=1)
+    err = (paged_decode_attention(*args) - case.reference()).abs().max().item()
+    print(f"max abs error against contiguous attention: {err:.1e} ({'ok' if err < 1e-4 else 'WRONG'})")
     return 0 if err < 1e-4 else 1
 
 
-def measure(provider, batch, context_len, block_size, dtype, torch_paged) -> tuple[float, float]:
+def measure(provider, batch, context_len, block_size, dtype) -> tuple[float, float]:
     """Median milliseconds of one decode step, and the bytes it must move."""
     import triton.testing
 
     from minipaged.kernels import paged_decode_attention
     from minipaged.kernels.paged_attention import decode_bytes
 
-    q, k_cache, v_cache, block_tables, seq_lens = make_decode_batch(batch, context_len, block_size, dtype, "cuda")
+    case, args = make_decode_batch(batch, context_len, block_size, dtype, "cuda")
+    q, k_cache, _, block_tables, seq_lens = args
     nbytes = decode_bytes(q, k_cache, block_tables, seq_lens)
     # validate=False: no host sync, so the step can be replayed from a CUDA graph as an
     # engine would, and launch overhead does not hide the kernel's own bandwidth.
     if provider == "triton":
-        fn = lambda: paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, validate=False)  # noqa: E731
+        fn = lambda: paged_decode_attention(*args, validate=False)  # noqa: E731
     elif provider == "triton-unsplit":
-        fn = lambda: paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_splits=1, validate=False)  # noqa: E731
+        fn = lambda: paged_decode_attention(*args, num_splits=1, validate=False)  # noqa: E731
     elif provider == "torch":  # it reads seq_lens on the host, so it cannot be graph-captured
-        return triton.testing.do_bench(lambda: torch_paged(q, k_cache, v_cache, block_tables, seq_lens), return_mode="median"), nbytes
+        return triton.testing.do_bench(lambda: paged_attention(*args, backend="torch"), return_mode="median"), nbytes
     else:  # "sdpa": the same tokens laid out contiguously per sequence, as a non-paged cache holds them
-        k = k_cache[block_tables.long()].flatten(1, 2)[:, :context_len].transpose(1, 2).contiguous()
-        v = v_cache[block_tables.long()].flatten(1, 2)[:, :context_len].transpose(1, 2).contiguous()
+        k = torch.stack(case.keys).transpose(1, 2).contiguous()  # [batch, num_kv_heads, context, head_dim]
+        v = torch.stack(case.values).transpose(1, 2).contiguous()
         fn = lambda: torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)  # noqa: E731
     return triton.testing.do_bench_cudagraph(fn, return_mode="median"), nbytes
 
 
 def gpu_bench(dtype, block_size) -> int:
-    torch_paged = _torch_paged_attention()
     copy_gbps = copy_bandwidth("cuda")
     print(f"device {torch.cuda.get_device_name()}: copy bandwidth {copy_gbps:.0f} GB/s (read + write)")
     print(f"layer: {NUM_HEADS} heads on {NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}, {dtype}, block_size {block_size}")
-    if torch_paged is None:
-        print("minipaged.attention is not importable: the 'torch' baseline is skipped")
-    providers = ["triton", "triton-unsplit", "sdpa"] + (["torch"] if torch_paged else [])
+    providers = ["triton", "triton-unsplit", "sdpa", "torch"]
     sweeps = [(1, c) for c in (512, 2048, 8192, 32768)] + [(16, c) for c in (512, 2048, 8192, 32768)]
     sweeps += [(b, 4096) for b in (1, 4, 64)]
 
@@ -123,11 +114,12 @@ def gpu_bench(dtype, block_size) -> int:
     for batch, context_len in sweeps:
         row = {}
         for provider in providers:
-            ms, nbytes = measure(provider, batch, context_len, block_size, dtype, torch_paged)
+            ms, nbytes = measure(provider, batch, context_len, block_size, dtype)
             row[provider] = nbytes / ms * 1e-6  # GB/s
-        print(f"{batch:5d} {context_len:7d} " + " ".join(f"{row[p] / copy_gbps:14.0%}" for p in providers) + f" {row['triton']:12.0f}")
+        fractions = " ".join(f"{row[p] / copy_gbps:14.0%}" for p in providers)
+        print(f"{batch:5d} {context_len:7d} {fractions} {row['triton']:12.0f}")
 
-    ms, nbytes = measure("triton", 1, 32768, block_size, dtype, torch_paged)
+    ms, nbytes = measure("triton", 1, 32768, block_size, dtype)
     fraction = nbytes / ms * 1e-6 / copy_gbps
     verdict = "meets" if fraction >= 0.85 else "misses"
     print(f"\nlong-context decode (batch 1, 32768 tokens): {fraction:.0%} of copy bandwidth, {verdict} the 85% goal")

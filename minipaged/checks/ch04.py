@@ -1,4 +1,9 @@
-"""Checks for chapter 04 (Triton paged decode): the learner's kernel against attention over gathered K/V.
+"""Checks for chapter 04 (Triton paged decode): the learner's kernel against contiguous attention.
+
+The cases are :func:`minipaged.testing.make_paged_case`'s: shuffled block tables,
+and NaN in every slot no sequence owns, so a kernel that reads past a sequence's
+end (a missing mask) or through the wrong block returns NaN or a wrong value
+instead of passing by luck.
 
 The learner's code lives inside a ``@triton.jit`` kernel, so a stub's
 ``raise NotImplementedError`` never reaches the check directly: the
@@ -16,6 +21,7 @@ import inspect
 import torch
 
 from minipaged.checks import CheckFailed, check, expect_tensor_close
+from minipaged.testing import make_paged_case
 
 # (seq_lens, num_heads, num_kv_heads, head_dim, block_size): partial last blocks, a
 # single-token sequence, an exact multiple of the block size, then a GQA group.
@@ -23,44 +29,6 @@ CASES = [
     ([5, 19], 2, 2, 16, 8),
     ([1, 16, 23], 4, 2, 16, 4),
 ]
-
-
-def paged_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size, *, dtype=torch.float32, seed=0, device=None):
-    """A random pool with shuffled block tables. Every slot no sequence owns is NaN.
-
-    A kernel that reads past a sequence's end (a missing mask) or through the
-    wrong block therefore returns NaN or a wrong value instead of passing by luck.
-    """
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 3
-    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
-    v_cache = torch.full_like(k_cache, float("nan"))
-    block_tables = torch.zeros(len(seq_lens), max(blocks_per_seq) + 1, dtype=torch.int32)
-    physical, used = torch.randperm(num_blocks, generator=gen), 0
-    for seq, (n, nblk) in enumerate(zip(seq_lens, blocks_per_seq)):
-        block_tables[seq, :nblk] = physical[used : used + nblk].int()
-        slots = (block_tables[seq, :nblk, None].long() * block_size + torch.arange(block_size)).flatten()[:n]
-        used += nblk
-        k_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
-        v_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
-    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(dtype)
-    seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
-    return tuple(t.to(device) for t in (q, k_cache, v_cache, block_tables, seq_lens))
-
-
-def gathered_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=None):
-    """Reference: copy each sequence's K/V out of its blocks into one contiguous tensor, then SDPA."""
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    out = torch.empty_like(q)
-    for seq, seq_len in enumerate(seq_lens.tolist()):
-        owned = block_tables[seq, : -(-seq_len // block_size)].long()
-        k = k_cache[owned].flatten(0, 1)[:seq_len].transpose(0, 1).float()  # [kv_heads, tokens, dim]
-        v = v_cache[owned].flatten(0, 1)[:seq_len].transpose(0, 1).float()
-        attn = torch.nn.functional.scaled_dot_product_attention(q[seq, :, None].float(), k, v, scale=scale, enable_gqa=True)
-        out[seq] = attn[:, 0].to(q.dtype)
-    return out
 
 
 def _stub_in(kernel) -> str | None:
@@ -99,17 +67,27 @@ def check_paged_decode_kernel(decode, kernel):
     stub = _stub_in(kernel)
     if stub:
         raise NotImplementedError(stub)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     for seq_lens, num_heads, num_kv_heads, head_dim, block_size in CASES:
-        case = paged_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size)
+        case = make_paged_case(
+            seq_lens,
+            block_size=block_size,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            device=device,
+        )
         what = f"decode with seq_lens={seq_lens}, block_size={block_size}, {num_heads} heads on {num_kv_heads} KV heads"
         try:
-            out = decode(*case)
+            out = decode(*case.decode_args)
         except Exception as exc:
             todo = _not_implemented(exc)
             if todo is not None:
                 raise todo from None
             raise
-        if isinstance(out, torch.Tensor) and out.shape == case[0].shape and torch.isnan(out).any():
-            raise CheckFailed(f"{what} returned NaN: a load read a slot past seq_len (mask it) or a block the sequence doesn't own")
-        expect_tensor_close(out, gathered_attention(*case), what, atol=1e-5, rtol=1e-4)
+        if isinstance(out, torch.Tensor) and out.shape == case.q.shape and torch.isnan(out).any():
+            raise CheckFailed(
+                f"{what} returned NaN: a load read a slot past seq_len (mask it) or a block the sequence doesn't own"
+            )
+        expect_tensor_close(out, case.reference(), what, atol=1e-5, rtol=1e-4)
     return f"{len(CASES)} batches (MHA and GQA, partial and single-token blocks, shuffled block tables)"

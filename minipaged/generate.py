@@ -1,0 +1,140 @@
+"""Greedy decoding with the tiny Llama: the minimal batch loop chapter 03 needs before the engine exists.
+
+Chapter 05's :class:`~minipaged.engine.Engine` is the real serving loop
+(a scheduler, arrivals, preemption, metrics). Chapter 03 only has to show that
+the paged cache gives the same tokens as a contiguous one, and these three
+functions are all that takes:
+
+- :func:`generate_contiguous`: one prompt through the contiguous cache, the reference;
+- :func:`build_metadata`: reserve a step's slots in the block tables and describe the step;
+- :func:`generate_paged`: a whole batch of prompts through one shared
+  :class:`~minipaged.cache.PagedKVCache`, with optional chunked prefill.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minipaged.accounting import blocks_needed
+from minipaged.attention import AttentionMetadata
+from minipaged.block_manager import BlockTable, OutOfBlocks
+from minipaged.cache import PagedKVCache
+from minipaged.model import LlamaForCausalLM
+from minipaged.validation import check_int
+
+
+def build_metadata(tables: list[BlockTable], num_new_tokens: list[int], device="cpu") -> AttentionMetadata:
+    """Reserve slots for ``num_new_tokens[i]`` new tokens in ``tables[i]`` and describe the batch.
+
+    Args:
+        tables: one block table per sequence of the step.
+        num_new_tokens: how many tokens each sequence computes in this step (>= 1 each).
+        device: where the metadata tensors go (the model's device).
+
+    This *appends* to the tables (``append_tokens``, which may allocate blocks), so
+    call it once per step, just before the forward. All or nothing: when the pool
+    is short it raises ``OutOfBlocks`` and leaves every table as it was.
+    """
+    if len(tables) != len(num_new_tokens):
+        raise ValueError(f"got {len(tables)} tables but {len(num_new_tokens)} entries in num_new_tokens")
+    if not tables:
+        raise ValueError("a batch needs at least one sequence")
+    num_new_tokens = [check_int(n, "num_new_tokens[i]", minimum=1) for n in num_new_tokens]
+    need = {}
+    for table, n in zip(tables, num_new_tokens):
+        need[table.allocator] = need.get(table.allocator, 0) + table.blocks_needed(n)
+    for allocator, n in need.items():
+        if not allocator.can_allocate(n):
+            raise OutOfBlocks(f"this step needs {n} new blocks but only {allocator.num_free} are free")
+    slot_mapping = torch.cat([t.append_tokens(n) for t, n in zip(tables, num_new_tokens)])
+    return AttentionMetadata.pack(tables, num_new_tokens, slot_mapping, device)
+
+
+@torch.no_grad()
+def generate_contiguous(model: LlamaForCausalLM, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy decoding of one prompt with the contiguous cache: the reference output.
+
+    Args:
+        model: the tiny Llama.
+        prompt_token_ids: the prompt (at least one token).
+        max_new_tokens: how many tokens to generate.
+    """
+    if not prompt_token_ids:
+        raise ValueError("prompt_token_ids must hold at least one token")
+    max_new_tokens = check_int(max_new_tokens, "max_new_tokens")
+    ids = torch.tensor(prompt_token_ids, device=model.device)
+    logits, past = model.forward_contiguous(ids, torch.arange(len(ids), device=model.device))
+    out = []
+    for _ in range(max_new_tokens):
+        token = int(logits[-1].argmax())
+        out.append(token)
+        if len(out) == max_new_tokens:
+            break
+        position = torch.tensor([len(prompt_token_ids) + len(out) - 1], device=model.device)
+        logits, past = model.forward_contiguous(torch.tensor([token], device=model.device), position, past)
+    return out
+
+
+@torch.no_grad()
+def generate_paged(
+    model: LlamaForCausalLM,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    block_size: int = 16,
+    num_blocks: int | None = None,
+    backend: str = "torch",
+    prefill_chunk_size: int | None = None,
+) -> list[list[int]]:
+    """Greedy decoding of a batch of prompts (any lengths) through one shared paged cache.
+
+    Args:
+        model: the tiny Llama.
+        prompts: each prompt's token ids (at least one each).
+        max_new_tokens: tokens to generate per prompt.
+        block_size, num_blocks: the pool; ``num_blocks`` defaults to exactly what the batch needs.
+        backend: the attention backend, ``"loop"``, ``"torch"`` or ``"triton"``.
+        prefill_chunk_size: prompt tokens a sequence feeds per step (None: the whole prompt at once).
+
+    Every step runs all unfinished sequences as one packed batch. A sequence
+    still reading its prompt contributes up to ``prefill_chunk_size`` prompt
+    tokens; after that, one token per step. So with chunking, prefill chunks and
+    decode tokens share a batch, as in vLLM. Raises ``OutOfBlocks`` when the pool is too small.
+    """
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt must hold at least one token")
+    max_new_tokens = check_int(max_new_tokens, "max_new_tokens")
+    if prefill_chunk_size is not None:
+        prefill_chunk_size = check_int(prefill_chunk_size, "prefill_chunk_size", minimum=1)
+    cfg = model.config
+    if num_blocks is None:
+        num_blocks = sum(blocks_needed(len(p) + max_new_tokens, block_size) for p in prompts)
+    cache = PagedKVCache(
+        cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, model.dtype, model.device
+    )
+    tables = [cache.new_table(seq_id=i) for i in range(len(prompts))]
+    fed = [0] * len(prompts)  # prompt tokens already in the cache
+    outputs: list[list[int]] = [[] for _ in prompts]
+    try:
+        while True:
+            active = [i for i in range(len(prompts)) if len(outputs[i]) < max_new_tokens]
+            if not active:
+                return outputs
+            step_ids = []
+            for i in active:
+                remaining = len(prompts[i]) - fed[i]
+                if remaining:
+                    n = remaining if prefill_chunk_size is None else min(remaining, prefill_chunk_size)
+                    step_ids.append(prompts[i][fed[i] : fed[i] + n])
+                else:
+                    step_ids.append(outputs[i][-1:])
+            md = build_metadata([tables[i] for i in active], [len(s) for s in step_ids], device=model.device)
+            input_ids = torch.tensor([t for s in step_ids for t in s], device=model.device)
+            logits = model(input_ids, md.positions(), cache, md, backend=backend)
+            for row, i in enumerate(active):
+                fed[i] = min(len(prompts[i]), fed[i] + len(step_ids[row]))
+                if fed[i] == len(prompts[i]):  # a mid-prompt chunk's logits predict nothing we keep
+                    outputs[i].append(int(logits[row].argmax()))
+    finally:
+        for table in tables:
+            table.release()
