@@ -188,8 +188,6 @@ class PagedKVCache:
 
     def _check_block_ids(self, block_ids, name: str, unique: bool = False) -> list[int]:
         """``block_ids`` as a list of ints in ``[0, num_blocks)``, or an error that names ``name``."""
-        from minipaged.validation import check_int
-
         if isinstance(block_ids, (str, bytes)) or not hasattr(block_ids, "__iter__"):
             raise TypeError(f"{name} must be a list of block ids, got {type(block_ids).__name__}")
         ids = [check_int(b, f"{name}[{i}]", minimum=None) for i, b in enumerate(block_ids)]

@@ -42,10 +42,10 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from minipaged.attention import AttentionMetadata
 from minipaged.cache import PagedKVCache
 from minipaged.clock import VirtualClock
 from minipaged.metrics import Metrics
-from minipaged.model import AttentionMetadata
 from minipaged.scheduler import EngineConfig, Scheduler, SchedulerOutput
 from minipaged.sequence import SamplingParams, Sequence
 from minipaged.validation import check_int

@@ -8,8 +8,9 @@ import torch
 
 from minipaged.clock import VirtualClock
 from minipaged.engine import Engine
+from minipaged.generate import generate_contiguous
 from minipaged.metrics import percentiles, summarize
-from minipaged.model import LlamaConfig, LlamaForCausalLM, generate_contiguous
+from minipaged.model import LlamaConfig, LlamaForCausalLM
 from minipaged.scheduler import EngineConfig
 from minipaged.sequence import SamplingParams, SequenceStatus
 from minipaged.static_batching import static_engine
