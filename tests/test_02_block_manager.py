@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minipaged.accounting import blocks_needed
 from minipaged.block_manager import (
     BlockAllocator,
     BlockError,
@@ -40,7 +41,7 @@ def check_invariants(alloc, tables):
         assert alloc.refcount(b) == holders[b]
     assert alloc.num_free + alloc.num_used == alloc.num_blocks
     for t in tables:
-        assert len(t.blocks) == -(-t.num_tokens // alloc.block_size)
+        assert len(t.blocks) == blocks_needed(t.num_tokens, alloc.block_size)
         assert 0 <= t.tail_waste < alloc.block_size or t.num_tokens == 0
 
 
