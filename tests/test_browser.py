@@ -472,7 +472,7 @@ def test_ch01_memory_explorer_redraws(lab, page):
     first = explorer_state(page)
     assert "paged admits" in first["summary"] and len(first["images"]) == 2
 
-    page.locator(f"{EXPLORER} .minipaged-memory-lengths select").select_option("long-tail")
+    page.locator(f"{EXPLORER} .minipaged-memory-lengths select").select_option("long_tail")
     second = wait_for_redraw(page, first, "choosing the long-tail distribution")
 
     # The block-size slider moves with the keyboard, as a learner's arrow keys would.
