@@ -187,8 +187,8 @@ class BlockTable:
     def block_size(self) -> int:
         return self.allocator.block_size
 
-    def _needs_copy(self, num_tokens: int) -> bool:
-        # Writing into a partly filled last block that another table also holds.
+    def _shares_last_block(self, num_tokens: int) -> bool:
+        # Writing into a partly filled last block that another table also holds (after a fork).
         return (num_tokens > 0 and self.num_tokens % self.block_size != 0
                 and self.allocator.refcount(self.blocks[-1]) > 1)
 
@@ -200,41 +200,39 @@ class BlockTable:
         """
         n = check_int(num_tokens, "num_tokens")
         new = max(0, blocks_needed(self.num_tokens + n, self.block_size) - len(self.blocks))
-        return new + self._needs_copy(n)
+        return new + self._shares_last_block(n)
 
     def append_tokens(self, num_tokens: int) -> torch.Tensor:
         """Make room for ``num_tokens`` more tokens; return their slots (int64) for the cache write.
 
-        If the last block is partly filled and shared (refcount > 1, after a fork), the
-        write would change the other holders' K/V, so the table first takes a fresh block,
-        records the copy ``(old, new)`` in :attr:`pending_copies`, drops its reference to the
-        old block and emits a "cow" event. All or nothing: if the pool is short,
-        OutOfBlocks is raised and the table is unchanged.
-
-        Args:
-            num_tokens: how many tokens the sequence grows by (0 is allowed and takes nothing).
+        All or nothing: if the pool is short, OutOfBlocks is raised and the table is
+        unchanged. A write into a shared last block first gets a copy of it (chapter 06).
         """
         n = check_int(num_tokens, "num_tokens")
         need = self.blocks_needed(n)
         if need > self.allocator.num_free:
             raise OutOfBlocks(f"appending {n} tokens needs {need} blocks but only "
                               f"{self.allocator.num_free} of {self.allocator.num_blocks} are free")
-        copy = None
-        if self._needs_copy(n):
-            src, dst = self.blocks[-1], self.allocator.allocate(self.seq_id)
-            self.blocks[-1] = dst
-            self.allocator.free(src, self.seq_id)  # refcount was > 1: the other holders keep it
-            self.pending_copies.append((src, dst))
-            copy = (src, dst)
-            need -= 1
-        self.blocks += self.allocator.allocate_many(need, self.seq_id)
+        if self._shares_last_block(n):
+            self._copy_on_write()
+        self.blocks += self.allocator.allocate_many(self.blocks_needed(n), self.seq_id)
         start = self.num_tokens
         self.num_tokens += n
         self.released = False
-        if copy is not None:
-            src, dst = copy
-            self.allocator.emit("cow", dst, self.seq_id, src=src, dst=dst, num_slots=start % self.block_size)
         return self._slots(range(start, start + n))
+
+    def _copy_on_write(self) -> None:
+        """Swap the shared last block for a fresh one and record the copy ``(old, new)``.
+
+        The old block keeps its other holders (this table drops one reference); the K/V
+        copy itself is the caller's (see :attr:`pending_copies`). Emits "cow" once the
+        table holds its own block.
+        """
+        src, dst = self.blocks[-1], self.allocator.allocate(self.seq_id)
+        self.blocks[-1] = dst
+        self.allocator.free(src, self.seq_id)  # refcount was > 1: the other holders keep it
+        self.pending_copies.append((src, dst))
+        self.allocator.emit("cow", dst, self.seq_id, src=src, dst=dst, num_slots=self.num_tokens % self.block_size)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """The (src, dst) block copies recorded since the last call, oldest first; clears them."""

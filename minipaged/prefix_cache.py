@@ -22,6 +22,7 @@ This follows vLLM V1's ``kv_cache_utils.hash_block_tokens`` and ``block_pool.Blo
 from __future__ import annotations
 
 import hashlib
+import operator
 import struct
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -53,6 +54,15 @@ def extra_keys(block_index: int, cache_salt: str | bytes | None = None) -> tuple
     return (cache_salt,) if block_index == 0 and cache_salt is not None else ()
 
 
+def block_tokens(token_ids: Sequence[int], block_index: int, block_size: int) -> tuple[int, ...]:
+    """The token ids of logical block ``block_index``, as a tuple of Python ints (TypeError for non-ints)."""
+    chunk = token_ids[block_index * block_size:(block_index + 1) * block_size]
+    try:
+        return tuple(operator.index(t) for t in chunk)
+    except TypeError:
+        raise TypeError(f"token_ids must hold ints, got {[type(t).__name__ for t in chunk]}") from None
+
+
 def _field(data: bytes) -> bytes:
     return struct.pack("<Q", len(data)) + data
 
@@ -69,7 +79,7 @@ def encode_block(parent_key: bytes | None, token_ids: Sequence[int], extra: tupl
         extra: the block's extra keys (str or bytes each).
     """
     parent = b"\x00" if parent_key is None else b"\x01" + _field(parent_key)
-    tokens = _field(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    tokens = _field(struct.pack(f"<{len(token_ids)}q", *block_tokens(token_ids, 0, len(token_ids))))
     parts = [struct.pack("<Q", len(extra))]
     for key in extra:
         parts.append(b"s" + _field(key.encode()) if isinstance(key, str) else b"b" + _field(key))
@@ -106,7 +116,7 @@ def block_keys(token_ids: Sequence[int], block_size: int, cache_salt: str | byte
     B = check_int(block_size, "block_size", minimum=1)
     keys, parent = [], None
     for i in range(len(token_ids) // B):
-        parent = hash_block_tokens(parent, token_ids[i * B:(i + 1) * B], extra_keys(i, cache_salt), hash_fn)
+        parent = hash_block_tokens(parent, block_tokens(token_ids, i, B), extra_keys(i, cache_salt), hash_fn)
         keys.append(parent)
     return keys
 
@@ -290,7 +300,7 @@ class PrefixCachingAllocator(BlockAllocator):
         B = self.block_size
         blocks, keys, parent_key, parent, collisions = [], [], None, None, 0
         for i in range((len(token_ids) - 1) // B if token_ids else 0):
-            tokens, extra = tuple(token_ids[i * B:(i + 1) * B]), extra_keys(i, cache_salt)
+            tokens, extra = block_tokens(token_ids, i, B), extra_keys(i, cache_salt)
             key = hash_block_tokens(parent_key, tokens, extra, self.hash_fn)
             block_id, collided = self._lookup(key, tokens, extra, parent)
             if block_id is None:
@@ -374,19 +384,21 @@ class PrefixCachingAllocator(BlockAllocator):
         first = n // B  # blocks 0..first-1 are full and computed; keys are given in order, so scan back
         while first > 0 and self.entries[blocks[first - 1]] is None:
             first -= 1
-        added = []
+        new = []  # (block id, entry), all computed before any is stored: a bad token id changes nothing
+        parent = self.entries[blocks[first - 1]] if first else None
         for i in range(first, n // B):
-            parent = self.entries[blocks[i - 1]] if i else None
             parent_key, parent_serial = (None, None) if parent is None else (parent.key, parent.serial)
-            tokens, extra = tuple(token_ids[i * B:(i + 1) * B]), extra_keys(i, cache_salt)
+            tokens, extra = block_tokens(token_ids, i, B), extra_keys(i, cache_salt)
             key = hash_block_tokens(parent_key, tokens, extra, self.hash_fn)
-            self.entries[blocks[i]] = CachedBlock(key, tokens, extra, parent_serial, self._next_serial)
-            self._next_serial += 1
-            self.blocks_by_key.setdefault(key, []).append(blocks[i])
-            added.append(blocks[i])
-        for block_id in added:
+            parent = CachedBlock(key, tokens, extra, parent_serial, self._next_serial + len(new))
+            new.append((blocks[i], parent))
+        for block_id, entry in new:
+            self.entries[block_id] = entry
+            self.blocks_by_key.setdefault(entry.key, []).append(block_id)
+        self._next_serial += len(new)
+        for block_id, _ in new:
             self.emit("cache", block_id, table.seq_id)
-        return len(added)
+        return len(new)
 
     def reset_prefix_cache(self) -> int:
         """Drop every key no sequence holds: free cached blocks become keyless (in LRU order). Returns how many."""

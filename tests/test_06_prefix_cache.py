@@ -181,11 +181,20 @@ def test_bad_input_to_share_and_cache_is_named():
     other = PrefixCachingAllocator(6, 4)
     with pytest.raises(ValueError, match="another allocator"):
         other.share_prefix(BlockTable(alloc), match)
+    fresh = BlockTable(alloc, "fresh")
+    fresh.append_tokens(8)
+    before = (list(alloc.entries), alloc.free_queue())
+    with pytest.raises(TypeError, match="token_ids must hold ints"):
+        alloc.cache_full_blocks(fresh, [7, 7, 7, 7, 4.0, 5, 6, 7], 8)  # block 1 is bad, block 0 fine
+    with pytest.raises(TypeError, match="token_ids must hold ints"):
+        alloc.match_prefix([0.0, 1, 2, 3, 4])
+    assert (list(alloc.entries), alloc.free_queue()) == before
     with pytest.raises(TypeError, match="hash_fn"):
         PrefixCachingAllocator(6, 4, hash_fn="sha256")
     with pytest.raises(TypeError, match="hash_fn must return bytes"):
         PrefixCachingAllocator(6, 4, hash_fn=hash).match_prefix(list(range(9)))
     # A match goes stale when a block it names is evicted before it is used.
+    fresh.release()
     t.release()
     stale = alloc.match_prefix(list(range(9)))
     assert stale.block_ids == [0, 1]
