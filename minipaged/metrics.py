@@ -65,7 +65,14 @@ class Metrics:
     max_running: int = 0
     swapped_out_blocks: int = 0  # swap-mode preemption: blocks copied to CPU memory ...
     swapped_in_blocks: int = 0  # ... and back into the pool when the victim is readmitted
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache at admission ...
+    prefix_cache_hits: int = 0  # ... and how many of them hit (their K/V was reused, not computed)
     _step_preemptions: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Hit tokens / queried tokens (0.0 before any query), vLLM's prefix-cache hit rate."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
     def attach(self, allocator):
         """Follow ``allocator``'s events; returns the unsubscribe function."""

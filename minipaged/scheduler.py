@@ -50,6 +50,7 @@ class EngineConfig:
     chunked_prefill: bool = True
     preemption_mode: str = "recompute"  # or "swap": park the victim's K/V in CPU memory instead
     backend: str = "torch"  # attention backend of the model forward: "torch" or "triton"
+    enable_prefix_caching: bool = True  # share cached full blocks between requests (chapter 06), as vLLM does
 
     def __post_init__(self):
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -61,6 +62,10 @@ class EngineConfig:
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(
                 f"EngineConfig.preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
+            )
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise TypeError(
+                f"EngineConfig.enable_prefix_caching must be a bool, got {type(self.enable_prefix_caching).__name__}"
             )
         if self.backend not in ("torch", "triton"):
             raise ValueError(f"EngineConfig.backend must be 'torch' or 'triton', got {self.backend!r}")
@@ -134,6 +139,12 @@ class Scheduler:
         last sampled token is never fed back). If those blocks exceed the pool
         minus the watermark, it could never be admitted, even to an empty pool.
         """
+        num_samples = 1 + len(seq.pending_forks)
+        if num_samples > self.config.max_num_seqs:
+            raise ValueError(
+                f"request {seq.seq_id!r}: SamplingParams.n = {num_samples} samples must run together, but "
+                f"max_num_seqs is {self.config.max_num_seqs}: lower n or raise max_num_seqs"
+            )
         longest = seq.num_prompt_tokens + seq.sampling_params.max_tokens - 1
         need = blocks_needed(longest, self.config.block_size)
         room = self.config.num_blocks - self.config.watermark_blocks
@@ -154,6 +165,11 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def num_seats(self) -> int:
+        """Seats taken (of ``max_num_seqs``): the running sequences and the samples they will fork."""
+        return len(self.running) + sum(len(s.pending_forks) for s in self.running)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """How many of ``seq``'s uncomputed tokens fit this step (0: none)."""
@@ -201,7 +217,7 @@ class Scheduler:
                 self.allocator.num_free,
                 table.blocks_needed(saved + n),
                 self.config.watermark_blocks,
-                len(self.running),
+                self.num_seats + len(seq.pending_forks),  # its samples will need seats of their own
                 self.config.max_num_seqs,
             ):
                 break
@@ -256,21 +272,41 @@ class Scheduler:
         finished = []
         for seq, n in zip(out.seqs, out.num_new_tokens):
             seq.num_computed_tokens += n
-            if seq.seq_id in sampled and seq.append_token(sampled[seq.seq_id], now):
-                seq.status = SequenceStatus.FINISHED
-                seq.finish_time = now
-                self.running.remove(seq)
-                self._release(seq)
-                finished.append(seq)
+            if seq.seq_id not in sampled:
+                continue
+            for sample in [seq, *self._fork(seq)]:
+                if sample.append_token(sampled[sample.seq_id], now):
+                    sample.status = SequenceStatus.FINISHED
+                    sample.finish_time = now
+                    self.running.remove(sample)
+                    self._release(sample)
+                    finished.append(sample)
         return finished
 
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """Parallel sampling: ``seq``'s prompt is computed, so its pending samples start now, sharing its blocks.
+
+        Returns the samples that started (none if ``seq`` had none pending).
+        """
+        children, seq.pending_forks = seq.pending_forks, []
+        for child in children:
+            child.block_table = seq.block_table.fork(child.seq_id)
+            child.num_computed_tokens = seq.num_computed_tokens
+            child.status = SequenceStatus.RUNNING
+        i = self.running.index(seq)
+        self.running[i + 1 : i + 1] = children  # next to their parent, in sample order
+        return children
+
     def abort(self, seq: Sequence) -> None:
-        """Drop a waiting or running request now; its blocks return to the pool at once."""
+        """Drop a waiting or running sequence now (with the samples it has yet to fork); its blocks return at once."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         else:
             raise ValueError(f"request {seq.seq_id!r} is neither waiting nor running ({seq.status.value})")
+        for child in seq.pending_forks:
+            child.status = SequenceStatus.ABORTED
+        seq.pending_forks = []
         self._release(seq)
         seq.status = SequenceStatus.ABORTED
