@@ -52,7 +52,7 @@ class StaticBatchScheduler(Scheduler):
 
     def add(self, seq: Sequence) -> None:
         if seq.pending_forks:
-            raise ValueError(f"request {seq.seq_id!r}: static batching takes one sample per request (SamplingParams.n=1)")
+            raise ValueError(f"request {seq.seq_id!r}: static batching takes one sample per request (SamplingParams.n)")
         longest = seq.num_prompt_tokens + seq.sampling_params.max_tokens - 1
         if longest > self.max_model_len:
             raise ValueError(

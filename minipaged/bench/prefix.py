@@ -84,7 +84,8 @@ def main(argv: list[str]) -> int:
           f"{args.suffix_len[0]}-{args.suffix_len[1]}, output {args.output_len[0]}-{args.output_len[1]} (uniform), "
           f"Poisson {args.rate:g}/s, seed {args.seed}")
     print(f"KV pool: {args.num_blocks} blocks x {args.block_size} = {args.num_blocks * args.block_size} token slots, "
-          f"max_num_seqs {args.max_num_seqs}, budget {args.max_num_batched_tokens}; {args.clock} clock, device {device}")
+          f"max_num_seqs {args.max_num_seqs}, budget {args.max_num_batched_tokens}; "
+          f"{args.clock} clock, device {device}")
 
     def config(caching: bool) -> EngineConfig:
         return EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
