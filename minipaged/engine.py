@@ -50,6 +50,7 @@ from minipaged.attention import AttentionMetadata
 from minipaged.cache import PagedKVCache
 from minipaged.clock import VirtualClock
 from minipaged.metrics import Metrics
+from minipaged.prefix_cache import PrefixCachingAllocator, sha256
 from minipaged.scheduler import EngineConfig, Scheduler, SchedulerOutput
 from minipaged.sequence import SamplingParams, Sequence
 from minipaged.validation import check_int
@@ -107,6 +108,9 @@ class Engine:
             dtype=model.dtype,
             device=model.device,
         )
+        if self.config.enable_prefix_caching:  # the same pool, with a free queue that keeps cached blocks' keys
+            self.cache.allocator = PrefixCachingAllocator(self.config.num_blocks, self.config.block_size,
+                                                          self.config.prefix_caching_hash_fn or sha256)  # fmt: skip
         self.scheduler = Scheduler(self.config, self.cache.allocator)
         self.metrics = Metrics(self.config.num_blocks, self.config.block_size)
         self.metrics.attach(self.cache.allocator)
@@ -205,12 +209,13 @@ class Engine:
         return result
 
     def swap(self, out: SchedulerOutput) -> int:
-        """Swap mode: save victims' K/V to CPU memory, restore readmitted ones'. Returns the tokens moved.
+        """Move K/V as the plan says: save victims' to CPU memory, copy-on-write, restore readmitted ones'.
 
-        The scheduler decided who moves; the cache copies (:meth:`PagedKVCache.swap_out`
-        and :meth:`~PagedKVCache.swap_in`). It must run before the forward pass: a
-        victim's freed blocks may already belong to someone else this step, who is
-        about to write into them.
+        Returns the tokens moved between GPU and CPU memory. The scheduler decided what
+        moves; the cache copies (:meth:`PagedKVCache.swap_out`, :meth:`~PagedKVCache.copy_blocks`,
+        :meth:`~PagedKVCache.swap_in`). It must run before the forward pass, reads before
+        writes: a victim's freed blocks, or a copy's source, may already belong to someone
+        else this step, who is about to write into them.
 
         Args:
             out: this step's plan; its ``swap_out`` and ``swap_in`` lists say what moves.
@@ -219,11 +224,15 @@ class Engine:
         for seq, block_ids in out.swap_out:
             self.swap_space[seq.seq_id] = self.cache.swap_out(block_ids)
             moved += seq.num_computed_tokens
-        for seq in out.swap_in:
+        if out.copies:  # copy-on-write, after the victims' K/V is saved and before anything lands in new blocks
+            self.cache.copy_blocks([src for src, _ in out.copies], [dst for _, dst in out.copies])
+        for seq, num_hit_blocks in zip(out.swap_in, out.swap_in_hit_blocks):
             saved = self.swap_space.pop(seq.seq_id)
             num_saved_blocks = len(saved[0][0])
-            self.cache.swap_in(seq.block_table.blocks[:num_saved_blocks], saved)  # its first blocks, new ids
-            moved += seq.num_computed_tokens
+            if num_hit_blocks < num_saved_blocks:  # the blocks a prefix hit did not restore come back from CPU
+                rest = [(k[num_hit_blocks:], v[num_hit_blocks:]) for k, v in saved]
+                self.cache.swap_in(seq.block_table.blocks[num_hit_blocks:num_saved_blocks], rest)
+                moved += seq.num_computed_tokens - num_hit_blocks * self.config.block_size
         return moved
 
     @torch.inference_mode()
