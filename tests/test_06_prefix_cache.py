@@ -224,3 +224,25 @@ def test_out_of_blocks_when_everything_is_held():
     with pytest.raises(OutOfBlocks):
         alloc.allocate()
     assert t.blocks == [0, 1] and alloc.num_free == 0
+
+
+def test_events_come_after_their_state_change():
+    alloc = PrefixCachingAllocator(4, 2)
+    seen = []
+
+    def on_event(e):  # what a widget sees when it reads the allocator from inside the callback
+        seen.append((e.kind, e.block_id, alloc.refcount(e.block_id), alloc.block_key(e.block_id) is not None))
+
+    a = admit(alloc, "a", [1, 2, 3, 4, 5])
+    alloc.subscribe(on_event)
+    a.release()
+    assert seen == [("free", 2, 0, False), ("free", 1, 0, True), ("free", 0, 0, True)]
+    seen.clear()
+    b = admit(alloc, "b", [1, 2, 3, 4, 9])  # hits 0 and 1, then takes the oldest keyless block
+    assert seen == [("hit", 0, 1, True), ("hit", 1, 1, True), ("allocate", 3, 1, False)]
+    b.release()
+    assert alloc.free_queue() == [2, 3, 1, 0]
+    seen.clear()
+    admit(alloc, "c", [7] * 6)  # two keyless blocks, then the least recently used cached one
+    assert seen == [("allocate", 2, 1, False), ("allocate", 3, 1, False), ("evict", 1, 1, False),
+                    ("allocate", 1, 1, False), ("cache", 2, 1, True), ("cache", 3, 1, True), ("cache", 1, 1, True)]
