@@ -316,8 +316,8 @@ def check_lru(cls):
         ("allocate", 1),  # nothing is free: C holds p0 and p1, the rest are in use
         ("free", [1, 0]), ("allocate", 2),  # p1 was freed before p0: evict p1, then p0
     ]
-    for op, arg in script:
-        what = f"{op}({arg}) after {len(mine.evicted)} evictions"
+    for step, (op, arg) in enumerate(script, 1):
+        what = f"step {step}, {op}({arg!r})"
         if op == "cache":
             mine.cache(*arg)
             ref.cache(*arg)
@@ -341,6 +341,10 @@ def check_lru(cls):
                     raise CheckFailed(f"allocate() returned block {got}, which a sequence still holds "
                                       f"(refcount {mine.refcounts[got]}): a hit must take it out of the free queue")
                 expect_equal(got, want, f"allocate() ({'keyless' if want not in ref.evicted else 'evicting'})")
+        held = [b for b in mine.cached_free if mine.refcounts[b] > 0]
+        if held:
+            raise CheckFailed(f"after {what}, block {held[0]} is held (refcount {mine.refcounts[held[0]]}) but still in "
+                              "cached_free, so allocate() could evict it: a hit must take it out of the free queue")
         expect_equal(_lru_state(mine)[0], _lru_state(ref)[0], f"refcounts after {what}")
         expect_equal(list(mine.keyless_free), list(ref.keyless_free), f"keyless_free after {what}")
         expect_equal(list(mine.cached_free), list(ref.cached_free), f"cached_free (LRU first) after {what}")
