@@ -343,8 +343,9 @@ def check_lru(cls):
                 expect_equal(got, want, f"allocate() ({'keyless' if want not in ref.evicted else 'evicting'})")
         held = [b for b in mine.cached_free if mine.refcounts[b] > 0]
         if held:
-            raise CheckFailed(f"after {what}, block {held[0]} is held (refcount {mine.refcounts[held[0]]}) but still in "
-                              "cached_free, so allocate() could evict it: a hit must take it out of the free queue")
+            raise CheckFailed(f"after {what}, block {held[0]} is held (refcount {mine.refcounts[held[0]]}) but "
+                              "still in cached_free, so allocate() could evict it: a hit must take it out of the "
+                              "free queue")
         expect_equal(_lru_state(mine)[0], _lru_state(ref)[0], f"refcounts after {what}")
         expect_equal(list(mine.keyless_free), list(ref.keyless_free), f"keyless_free after {what}")
         expect_equal(list(mine.cached_free), list(ref.cached_free), f"cached_free (LRU first) after {what}")
