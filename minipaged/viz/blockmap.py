@@ -108,9 +108,10 @@ class PoolSnapshot:
 
         ``tables`` is a mapping ``seq_id -> BlockTable`` (or ``-> list of block
         ids``), or an iterable of ``BlockTable`` objects with a ``seq_id``.
-        ``cached`` (block ids with a prefix-cache key) defaults to the
-        allocator's ``cached_block_ids`` when it has them; ``marks`` maps block
-        ids to this step's event kind.
+        ``cached`` (block ids with a prefix-cache key) defaults to the blocks
+        whose entry in the allocator's ``entries`` is set (chapter 06's
+        prefix-caching allocator); ``marks`` maps block ids to this step's
+        event kind.
         """
         if hasattr(tables, "items"):
             items = list(tables.items())
@@ -127,9 +128,8 @@ class PoolSnapshot:
         refcounts = getattr(allocator, "refcounts", None)
         if refcounts is None:
             refcounts = [allocator.refcount(b) for b in range(allocator.num_blocks)]
-        if cached is None:
-            cached = getattr(allocator, "cached_block_ids", ())
-            cached = cached() if callable(cached) else cached
+        if cached is None:  # chapter 06's allocator keeps one prefix-cache entry (or None) per block
+            cached = [b for b, entry in enumerate(getattr(allocator, "entries", ())) if entry is not None]
         return cls(allocator.num_blocks, block_size, tuple(refcounts), blocks, tokens, step,
                    frozenset(cached), dict(marks or {}))
 
@@ -491,7 +491,7 @@ class BlockMapView:
     ):
         import ipywidgets as widgets
 
-        if hasattr(source, "step"):
+        if hasattr(source, "step") and not isinstance(source, type):  # a class is a factory
             self._factory, self.sim = None, source
         elif callable(source):
             self._factory, self.sim = source, source()
