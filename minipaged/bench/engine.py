@@ -55,7 +55,8 @@ def main(argv: list[str]) -> int:
     workload = make_workload(args.requests, args.rate, args.preset, seed=args.seed)
     config = EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, watermark=args.watermark,
-                          preemption_mode=args.preemption_mode, backend=args.backend)
+                          preemption_mode=args.preemption_mode, backend=args.backend,
+                          enable_prefix_caching=False)  # chapter 05 measures batching and paging alone
     max_model_len = max(r.prompt_len + r.output_len for r in workload)
     kv_tokens = args.num_blocks * args.block_size
     print(f"workload: {args.requests} requests, {args.preset}, Poisson {args.rate:g}/s, seed {args.seed}; "
