@@ -50,7 +50,6 @@ from minipaged.attention import AttentionMetadata
 from minipaged.cache import PagedKVCache
 from minipaged.clock import VirtualClock
 from minipaged.metrics import Metrics
-from minipaged.prefix_cache import PrefixCachingAllocator, sha256
 from minipaged.scheduler import EngineConfig, Scheduler, SchedulerOutput
 from minipaged.sequence import SamplingParams, Sequence
 from minipaged.validation import check_int
@@ -109,6 +108,8 @@ class Engine:
             device=model.device,
         )
         if self.config.enable_prefix_caching:  # the same pool, with a free queue that keeps cached blocks' keys
+            from minipaged.prefix_cache import PrefixCachingAllocator, sha256  # chapter 06, reached by name only
+
             self.cache.allocator = PrefixCachingAllocator(self.config.num_blocks, self.config.block_size,
                                                           self.config.prefix_caching_hash_fn or sha256)  # fmt: skip
         self.scheduler = Scheduler(self.config, self.cache.allocator)
