@@ -323,7 +323,7 @@ class EngineDashboard(BlockMapView):
         cache, load = _timelines(history, snap.step, others)
         return {
             "queues": render_queues(snap),
-            "map": render_block_map(snap.pool, columns=self._columns),
+            "map": render_block_map(self.with_marks(snap.pool), columns=self._columns),
             "timeline": cache,
             "load": load,
         }

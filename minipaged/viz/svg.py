@@ -28,6 +28,9 @@ PALETTE = (
 FREE_COLOR = "#eeeeee"  # a free cell
 USED_COLOR = "#bab0ac"  # held, but by no table in the snapshot (a cached prefix, say)
 SHARED_COLOR = "#6b3fa0"  # held by more than one sequence (refcount > 1)
+CACHED_COLOR = "#2a9d8f"  # free, but keeps its prefix-cache key: a hit can still reuse it (chapter 06)
+# Marks for what happened to a block in the last step (chapter 06): a prefix-cache hit, a copy-on-write, an eviction.
+MARK_COLORS = {"hit": "#2ca02c", "cow": "#d62728", "evict": "#555555"}
 TEXT_COLOR = "#222222"
 FONT = "font-family:ui-monospace,Menlo,Consolas,monospace"
 
