@@ -18,7 +18,7 @@ CHUNK_MUTANTS = {
     "no watermark": lambda n, c, t, f, w, b: max(0, min(n - c, t, (-(-c // b) + f) * b - c)),
     "all or nothing": lambda n, c, t, f, w, b: min(n - c, t) if chunk(n, c, t, f, w, b) == min(n - c, t) else 0,
     "negative usable blocks": lambda n, c, t, f, w, b: max(0, min(n - c, t, (-(-c // b) + f - w) * b - c)),
-    "float blocks": lambda n, c, t, f, w, b: max(0, min(n - c, t, int((c / b + 0.999999) // 1 + max(f - w, 0)) * b - c)),
+    "float blocks": lambda n, c, t, f, w, b: max(0, min(n - c, t, int(-(-c / b) // 1 + max(f - w, 0)) * b - c)),
 }
 
 

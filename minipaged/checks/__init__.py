@@ -103,7 +103,7 @@ def _record(result: CheckResult) -> None:
 
 
 class CheckTimeout(BaseException):
-    """The learner's code ran past the check's time limit (a BaseException, so ``except Exception`` can't swallow it)."""
+    """The learner's code ran past the check's time limit (a BaseException: ``except Exception`` won't swallow it)."""
 
 
 @contextlib.contextmanager

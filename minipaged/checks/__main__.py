@@ -247,7 +247,10 @@ def execute(nb, exercise: Exercise, cwd: Path, check_timeout: float, notebook_ti
         start = time.monotonic()
         with client.setup_kernel(env=env):
             # Before any learner code: importing the framework takes the secret out of os.environ.
-            client.execute_cell(new_code_cell("import minipaged.checks"), 0)
+            # (execute_cell stores the cell at its index, so the preamble gets a slot of its own.)
+            nb.cells.insert(0, new_code_cell("import minipaged.checks"))
+            client.execute_cell(nb.cells[0], 0)
+            del nb.cells[0]
             for index, cell in enumerate(nb.cells):
                 if cell.cell_type != "code":
                     continue

@@ -32,8 +32,8 @@ HINTS = {
         "a sliding window of W tokens: the new token at position seq_len - 1 sees positions seq_len - W .. seq_len - 1",
         "start the loop at the logical block that holds position max(seq_len - W, 0), and mask each token whose "
         "position is before it or at or after seq_len; query head h reads KV head h // GROUP",
-        "first = tl.maximum(seq_len - window, 0); the first block is first // BLOCK_SIZE; a token at position pos is "
-        "valid when first <= pos < seq_len",
+        "the first visible position is seq_len - window, clamped at 0 with tl.maximum; integer-divide it by "
+        "BLOCK_SIZE for the first block; a token counts when it is at or after that position and before seq_len",
     ],
 }
 
@@ -109,7 +109,7 @@ def check_window_decode_kernel(decode, kernel):
                 raise
             try:
                 expect_tensor_close(out, expected, what, atol=1e-5, rtol=1e-4)
-            except CheckFailed as exc:
+            except CheckFailed:
                 if num_heads != num_kv_heads:  # the same sequences just passed with one query head per KV head
                     raise CheckFailed(f"{what}: right with one query head per KV head but wrong under GQA: query "
                                       "head h must read KV head h // GROUP") from None
