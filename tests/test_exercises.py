@@ -241,3 +241,12 @@ def test_no_hint_is_a_solution_line():
         for task, stages in getattr(module, "HINTS", {}).items():
             for stage in stages:
                 assert not [line for line in lines if line in " ".join(stage.split())], (task, stage)
+
+
+@pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.name)
+def test_every_solution_has_a_model_answer_for_the_gradebook(path):
+    from minipaged.checks.__main__ import load_exercise
+
+    exercise = load_exercise(path)
+    assert exercise.questions and all(answer for _, answer in exercise.questions.values())
+    assert exercise.checks, f"{path.name}: the grader finds no check cell"
