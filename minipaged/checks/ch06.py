@@ -24,6 +24,41 @@ from functools import partial
 from minipaged.block_manager import BlockAllocator, OutOfBlocks
 from minipaged.checks import CheckFailed, check, expect_equal
 
+# Staged hints: the first names the idea (stubs carry it), later ones come closer to code on request,
+# `hint("6.1", 2)`. None of them is the solution.
+HINTS = {
+    "6.1": [
+        "a block's K/V depends on every token before it, so its key must too: each full block's key hashes its "
+        "parent's key, its own tokens and the extra keys; a partly filled block gets no key",
+        "how many full blocks does a prompt of n tokens have? Not chapter 01's blocks_needed, which counts a partly "
+        "filled block too",
+        "keep the last key in a variable as you walk the blocks: it is the next block's parent; the salt goes into "
+        "block 0's extra keys only",
+    ],
+    "6.2": [
+        "a hit is a leading run of blocks whose key is cached and whose cached tokens equal the prompt's; the block "
+        "that holds the last prompt token is always computed",
+        "your block_keys from Task 6.1 does half the work; a key found with different tokens is a collision, a miss",
+        "the last prompt token (position n - 1) lives in block (n - 1) // block_size: only blocks before it can hit, "
+        "and the run stops at the first miss",
+    ],
+    "6.3": [
+        "copy-on-write: a write into a last block that another table still holds must go to a private copy, and a "
+        "short pool must leave everything as it was",
+        "the new token's offset in its block is num_tokens % block_size: what does an offset of 0 tell you, and what "
+        "does a refcount above 1 tell you?",
+        "order matters twice: allocate before you let go of anything (so a full pool changes nothing), and copy the "
+        "slots written so far before you write the new token",
+    ],
+    "6.4": [
+        "free blocks without a key go out first, oldest first; cached free blocks are evicted least recently freed "
+        "first; a hit on a free cached block takes it out of the free queue",
+        "OrderedDict.popitem(last=False) removes the oldest entry; del d[k] removes any entry in O(1)",
+        "what goes wrong if a block that a sequence holds again is still in cached_free? An evicted block's key must "
+        "disappear from both maps",
+    ],
+}
+
 
 def transparent_hash(parent, token_ids, extra):
     """A "hash" that keeps everything it was given, so a check can see what went into a key."""
@@ -88,11 +123,7 @@ _PROMPTS = {
 }
 
 
-@check(
-    "ch06.block_keys",
-    hint="one key per FULL block only; key i = hash_fn(key i-1 (None for block 0), tuple(block i's tokens), "
-    "extra) where extra is (salt,) for block 0 when a salt is given and () otherwise",
-)
+@check("ch06.block_keys", hint=HINTS["6.1"][0])
 def check_block_keys(block_keys):
     cases = [(name, p, 4, None) for name, p in _PROMPTS.items()]
     cases += [("a", _PROMPTS["a"], 8, None), ("a", _PROMPTS["a"], 4, "tenant-1"), ("empty", [], 4, None)]
@@ -119,11 +150,7 @@ def check_block_keys(block_keys):
     return f"{len(cases)} prompts: one key per full block, chained through the parent, salt in block 0"
 
 
-@check(
-    "ch06.hit_tokens",
-    hint="walk the prompt's block keys in order; stop at the first key that is not cached or whose cached tokens "
-    "differ from the prompt's; never hit the block that holds the last prompt token",
-)
+@check("ch06.hit_tokens", hint=HINTS["6.2"][0])
 def check_hit_tokens(hit_tokens):
     B = 4
     cached = {}
@@ -190,11 +217,7 @@ def _tokens(table, data, B) -> list:
     return [data[table.blocks[p // B] * B + p % B] for p in range(table.num_tokens)]
 
 
-@check(
-    "ch06.cow_append",
-    hint="only a partly filled last block with refcount > 1 is copied: allocate a new block first, copy the "
-    "offset slots already written, free one reference to the old block, swap it into blocks[-1], then write",
-)
+@check("ch06.cow_append", hint=HINTS["6.3"][0])
 def check_cow_append(cls):
     B, num_blocks = 4, 6
     mine_alloc, ref_alloc = BlockAllocator(num_blocks, B), BlockAllocator(num_blocks, B)
@@ -295,12 +318,7 @@ def _lru_state(pool) -> tuple:
     return (list(pool.refcounts), list(pool.keyless_free), list(pool.cached_free), list(pool.evicted))
 
 
-@check(
-    "ch06.lru",
-    hint="free: at refcount 0 a block with a key goes to the end of cached_free, one without to keyless_free; "
-    "allocate: keyless first (FIFO), then the least recently freed cached block, dropping its key; "
-    "hit: a free block leaves cached_free",
-)
+@check("ch06.lru", hint=HINTS["6.4"][0])
 def check_lru(cls):
     mine, ref = cls(6), _RefPrefixPool(6)
     # Two requests share a 2-block prefix (keys p0, p1); A also caches a0, B holds a partial block.
