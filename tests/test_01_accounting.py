@@ -290,32 +290,3 @@ def test_expected_saving_matches_formula_for_a_constant_length():
 
 
 # ---------------------------------------------------------------- exercise checks
-
-
-def test_checks_pass_the_reference_and_catch_classic_mistakes(capsys):
-    from minipaged.checks import ch01
-
-    assert ch01.check_kv_bytes_per_token(lambda L, h, d, b: 2 * L * h * d * b)
-    assert not ch01.check_kv_bytes_per_token(lambda L, h, d, b: L * h * d * b)  # forgot K *and* V
-    assert ch01.check_blocks_needed(acc.blocks_needed)
-    assert not ch01.check_blocks_needed(lambda n, b: n // b + 1)  # wrong at exact multiples and at 0
-    assert not ch01.check_blocks_needed(lambda n, b: n // b)  # forgets the partial block
-    assert ch01.check_tail_waste(acc.tail_waste)
-    assert not ch01.check_tail_waste(lambda n, b: b - n % b)  # a full last block wastes B?
-    assert ch01.check_utilisation(acc.utilisation)
-    assert not ch01.check_utilisation(lambda ls, b: sum(ls) / (b * acc.ceil_div(sum(ls), b)))  # rounds the total
-    assert not ch01.check_utilisation(lambda ls, b: 1.0)
-    out = capsys.readouterr().out
-    assert out.count("PASS") == 4 and out.count("FAIL") == 6
-    assert "tail_waste(0, 16) returned 16, expected 0" in out
-
-
-def test_checks_report_not_implemented(capsys):
-    from minipaged.checks import ch01
-
-    def todo(*args):
-        raise NotImplementedError("Task 1.4 is not implemented yet.")
-
-    result = ch01.check_utilisation(todo)
-    assert result.status == "NOT IMPLEMENTED YET"
-    assert "NOT IMPLEMENTED YET" in capsys.readouterr().out
