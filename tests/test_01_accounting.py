@@ -288,5 +288,3 @@ def test_expected_saving_matches_formula_for_a_constant_length():
     # 880 tokens in 2048: A_16 = 880, saving = 1 - 880/2048 = 57.0%
     assert math.isclose(acc.expected_saving(const, 16, 2048), 1 - 880 / 2048)
 
-
-# ---------------------------------------------------------------- exercise checks
