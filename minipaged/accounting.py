@@ -363,6 +363,9 @@ def capacity(model: ModelSpec | str, budget_bytes: int, block_size: int, max_len
         preset: the length preset (see :func:`sample_lengths`).
         dtype: bytes per number (default: the model's own).
         seed: the seed of the sampled lengths.
+
+    Raises:
+        ValueError: ``budget_bytes`` is smaller than one fixed reservation (``max_len`` slots).
     """
     spec = _spec(model)
     budget = check_int(budget_bytes, "budget_bytes")
@@ -372,6 +375,11 @@ def capacity(model: ModelSpec | str, budget_bytes: int, block_size: int, max_len
     b = spec.dtype_bytes if dtype is None else dtype_bytes(dtype)
     slot = kv_bytes_per_token(spec, b)
     row = BLOCK_TABLE_ENTRY_BYTES * blocks_needed(m, B)
+    if budget < m * slot:
+        raise ValueError(
+            f"budget_bytes={budget} holds no sequence under fixed reservation ({m} max_len x {slot} bytes per "
+            f"token = {m * slot} bytes each), so there is no ratio to compare: raise budget_bytes or lower max_len"
+        )
 
     # Neither scheme can admit more sequences than this, so this many samples suffice.
     limit = budget // min(m * slot, B * slot + row)

@@ -45,10 +45,11 @@ from tqdm.auto import tqdm
 from minipaged.attention import AttentionMetadata
 from minipaged.cache import PagedKVCache
 from minipaged.clock import VirtualClock
+from minipaged.generate import check_prompt
 from minipaged.metrics import Metrics
 from minipaged.scheduler import EngineConfig, Scheduler, SchedulerOutput
 from minipaged.sequence import SamplingParams, Sequence
-from minipaged.validation import check_int
+from minipaged.validation import check_real
 from minipaged.workload import RequestSpec, prompt_token_ids
 
 
@@ -91,9 +92,18 @@ class Engine:
     """
 
     def __init__(self, model, config: EngineConfig | None = None, clock=None):
+        if config is not None and not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
         self.model = model
         self.config = config or EngineConfig()
         mc = model.config
+        if self.config.backend == "triton":  # refuse now a backend that would fail at every step
+            from minipaged.kernels import check_supported  # chapter 04, reached by name only
+
+            try:
+                check_supported(self.config.block_size, mc.head_dim, model.dtype)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"EngineConfig(backend='triton') cannot run this engine: {exc}") from None
         self.cache = PagedKVCache(
             mc.num_hidden_layers,
             self.config.num_blocks,
@@ -123,17 +133,20 @@ class Engine:
             request_id: any hashable id not in use yet; None picks the next free integer.
             arrival_time: when the request arrived, in the engine's clock (None: now).
         """
-        vocab = self.model.config.vocab_size
-        prompt_token_ids = [check_int(t, f"prompt_token_ids[{i}]") for i, t in enumerate(prompt_token_ids)]
-        if not all(t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt_token_ids must be token ids in [0, {vocab}), got {prompt_token_ids!r}")
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        sampling_params = sampling_params or SamplingParams()
+        prompt_token_ids = check_prompt(self.model.config, prompt_token_ids, sampling_params.max_tokens,
+                                        "prompt_token_ids")  # fmt: skip
+        if arrival_time is not None:
+            arrival_time = check_real(arrival_time, "arrival_time")
         if request_id is None:
             while self._next_id in self.requests:
                 self._next_id += 1
             request_id = self._next_id
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        seq = Sequence(request_id, prompt_token_ids, sampling_params or SamplingParams(),
+        seq = Sequence(request_id, prompt_token_ids, sampling_params,
                        self.clock.now() if arrival_time is None else arrival_time)
         self.scheduler.add(seq)  # raises if the request could never fit the pool
         self.requests[request_id] = seq
@@ -251,7 +264,17 @@ class Engine:
             prompts: the prompts' token ids.
             sampling_params: the same for every prompt (:class:`SamplingParams` defaults if None).
         """
-        ids = [self.add_request(p, sampling_params) for p in prompts]
+        for i, p in enumerate(prompts):  # every prompt checked before any is queued, each error naming its prompt
+            check_prompt(self.model.config, p, (sampling_params or SamplingParams()).max_tokens, f"prompts[{i}]")
+        ids, next_id = [], self._next_id
+        try:  # all or none: a bad prompt in the middle leaves none of the earlier ones queued
+            for p in prompts:
+                ids.append(self.add_request(p, sampling_params))
+        except BaseException:
+            for i in ids:
+                self.scheduler.abort(self.requests.pop(i))
+            self._next_id = next_id
+            raise
         while self.has_unfinished():
             self.step()
         return [self.requests[i].output_token_ids for i in ids]
@@ -272,6 +295,10 @@ class Replay:
     """
 
     def __init__(self, engine: Engine, workload: list[RequestSpec], seed: int = 0):
+        for i, r in enumerate(workload):
+            if not isinstance(r, RequestSpec):
+                raise TypeError(f"workload[{i}] must be a RequestSpec, got {type(r).__name__}")
+            check_real(r.arrival_time, f"workload[{i}].arrival_time", minimum=0)  # NaN would never arrive
         self.engine = engine
         self.seed = seed
         self.arrivals = deque(sorted(enumerate(workload), key=lambda item: item[1].arrival_time))
