@@ -86,7 +86,7 @@ def check_token_ids(token_ids, name: str, vocab_size: int) -> list[int]:
     ids = [check_int(t, f"{name}[{i}]") for i, t in enumerate(token_ids)]
     for i, t in enumerate(ids):
         if t >= vocab_size:
-            raise ValueError(f"{name}[{i}] = {t} is not a token id: the vocabulary is [0, {vocab_size})")
+            raise ValueError(f"{name}[{i}] = {t} is outside the token ids [0, {vocab_size}) of the vocabulary")
     return ids
 
 
