@@ -70,11 +70,11 @@ class BlockAllocator:
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self.free_block_ids)
+        return self.num_blocks - self.num_free
 
     def can_allocate(self, num_blocks: int) -> bool:
         """Whether ``num_blocks`` blocks are free right now."""
-        return check_int(num_blocks, "num_blocks") <= len(self.free_block_ids)
+        return check_int(num_blocks, "num_blocks") <= self.num_free
 
     def allocate(self, seq_id=None) -> int:
         """Take one free block for ``seq_id`` (refcount 1), or raise OutOfBlocks."""
@@ -90,8 +90,8 @@ class BlockAllocator:
         """Take ``num_blocks`` free blocks for ``seq_id``, all or none (OutOfBlocks takes nothing)."""
         # Check first, so a request that cannot be met takes nothing (no half-grown sequence).
         n = check_int(num_blocks, "num_blocks")
-        if n > len(self.free_block_ids):
-            raise OutOfBlocks(f"need {n} blocks but only {len(self.free_block_ids)} of {self.num_blocks} are free")
+        if n > self.num_free:
+            raise OutOfBlocks(f"need {n} blocks but only {self.num_free} of {self.num_blocks} are free")
         return [self.allocate(seq_id) for _ in range(n)]
 
     def _check_block_id(self, block_id, action: str) -> int:
@@ -126,6 +126,19 @@ class BlockAllocator:
         else:
             self.emit("decref", block_id, seq_id, refcount=self._refcounts[block_id])
 
+    def free_sequence(self, block_ids: list[int], seq_id=None) -> None:
+        """Drop one reference on each of a sequence's blocks, in table order.
+
+        Args:
+            block_ids: the sequence's blocks, logical block 0 first.
+            seq_id: the sequence, for the events.
+
+        Chapter 06's prefix cache overrides the order (tail first); here the order is not
+        observable beyond the free queue.
+        """
+        for block_id in block_ids:
+            self.free(block_id, seq_id)
+
     def refcount(self, block_id: int) -> int:
         """How many sequences hold ``block_id`` (0: it is free)."""
         return self._refcounts[self._check_block_id(block_id, "read the refcount of")]
@@ -155,13 +168,25 @@ class BlockAllocator:
 
 
 class BlockTable:
-    """One sequence's map from logical block i (tokens i*B .. i*B+B-1) to a physical block id."""
+    """One sequence's map from logical block i (tokens i*B .. i*B+B-1) to a physical block id.
+
+    Copy-on-write lives here, in :meth:`append_tokens`, next to :meth:`fork`: the table is
+    what shares blocks (fork increfs them) and the table is what writes into its last
+    block, so it alone knows when a write would land in a block someone else holds. Putting
+    it anywhere else would leave chapter 02's ``fork`` able to corrupt its parent. The
+    table records each copy in :attr:`pending_copies` and never touches K/V itself: the
+    block manager stays bookkeeping only, and whoever runs the forward pass copies the K/V
+    (:meth:`minipaged.cache.PagedKVCache.copy_blocks`) before the new tokens are written.
+    """
 
     def __init__(self, allocator: BlockAllocator, seq_id=None):
         self.allocator = allocator
         self.seq_id = seq_id
         self.blocks: list[int] = []
         self.num_tokens = 0
+        # (src, dst) block copies that copy-on-write asked for and nobody has carried out yet
+        self.pending_copies: list[tuple[int, int]] = []
+        self.released = False
 
     @property
     def num_blocks(self) -> int:
@@ -171,22 +196,59 @@ class BlockTable:
     def block_size(self) -> int:
         return self.allocator.block_size
 
+    def _needs_copy(self, num_tokens: int) -> bool:
+        # Writing into a partly filled last block that another table also holds.
+        return (num_tokens > 0 and self.num_tokens % self.block_size != 0
+                and self.allocator.refcount(self.blocks[-1]) > 1)
+
     def blocks_needed(self, num_tokens: int) -> int:
-        """New blocks that appending ``num_tokens`` tokens would take: only at a block boundary."""
-        total = self.num_tokens + check_int(num_tokens, "num_tokens")
-        return max(0, blocks_needed(total, self.block_size) - len(self.blocks))
+        """New blocks that appending ``num_tokens`` tokens would take.
+
+        One per block boundary crossed, plus one when the write lands in a shared,
+        partly filled last block (copy-on-write gives this table its own copy).
+        """
+        n = check_int(num_tokens, "num_tokens")
+        new = max(0, blocks_needed(self.num_tokens + n, self.block_size) - len(self.blocks))
+        return new + self._needs_copy(n)
 
     def append_tokens(self, num_tokens: int) -> torch.Tensor:
         """Make room for ``num_tokens`` more tokens; return their slots (int64) for the cache write.
 
-        All or nothing: if the pool is short, OutOfBlocks is raised and the
-        table is unchanged.
+        If the last block is partly filled and shared (refcount > 1, after a fork), the
+        write would change the other holders' K/V, so the table first takes a fresh block,
+        records the copy ``(old, new)`` in :attr:`pending_copies`, drops its reference to the
+        old block and emits a "cow" event. All or nothing: if the pool is short,
+        OutOfBlocks is raised and the table is unchanged.
+
+        Args:
+            num_tokens: how many tokens the sequence grows by (0 is allowed and takes nothing).
         """
         n = check_int(num_tokens, "num_tokens")
-        self.blocks += self.allocator.allocate_many(self.blocks_needed(n), self.seq_id)
+        need = self.blocks_needed(n)
+        if need > self.allocator.num_free:
+            raise OutOfBlocks(f"appending {n} tokens needs {need} blocks but only "
+                              f"{self.allocator.num_free} of {self.allocator.num_blocks} are free")
+        copy = None
+        if self._needs_copy(n):
+            src, dst = self.blocks[-1], self.allocator.allocate(self.seq_id)
+            self.blocks[-1] = dst
+            self.allocator.free(src, self.seq_id)  # refcount was > 1: the other holders keep it
+            self.pending_copies.append((src, dst))
+            copy = (src, dst)
+            need -= 1
+        self.blocks += self.allocator.allocate_many(need, self.seq_id)
         start = self.num_tokens
         self.num_tokens += n
+        self.released = False
+        if copy is not None:
+            src, dst = copy
+            self.allocator.emit("cow", dst, self.seq_id, src=src, dst=dst, num_slots=start % self.block_size)
         return self._slots(range(start, start + n))
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """The (src, dst) block copies recorded since the last call, oldest first; clears them."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def _slots(self, positions: range) -> torch.Tensor:
         # A Python loop plus one tensor: decode appends one token, where a chain of tensor ops costs more.
@@ -219,14 +281,30 @@ class BlockTable:
         return row
 
     def release(self) -> None:
-        """Give every block back (a decref each); the table becomes empty and reusable."""
-        for block_id in self.blocks:
-            self.allocator.free(block_id, self.seq_id)
+        """Give every block back (a decref each); the table becomes empty and reusable.
+
+        Pending copies are dropped too: their destination blocks went back with the rest.
+        """
+        self.allocator.free_sequence(self.blocks, self.seq_id)
         self.blocks = []
         self.num_tokens = 0
+        self.pending_copies = []
+        self.released = True
 
     def fork(self, seq_id=None) -> BlockTable:
-        """A new table that shares all of this one's blocks (each gets one more reference)."""
+        """A new table that shares all of this one's blocks (each gets one more reference).
+
+        Neither table copies anything now: the first one to write into the shared, partly
+        filled last block gets its own copy then (see :meth:`append_tokens`).
+
+        Args:
+            seq_id: the child's sequence id.
+
+        Raises:
+            ValueError: this table was released (it holds nothing to share any more).
+        """
+        if self.released:
+            raise ValueError(f"cannot fork the block table of sequence {self.seq_id!r}: it was released")
         child = BlockTable(self.allocator, seq_id)
         for block_id in self.blocks:
             self.allocator.incref(block_id, seq_id)

@@ -18,7 +18,9 @@ Public state (the live dashboard reads it; keep these names stable):
 * ``engine.cache.allocator``: the block pool and its event bus ("allocate",
   "free", ..., and "preempt" with the victim's seq_id).
 * ``engine.metrics``: step ``history``, ``num_preemptions``, ``max_running``.
-* ``engine.requests``: every request by id, finished ones included.
+* ``engine.requests``: every sequence by its seq_id, finished ones included (with
+  one sample, a request's seq_id is its request_id).
+* ``engine.samples``: every request's sequences by request_id, ``n`` of them, in sample order.
 * ``engine.swap_space``: swap mode's CPU copies of preempted sequences' K/V, by id.
 * ``engine.step()`` returns a :class:`StepOutput` saying what happened.
 
@@ -31,13 +33,15 @@ dashboard steps it on every click.
 
 Vocabulary: the engine's API speaks of requests (``request_id``); with one
 sample per request, a request is one :class:`~minipaged.sequence.Sequence`
-and its ``request_id`` is the sequence's ``seq_id``.
+and its ``request_id`` is the sequence's ``seq_id``. With ``SamplingParams.n``
+samples, it is ``n`` sequences with seq_ids ``(request_id, 0) .. (request_id, n-1)``;
+they share the prompt's blocks by fork (see :mod:`minipaged.sequence`).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from tqdm.auto import tqdm
@@ -47,6 +51,7 @@ from minipaged.cache import PagedKVCache
 from minipaged.clock import VirtualClock
 from minipaged.generate import check_prompt
 from minipaged.metrics import Metrics
+from minipaged.prefix_cache import PrefixCachingAllocator, sha256
 from minipaged.scheduler import EngineConfig, Scheduler, SchedulerOutput
 from minipaged.sequence import SamplingParams, Sequence
 from minipaged.validation import check_real
@@ -113,54 +118,73 @@ class Engine:
             dtype=model.dtype,
             device=model.device,
         )
+        if self.config.enable_prefix_caching:  # the same pool, with a free queue that keeps cached blocks' keys
+            self.cache.allocator = PrefixCachingAllocator(self.config.num_blocks, self.config.block_size,
+                                                          self.config.prefix_caching_hash_fn or sha256)  # fmt: skip
         self.scheduler = Scheduler(self.config, self.cache.allocator)
         self.metrics = Metrics(self.config.num_blocks, self.config.block_size)
         self.metrics.attach(self.cache.allocator)
         self.clock = clock or VirtualClock()
-        self.requests: dict = {}
+        self.requests: dict = {}  # seq_id -> Sequence
+        self.samples: dict = {}  # request_id -> its sequences, in sample order
         self.swap_space: dict = {}  # seq_id -> per-layer (k, v) of its saved blocks, in CPU memory
         self._next_id = 0
 
     # -- requests ---------------------------------------------------------
 
     def add_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
-                    request_id=None, arrival_time: float | None = None):  # fmt: skip
+                    request_id=None, arrival_time: float | None = None,
+                    cache_salt: str | bytes | None = None):  # fmt: skip
         """Queue a request and return its id. Errors (bad input, too big for the pool) change nothing.
 
         Args:
             prompt_token_ids: the prompt, token ids in ``[0, vocab_size)``.
             sampling_params: how to sample and when to stop (:class:`SamplingParams` defaults if None).
+                With ``n > 1`` the request is ``n`` samples of the prompt (at most ``max_num_seqs``),
+                sample ``i`` seeded with ``seed + i``; their seq_ids are ``(request_id, i)``.
             request_id: any hashable id not in use yet; None picks the next free integer.
             arrival_time: when the request arrived, in the engine's clock (None: now).
+            cache_salt: str or bytes mixed into the prefix cache's first block key, so that only
+                requests with the same salt share cached blocks (None: no salt).
         """
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        sampling_params = sampling_params or SamplingParams()
-        prompt_token_ids = check_prompt(self.model.config, prompt_token_ids, sampling_params.max_tokens,
-                                        "prompt_token_ids")  # fmt: skip
+        params = sampling_params or SamplingParams()
+        prompt_token_ids = check_prompt(self.model.config, prompt_token_ids, params.max_tokens, "prompt_token_ids")
         if arrival_time is not None:
             arrival_time = check_real(arrival_time, "arrival_time")
+        if cache_salt is not None and not isinstance(cache_salt, (str, bytes)):
+            raise TypeError(f"cache_salt must be str, bytes or None, got {type(cache_salt).__name__} {cache_salt!r}")
         if request_id is None:
-            while self._next_id in self.requests:
+            while self._next_id in self.samples or self._next_id in self.requests:
                 self._next_id += 1
             request_id = self._next_id
-        if request_id in self.requests:
+        seq_ids = [request_id] if params.n == 1 else [(request_id, i) for i in range(params.n)]
+        if request_id in self.samples or any(i in self.requests for i in seq_ids):
             raise ValueError(f"request_id {request_id!r} is already in use")
-        seq = Sequence(request_id, prompt_token_ids, sampling_params,
-                       self.clock.now() if arrival_time is None else arrival_time)
-        self.scheduler.add(seq)  # raises if the request could never fit the pool
-        self.requests[request_id] = seq
+        now = self.clock.now() if arrival_time is None else arrival_time
+        seqs = []
+        for i, seq_id in enumerate(seq_ids):
+            seed = None if params.seed is None else params.seed + i
+            seqs.append(Sequence(seq_id, prompt_token_ids, replace(params, n=1, seed=seed), now, cache_salt))
+        seqs[0].pending_forks = seqs[1:]  # they fork from sample 0 once its prompt is computed
+        self.scheduler.add(seqs[0])  # raises if the request could never fit the pool
+        for seq in seqs:
+            self.requests[seq.seq_id] = seq
+        self.samples[request_id] = seqs
         return request_id
 
     def abort(self, request_id) -> None:
-        """Drop a waiting or running request now; its blocks (and swapped-out K/V) are freed at once."""
-        if request_id not in self.requests:
+        """Drop a waiting or running request (all its samples) now; its blocks and swapped-out K/V are freed at once."""
+        if request_id not in self.samples:
             raise KeyError(f"abort: no request with id {request_id!r}")
-        seq = self.requests[request_id]
-        if seq.is_finished:
-            raise ValueError(f"abort: request {request_id!r} has already {seq.status.value}")
-        self.scheduler.abort(seq)
-        self.swap_space.pop(request_id, None)
+        seqs = self.samples[request_id]
+        if all(s.is_finished for s in seqs):
+            raise ValueError(f"abort: request {request_id!r} has already {seqs[0].status.value}")
+        for seq in seqs:
+            if not seq.is_finished:  # a pending sample is aborted with the sample it would fork from
+                self.scheduler.abort(seq)
+                self.swap_space.pop(seq.seq_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -168,8 +192,26 @@ class Engine:
     # -- one step ---------------------------------------------------------
 
     def step(self) -> StepOutput:
-        """Schedule, run one forward pass, sample, and record the step (see the module docstring)."""
+        """Schedule, run one forward pass, sample, and record the step (see the module docstring).
+
+        All or nothing: if anything raises inside the step (the scheduler, a swap, the model, a
+        kernel, sampling, a ``KeyboardInterrupt``), the bookkeeping is put back as it was before
+        the step (block tables, reference counts, the free queue, prefix-cache keys, the queues,
+        the sequences, swap space, the clock and the metrics), a ``"rollback"`` event tells the
+        allocator's subscribers, and the exception propagates; the next ``step()`` works. Only K/V
+        in slots that no sequence counts as computed may differ: blocks that change hands in the
+        step (a victim's, a cached free one's) have their K/V saved first and put back.
+        """
+        undo = _StepUndo(self)
+        try:
+            return self._step(undo)
+        except BaseException:
+            undo.restore()
+            raise
+
+    def _step(self, undo: _StepUndo) -> StepOutput:
         out = self.scheduler.schedule()
+        undo.protect_kv(out)  # from here on K/V moves: swaps, copy-on-write, the forward pass
         result = StepOutput(step=len(self.metrics.history), time=self.clock.now())
         result.admitted = [s.seq_id for s in out.admitted]
         result.preempted = [s.seq_id for s in out.preempted]
@@ -178,8 +220,11 @@ class Engine:
         if not out.is_empty:
             last = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(out.seqs, out.num_new_tokens)]
             logits = self.execute(out, last)
+            # One row of logits per sequence whose chunk ends; a sample about to fork shares its parent's row.
             to_sample = [s for s, ends in zip(out.seqs, last) if ends]
-            sampled = dict(zip((s.seq_id for s in to_sample), sample(logits, to_sample)))
+            rows = [(i, x) for i, s in enumerate(to_sample) for x in (s, *s.pending_forks)]
+            tokens = sample(logits[[i for i, _ in rows]], [x for _, x in rows])
+            sampled = {x.seq_id: t for (_, x), t in zip(rows, tokens)}
             context = sum(s.num_computed_tokens + n for s, n in zip(out.seqs, out.num_new_tokens))
             self.clock.step(out.num_batched_tokens, context, swapped)
         result.time = self.clock.now()
@@ -193,12 +238,13 @@ class Engine:
         return result
 
     def swap(self, out: SchedulerOutput) -> int:
-        """Swap mode: save victims' K/V to CPU memory, restore readmitted ones'. Returns the tokens moved.
+        """Move K/V as the plan says: save victims' to CPU memory, copy-on-write, restore readmitted ones'.
 
-        The scheduler decided who moves; the cache copies (:meth:`PagedKVCache.swap_out`
-        and :meth:`~PagedKVCache.swap_in`). It must run before the forward pass: a
-        victim's freed blocks may already belong to someone else this step, who is
-        about to write into them.
+        Returns the tokens moved between GPU and CPU memory. The scheduler decided what
+        moves; the cache copies (:meth:`PagedKVCache.swap_out`, :meth:`~PagedKVCache.copy_blocks`,
+        :meth:`~PagedKVCache.swap_in`). It must run before the forward pass, reads before
+        writes: a victim's freed blocks, or a copy's source, may already belong to someone
+        else this step, who is about to write into them.
 
         Args:
             out: this step's plan; its ``swap_out`` and ``swap_in`` lists say what moves.
@@ -207,11 +253,15 @@ class Engine:
         for seq, block_ids in out.swap_out:
             self.swap_space[seq.seq_id] = self.cache.swap_out(block_ids)
             moved += seq.num_computed_tokens
-        for seq in out.swap_in:
+        if out.copies:  # copy-on-write, after the victims' K/V is saved and before anything lands in new blocks
+            self.cache.copy_blocks([src for src, _ in out.copies], [dst for _, dst in out.copies])
+        for seq, num_hit_blocks in zip(out.swap_in, out.swap_in_hit_blocks):
             saved = self.swap_space.pop(seq.seq_id)
             num_saved_blocks = len(saved[0][0])
-            self.cache.swap_in(seq.block_table.blocks[:num_saved_blocks], saved)  # its first blocks, new ids
-            moved += seq.num_computed_tokens
+            if num_hit_blocks < num_saved_blocks:  # the blocks a prefix hit did not restore come back from CPU
+                rest = [(k[num_hit_blocks:], v[num_hit_blocks:]) for k, v in saved]
+                self.cache.swap_in(seq.block_table.blocks[num_hit_blocks:num_saved_blocks], rest)
+                moved += seq.num_computed_tokens - num_hit_blocks * self.config.block_size
         return moved
 
     @torch.inference_mode()
@@ -242,15 +292,17 @@ class Engine:
 
     # -- whole workloads --------------------------------------------------
 
-    def run(self, workload: list[RequestSpec], progress: bool = True, seed: int = 0) -> list[Sequence]:
+    def run(self, workload: list[RequestSpec], progress: bool = True, seed: int = 0,
+            prompts: list[list[int]] | None = None) -> list[Sequence]:  # fmt: skip
         """Replay a workload to the end (see :class:`Replay`); returns the sequences in the workload's order.
 
         Args:
             workload: the requests, with arrival times relative to the start of the run.
             progress: show a progress bar of finished requests.
             seed: the seed of the prompts' token ids.
+            prompts: each request's prompt token ids instead of seeded random ones (as for :class:`Replay`).
         """
-        replay = Replay(self, workload, seed)
+        replay = Replay(self, workload, seed, prompts)
         with tqdm(total=len(workload), desc="requests", disable=not progress) as bar:
             while not replay.done:
                 replay.step()
@@ -258,7 +310,10 @@ class Engine:
         return replay.seqs
 
     def generate(self, prompts: list[list[int]], sampling_params: SamplingParams | None = None) -> list[list[int]]:
-        """Offline convenience: every prompt arrives now; returns each one's output tokens.
+        """Offline convenience: every prompt arrives now; returns the output tokens of every sample.
+
+        The list is flat, prompt by prompt: with ``n`` samples per prompt, entry ``p * n + i``
+        is sample ``i`` of prompt ``p`` (with ``n == 1``, one output per prompt, in order).
 
         Args:
             prompts: the prompts' token ids.
@@ -272,12 +327,113 @@ class Engine:
                 ids.append(self.add_request(p, sampling_params))
         except BaseException:
             for i in ids:
-                self.scheduler.abort(self.requests.pop(i))
+                seqs = self.samples.pop(i)
+                self.scheduler.abort(seqs[0])  # the other samples are not queued yet (they fork from it)
+                for seq in seqs:
+                    del self.requests[seq.seq_id]
             self._next_id = next_id
             raise
         while self.has_unfinished():
             self.step()
-        return [self.requests[i].output_token_ids for i in ids]
+        return [s.output_token_ids for i in ids for s in self.samples[i]]
+
+
+def _copy_state(obj, skip: tuple = ()) -> dict:
+    """``obj``'s attributes, containers copied one level deep (and the lists a dict holds)."""
+    state = {}
+    for name, value in vars(obj).items():
+        if name in skip:
+            continue
+        if isinstance(value, dict):
+            value = type(value)((k, list(v) if isinstance(v, list) else v) for k, v in value.items())
+        elif isinstance(value, (list, deque, set, bytearray)):
+            value = type(value)(value)
+        state[name] = value
+    return state
+
+
+def _restore_state(obj, state: dict) -> None:
+    """Put back what :func:`_copy_state` saved, refilling containers in place (views may hold them)."""
+    for name, saved in state.items():
+        value = getattr(obj, name)
+        if value is saved or type(value) is not type(saved):
+            setattr(obj, name, saved)
+        elif isinstance(value, (list, bytearray)):
+            value[:] = saved
+        elif isinstance(value, (dict, set, deque)):
+            value.clear()
+            (value.extend if isinstance(value, deque) else value.update)(saved)
+        else:
+            setattr(obj, name, saved)
+
+
+class _StepUndo:
+    """What :meth:`Engine.step` changes, saved before it starts, so that a failed step can be undone.
+
+    Everything a step touches is bookkeeping of a fixed size (the pool's lists, the queues) or
+    grows by appending (tokens, token times, history), so saving it costs O(num_blocks + num_seqs).
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.saved_kv = None  # (block ids, their K/V) that the step may overwrite although they hold K/V
+        allocator, scheduler = engine.cache.allocator, engine.scheduler
+        self.allocator = _copy_state(allocator, skip=("_subscribers",))
+        self.scheduler = _copy_state(scheduler)
+        self.metrics = _copy_state(engine.metrics, skip=("history",))
+        self.num_records = len(engine.metrics.history)
+        self.clock = _copy_state(engine.clock)
+        self.engine_state = {"swap_space": dict(engine.swap_space), "requests": dict(engine.requests),
+                             "samples": dict(engine.samples)}  # fmt: skip
+        seqs = [*scheduler.running, *scheduler.waiting]
+        seqs += [child for s in seqs for child in s.pending_forks]
+        self.seqs = [(s, s.status, s.num_computed_tokens, s.num_tokens, len(s.token_times), s.finish_time,
+                      s.num_preemptions, list(s.pending_forks), s.block_table,
+                      None if s.generator is None else s.generator.get_state()) for s in seqs]  # fmt: skip
+        self.tables = [(t, _copy_state(t)) for t in {id(s.block_table): s.block_table for s in seqs
+                                                         if s.block_table is not None}.values()]  # fmt: skip
+
+    def protect_kv(self, out: SchedulerOutput) -> None:
+        """Save the K/V of blocks this step will write although they held K/V before it (a victim's, a cached one's).
+
+        Writes into a sequence's own blocks land in slots it does not count as computed, which
+        a rollback may leave as they are. A block that changed hands this step is different:
+        after a rollback its old holder (or the prefix cache) counts on its K/V again.
+        """
+        block_size = self.engine.config.block_size
+        owned = {id(table): set(state["blocks"]) for table, state in self.tables}
+        targets = set()
+        for seq, slots in zip(out.seqs, out.slot_mappings):
+            own = owned.get(id(seq.block_table), set())
+            targets |= {b for b in (slots // block_size).tolist() if b not in own}
+        targets |= {dst for _, dst in out.copies}
+        for seq in out.swap_in:
+            targets |= set(seq.block_table.blocks)
+        refcounts, entries = self.allocator["_refcounts"], self.allocator.get("entries")
+        held = sorted(b for b in targets if refcounts[b] > 0 or (entries is not None and entries[b] is not None))
+        if held:
+            self.saved_kv = (held, self.engine.cache.swap_out(held))
+
+    def restore(self) -> None:
+        engine = self.engine
+        allocator = engine.cache.allocator
+        if self.saved_kv is not None:
+            engine.cache.swap_in(*self.saved_kv)
+        _restore_state(allocator, self.allocator)
+        _restore_state(engine.scheduler, self.scheduler)
+        _restore_state(engine.metrics, self.metrics)
+        del engine.metrics.history[self.num_records :]
+        _restore_state(engine.clock, self.clock)
+        _restore_state(engine, self.engine_state)
+        for table, state in self.tables:
+            _restore_state(table, state)
+        for (seq, status, computed, num_tokens, num_times, finish, preemptions, forks, table, rng) in self.seqs:
+            seq.status, seq.num_computed_tokens, seq.finish_time = status, computed, finish
+            seq.num_preemptions, seq.pending_forks, seq.block_table = preemptions, forks, table
+            del seq.token_ids[num_tokens:], seq.token_times[num_times:]
+            if rng is not None:
+                seq.generator.set_state(rng)
+        allocator.emit("rollback")
 
 
 class Replay:
@@ -292,15 +448,25 @@ class Replay:
         engine: the engine to drive; arrival times count from its clock's time now.
         workload: the requests, with arrival times relative to the start of the replay.
         seed: the seed of the prompts' token ids (request ``i`` gets ``prompt_token_ids(i, ..., seed)``).
+        prompts: None (seeded random prompts), or request ``i``'s prompt token ids as ``prompts[i]``,
+            ``workload[i].prompt_len`` of them (a workload whose prompts share prefixes, say).
     """
 
-    def __init__(self, engine: Engine, workload: list[RequestSpec], seed: int = 0):
+    def __init__(self, engine: Engine, workload: list[RequestSpec], seed: int = 0,
+                 prompts: list[list[int]] | None = None):  # fmt: skip
         for i, r in enumerate(workload):
             if not isinstance(r, RequestSpec):
                 raise TypeError(f"workload[{i}] must be a RequestSpec, got {type(r).__name__}")
             check_real(r.arrival_time, f"workload[{i}].arrival_time", minimum=0)  # NaN would never arrive
+        if prompts is not None:
+            if len(prompts) != len(workload):
+                raise ValueError(f"prompts must hold one prompt per request: {len(workload)}, got {len(prompts)}")
+            for i, (p, r) in enumerate(zip(prompts, workload)):
+                if len(p) != r.prompt_len:
+                    raise ValueError(f"prompts[{i}] has {len(p)} tokens but workload[{i}].prompt_len is {r.prompt_len}")
         self.engine = engine
         self.seed = seed
+        self.prompts = prompts
         self.arrivals = deque(sorted(enumerate(workload), key=lambda item: item[1].arrival_time))
         self.start = engine.clock.now()
         self.seqs: list[Sequence | None] = [None] * len(workload)  # in the workload's order, once added
@@ -318,7 +484,7 @@ class Replay:
         vocab = self.engine.model.config.vocab_size
         while self.arrivals and self.start + self.arrivals[0][1].arrival_time <= self.engine.clock.now():
             i, r = self.arrivals.popleft()
-            prompt = prompt_token_ids(i, r.prompt_len, vocab, self.seed)
+            prompt = prompt_token_ids(i, r.prompt_len, vocab, self.seed) if self.prompts is None else self.prompts[i]
             rid = self.engine.add_request(prompt, SamplingParams(max_tokens=r.output_len),
                                           arrival_time=self.start + r.arrival_time)  # fmt: skip
             self.seqs[i] = self.engine.requests[rid]

@@ -65,10 +65,26 @@ class Metrics:
     max_running: int = 0
     swapped_out_blocks: int = 0  # swap-mode preemption: blocks copied to CPU memory ...
     swapped_in_blocks: int = 0  # ... and back into the pool when the victim is readmitted
+    num_cow: int = 0  # copy-on-write block copies (parallel sampling)
     _step_preemptions: int = 0
+    _allocator: object = field(default=None, repr=False)  # attached; its prefix-cache counters, if any
+
+    @property
+    def prefix_cache(self):
+        """The prefix cache's counters now (a :class:`~minipaged.prefix_cache.PrefixCacheStats`: query and
+        hit tokens, hit rate, evictions, collisions, cached blocks), or None when prefix caching is off."""
+        stats = getattr(self._allocator, "stats", None)
+        return stats() if stats else None
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Hit tokens / queried tokens of the prefix cache (0.0 before any query or with caching off)."""
+        stats = self.prefix_cache
+        return stats.hit_rate if stats else 0.0
 
     def attach(self, allocator):
-        """Follow ``allocator``'s events; returns the unsubscribe function."""
+        """Follow ``allocator``'s events (and read its prefix-cache counters); returns the unsubscribe function."""
+        self._allocator = allocator
         return allocator.subscribe(self.on_event)
 
     def on_event(self, event) -> None:
@@ -82,6 +98,10 @@ class Metrics:
             self.swapped_out_blocks += event.info.get("swapped_blocks", 0)
         elif event.kind == "swap_in":
             self.swapped_in_blocks += event.info["swapped_blocks"]
+        elif event.kind == "hit" and event.info.get("was_free"):  # a cached free block is in use again
+            self.used_blocks += 1
+        elif event.kind == "cow":
+            self.num_cow += 1
 
     def record_step(self, time: float, running: list[Sequence], num_waiting: int, num_new_tokens: list[int],
                     num_prefill_tokens: int, num_finished: int) -> StepRecord:

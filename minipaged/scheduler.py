@@ -19,6 +19,22 @@ The rules, in the order :meth:`Scheduler.schedule` applies them:
    admitted only if its first chunk's blocks are free *and* a watermark of
    blocks stays free afterwards, as headroom for the running sequences to
    grow into. If the head does not fit, nobody behind it jumps the queue.
+5. **Prefix caching** (chapter 06; on when the allocator is a
+   :class:`~minipaged.prefix_cache.PrefixCachingAllocator`). At admission the
+   longest cached prefix of the sequence's tokens is shared into its table and
+   ``num_computed_tokens`` starts at the hit length; a hit block that sat in
+   the free queue stops being free, and admission counts it so. After every
+   step, each scheduled sequence's full, computed blocks get their keys
+   (generated tokens included). Finished, aborted and preempted sequences
+   release their blocks; cached ones stay in the free queue, reusable, until
+   evicted. A swapped-out sequence's K/V comes back by a cache hit where it can
+   and by swap-in for the rest.
+6. **Parallel sampling.** A request's pending samples take their seats at
+   admission and fork the parent's table when its prompt is computed. A write
+   into a shared, partly filled last block copies it first (copy-on-write, in
+   :meth:`~minipaged.block_manager.BlockTable.append_tokens`); the step's
+   copies are in ``SchedulerOutput.copies`` for the engine to carry out before
+   the forward pass.
 
 Public state that the engine, metrics and the dashboard read:
 ``waiting`` (deque of :class:`~minipaged.sequence.Sequence`, front = next to
@@ -28,12 +44,14 @@ admit), ``running`` (list, in admission order), ``allocator``, ``config``.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from minipaged.accounting import blocks_needed
 from minipaged.block_manager import BlockAllocator, BlockTable
+from minipaged.prefix_cache import PrefixCachingAllocator
 from minipaged.sequence import Sequence, SequenceStatus
 from minipaged.validation import check_bool, check_int
 
@@ -50,6 +68,8 @@ class EngineConfig:
     chunked_prefill: bool = True
     preemption_mode: str = "recompute"  # or "swap": park the victim's K/V in CPU memory instead
     backend: str = "torch"  # attention backend of the model forward: "torch" or "triton"
+    enable_prefix_caching: bool = True  # share cached full blocks between requests (chapter 06), as vLLM does
+    prefix_caching_hash_fn: Callable[[bytes], bytes] | None = None  # the block-key hash; None: SHA-256
 
     def __post_init__(self):
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -63,6 +83,12 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
             )
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise TypeError(
+                f"EngineConfig.enable_prefix_caching must be a bool, got {type(self.enable_prefix_caching).__name__}"
+            )
+        if self.prefix_caching_hash_fn is not None and not callable(self.prefix_caching_hash_fn):
+            raise TypeError("EngineConfig.prefix_caching_hash_fn must be callable (bytes -> bytes) or None")
         if self.backend not in ("torch", "triton"):
             raise ValueError(f"EngineConfig.backend must be 'torch' or 'triton', got {self.backend!r}")
 
@@ -80,9 +106,12 @@ class SchedulerOutput:
     slot_mappings: list[torch.Tensor] = field(default_factory=list)  # int64 cache slots of those tokens
     admitted: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    # Swap mode: K/V the engine must copy before the forward pass, out of freed blocks or into new ones.
+    # K/V the engine must move before the forward pass, in this order: swap mode's copies out of freed
+    # blocks, copy-on-write inside the pool, swap mode's copies into new blocks.
     swap_out: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # (victim, its old block ids)
-    swap_in: list[Sequence] = field(default_factory=list)  # readmitted; K/V goes to its first blocks
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write: (src, dst) block ids
+    swap_in: list[Sequence] = field(default_factory=list)  # readmitted; saved K/V goes to its first blocks ...
+    swap_in_hit_blocks: list[int] = field(default_factory=list)  # ... except those a prefix hit restored
 
     @property
     def num_batched_tokens(self) -> int:
@@ -121,9 +150,18 @@ def pick_victim(running: list[Sequence]) -> Sequence:
 
 
 class Scheduler:
+    """Continuous batching over one block pool (the rules are in the module docstring).
+
+    Args:
+        config: the pool and the scheduler's knobs.
+        allocator: the pool's allocator; a :class:`~minipaged.prefix_cache.PrefixCachingAllocator`
+            turns prefix caching on.
+    """
+
     def __init__(self, config: EngineConfig, allocator: BlockAllocator):
         self.config = config
         self.allocator = allocator
+        self.prefix_caching = isinstance(allocator, PrefixCachingAllocator)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -135,6 +173,12 @@ class Scheduler:
         last sampled token is never fed back). If those blocks exceed the pool
         minus the watermark, it could never be admitted, even to an empty pool.
         """
+        num_samples = 1 + len(seq.pending_forks)
+        if num_samples > self.config.max_num_seqs:
+            raise ValueError(
+                f"request {seq.seq_id!r}: SamplingParams.n = {num_samples} samples must run together, but "
+                f"max_num_seqs is {self.config.max_num_seqs}: lower n or raise max_num_seqs"
+            )
         longest = seq.num_prompt_tokens + seq.sampling_params.max_tokens - 1
         need = blocks_needed(longest, self.config.block_size)
         room = self.config.num_blocks - self.config.watermark_blocks
@@ -156,10 +200,16 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
-        """How many of ``seq``'s uncomputed tokens fit this step (0: none)."""
-        n = min(seq.num_uncomputed_tokens, budget)
-        if not self.config.chunked_prefill and n < seq.num_uncomputed_tokens:
+    @property
+    def num_seats(self) -> int:
+        """Seats taken (of ``max_num_seqs``): the running sequences and the samples they will fork."""
+        return len(self.running) + sum(len(s.pending_forks) for s in self.running)
+
+    def _chunk(self, seq: Sequence, budget: int, start: int | None = None) -> int:
+        """How many of ``seq``'s tokens from ``start`` (default: its computed ones) fit this step (0: none)."""
+        uncomputed = seq.num_tokens - (seq.num_computed_tokens if start is None else start)
+        n = min(uncomputed, budget)
+        if not self.config.chunked_prefill and n < uncomputed:
             return 0  # without chunking, a prefill runs whole or not at all
         return n
 
@@ -195,22 +245,33 @@ class Scheduler:
         # 2. Admission, FCFS. Not in a step that had to preempt: the pool is already short.
         while self.waiting and budget > 0 and not out.preempted:
             seq = self.waiting[0]
-            n = self._chunk(seq, budget)
-            table = BlockTable(self.allocator, seq.seq_id)
             saved = seq.num_computed_tokens  # > 0 only for a swapped-out sequence: its K/V comes back first
+            match = self.allocator.match_prefix(seq.token_ids, seq.cache_salt) if self.prefix_caching else None
+            hit = match.num_tokens if match else 0
+            start = max(hit, saved)
+            n = self._chunk(seq, budget, start)
+            num_hit_blocks = len(match.block_ids) if match else 0
+            # Hit blocks that sit in the free queue leave it when shared: count them with the new blocks.
+            touched = self.allocator.num_free_among(match.block_ids) if match else 0
             if n == 0 or not can_admit(
-                self.allocator.num_free,
-                table.blocks_needed(saved + n),
+                self.allocator.num_free - touched,
+                blocks_needed(start + n, self.config.block_size) - num_hit_blocks,
                 self.config.watermark_blocks,
-                len(self.running),
+                self.num_seats + len(seq.pending_forks),  # its samples will need seats of their own
                 self.config.max_num_seqs,
             ):
                 break
             self.waiting.popleft()
+            table = BlockTable(self.allocator, seq.seq_id)
+            if match:
+                self.allocator.share_prefix(table, match)
             if saved:
-                table.append_tokens(saved)
+                table.append_tokens(start - hit)  # fresh blocks for the saved K/V that did not hit
                 out.swap_in.append(seq)
-                self.allocator.emit("swap_in", None, seq.seq_id, swapped_blocks=table.num_blocks)
+                out.swap_in_hit_blocks.append(num_hit_blocks)
+                swapped = max(0, blocks_needed(saved, self.config.block_size) - num_hit_blocks)
+                self.allocator.emit("swap_in", None, seq.seq_id, swapped_blocks=swapped, hit_blocks=num_hit_blocks)
+            seq.num_computed_tokens = start
             seq.block_table = table
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -219,6 +280,7 @@ class Scheduler:
             out.num_new_tokens.append(n)
             out.slot_mappings.append(table.append_tokens(n))
             budget -= n
+        out.copies = [c for s in out.seqs for c in s.block_table.take_pending_copies()]
         return out
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -226,6 +288,9 @@ class Scheduler:
         swap = self.config.preemption_mode == "swap" and seq.num_computed_tokens > 0
         # Only the blocks holding computed K/V are saved (a chunk reserved this step is not written yet).
         saved = seq.block_table.blocks[: blocks_needed(seq.num_computed_tokens, self.config.block_size)] if swap else []
+        # A copy-on-write made this step has not been carried out: its source still holds the K/V to save.
+        sources = {dst: src for src, dst in seq.block_table.take_pending_copies()}
+        saved = [sources.get(b, b) for b in saved]
         if swap:
             out.swap_out.append((seq, saved))
         else:
@@ -257,21 +322,44 @@ class Scheduler:
         finished = []
         for seq, n in zip(out.seqs, out.num_new_tokens):
             seq.num_computed_tokens += n
-            if seq.seq_id in sampled and seq.append_token(sampled[seq.seq_id], now):
-                seq.status = SequenceStatus.FINISHED
-                seq.finish_time = now
-                self.running.remove(seq)
-                self._release(seq)
-                finished.append(seq)
+            if self.prefix_caching:  # full blocks, now computed, get their keys (before a finish releases them)
+                self.allocator.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens,
+                                                 seq.cache_salt)  # fmt: skip
+            if seq.seq_id not in sampled:
+                continue
+            for sample in [seq, *self._fork(seq)]:
+                if sample.append_token(sampled[sample.seq_id], now):
+                    sample.status = SequenceStatus.FINISHED
+                    sample.finish_time = now
+                    self.running.remove(sample)
+                    self._release(sample)
+                    finished.append(sample)
         return finished
 
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """Parallel sampling: ``seq``'s prompt is computed, so its pending samples start now, sharing its blocks.
+
+        Returns the samples that started (none if ``seq`` had none pending).
+        """
+        children, seq.pending_forks = seq.pending_forks, []
+        for child in children:
+            child.block_table = seq.block_table.fork(child.seq_id)
+            child.num_computed_tokens = seq.num_computed_tokens
+            child.status = SequenceStatus.RUNNING
+        i = self.running.index(seq)
+        self.running[i + 1 : i + 1] = children  # next to their parent, in sample order
+        return children
+
     def abort(self, seq: Sequence) -> None:
-        """Drop a waiting or running request now; its blocks return to the pool at once."""
+        """Drop a waiting or running sequence now (with the samples it has yet to fork); its blocks return at once."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         else:
             raise ValueError(f"request {seq.seq_id!r} is neither waiting nor running ({seq.status.value})")
+        for child in seq.pending_forks:
+            child.status = SequenceStatus.ABORTED
+        seq.pending_forks = []
         self._release(seq)
         seq.status = SequenceStatus.ABORTED

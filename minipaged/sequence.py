@@ -7,6 +7,12 @@ A :class:`Sequence` moves through
                           +--preempt--> PREEMPTED (back at the *front* of the waiting queue)
     any state --abort--> ABORTED
 
+Parallel sampling (``SamplingParams.n > 1``): a request becomes n sequences.
+Sample 0 computes the prompt; samples 1 .. n-1 wait in its ``pending_forks``
+and, when the prompt's last token is computed, fork its block table (they
+share the prompt's blocks) and draw their own first token from the same
+logits. From then on each sample is a sequence like any other.
+
 One counter drives everything the scheduler does: ``num_computed_tokens``,
 how many of ``token_ids`` already have their K/V in the paged cache. Prefill,
 chunked prefill, decode and recompute after preemption are then one rule:
@@ -44,9 +50,11 @@ class SamplingParams:
     temperature: float = 0.0
     seed: int | None = None  # with temperature > 0: a per-request generator makes sampling replayable
     stop_token_ids: tuple[int, ...] = ()
+    n: int = 1  # samples of one prompt (parallel sampling); sample i draws with seed + i
 
     def __post_init__(self):
         self.max_tokens = check_int(self.max_tokens, "max_tokens", minimum=1)
+        self.n = check_int(self.n, "n", minimum=1)
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
             raise TypeError(f"temperature must be a number, got {type(self.temperature).__name__} {self.temperature!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -65,20 +73,27 @@ class SamplingParams:
 class Sequence:
     """One sequence: its prompt, the tokens generated so far, its block table and its timings.
 
-    With one sample per request (this course's engine), a request is one sequence,
-    and the engine's ``request_id`` becomes the sequence's ``seq_id``.
+    With one sample per request, a request is one sequence and the engine's
+    ``request_id`` is the sequence's ``seq_id``; with ``n`` samples, sample i's
+    ``seq_id`` is ``(request_id, i)``.
 
     Args:
         seq_id: any hashable id, unique among the engine's sequences.
         prompt_token_ids: the prompt, at least one token id.
-        sampling_params: how to pick each next token and when to stop.
+        sampling_params: how to pick each next token and when to stop (its ``n`` is 1:
+            the engine gives each sample its own parameters).
         arrival_time: when the request arrived, in the engine's clock.
+        cache_salt: the prefix cache's salt (str or bytes; None: no salt). Only requests
+            with the same salt share cached blocks.
     """
 
-    def __init__(self, seq_id, prompt_token_ids: list[int], sampling_params: SamplingParams, arrival_time: float = 0.0):
+    def __init__(self, seq_id, prompt_token_ids: list[int], sampling_params: SamplingParams, arrival_time: float = 0.0,
+                 cache_salt: str | bytes | None = None):  # fmt: skip
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must hold at least one token")
         self.seq_id = seq_id
+        self.cache_salt = cache_salt
+        self.pending_forks: list[Sequence] = []  # samples that fork from this one when its prompt is computed
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.sampling_params = sampling_params

@@ -19,6 +19,8 @@ kept computing padding; skipping it flatters the baseline).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from minipaged.accounting import blocks_needed
 from minipaged.block_manager import BlockTable
 from minipaged.engine import Engine
@@ -49,6 +51,8 @@ class StaticBatchScheduler(Scheduler):
         self.batch: list[Sequence] = []  # the current batch, finished members included
 
     def add(self, seq: Sequence) -> None:
+        if seq.pending_forks:
+            raise ValueError(f"request {seq.seq_id!r}: static batching takes one sample per request (SamplingParams.n)")
         longest = seq.num_prompt_tokens + seq.sampling_params.max_tokens - 1
         if longest > self.max_model_len:
             raise ValueError(
@@ -95,6 +99,7 @@ def static_engine(model, config: EngineConfig, max_model_len: int, clock=None) -
         max_model_len: the tokens each request reserves.
         clock: as for :class:`Engine` (virtual by default).
     """
-    engine = Engine(model, config, clock)
+    # Chapter 05's baseline shares nothing: its reservations are never cached or hit.
+    engine = Engine(model, replace(config, enable_prefix_caching=False), clock)
     engine.scheduler = StaticBatchScheduler(engine.config, engine.cache.allocator, max_model_len)
     return engine

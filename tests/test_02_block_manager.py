@@ -64,6 +64,9 @@ def run_ops(alloc, operations, tables, on_append=None):
                     on_append(table, slots)
         elif kind == "release":
             table.release()
+        elif kind == "fork" and table.released:
+            with pytest.raises(ValueError, match="released"):
+                table.fork(seq_id=len(tables))
         elif kind == "fork":
             tables.append(table.fork(seq_id=len(tables)))
         check_invariants(alloc, tables)

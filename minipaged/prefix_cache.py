@@ -1,0 +1,415 @@
+"""Prefix caching: full blocks keyed by a hash chain, shared between requests, evicted LRU.
+
+Many requests start with the same tokens (a system prompt, few-shot examples, the
+earlier turns of a chat). Their K/V for those tokens are identical, so a block computed
+for one request can serve the next. This module finds such blocks and keeps them alive
+after their request ends, until the pool needs the room.
+
+- A full block's **key** is a hash of its parent block's key, its own token ids and
+  extra keys (the request's ``cache_salt``, in the first block). Chaining through the
+  parent makes a key name the whole prefix up to the block's end, not just its B tokens.
+- Only full blocks get keys: a partly filled block will still change.
+- A hit is **verified**: the cached block's token ids, extra keys and parent must equal
+  the request's, so a hash collision (likely with a weak hash, possible with any) is a
+  miss, never a wrong answer.
+- :class:`PrefixCachingAllocator` extends chapter 02's allocator: a freed block that
+  holds a key keeps it and waits in an LRU queue; keyless free blocks are handed out
+  first, then cached ones, oldest first (taking one *evicts* it).
+
+This follows vLLM V1's ``kv_cache_utils.hash_block_tokens`` and ``block_pool.BlockPool``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from minipaged.block_manager import BlockAllocator, BlockTable, OutOfBlocks
+from minipaged.validation import check_int
+
+HashFn = Callable[[bytes], bytes]
+
+
+def sha256(data: bytes) -> bytes:
+    """The default block hash: SHA-256 of the canonical encoding (32 bytes)."""
+    return hashlib.sha256(data).digest()
+
+
+def check_salt(cache_salt) -> None:
+    """Raise TypeError unless ``cache_salt`` is None, a str or bytes."""
+    if cache_salt is not None and not isinstance(cache_salt, (str, bytes)):
+        raise TypeError(f"cache_salt must be a str, bytes or None, got {type(cache_salt).__name__}")
+
+
+def extra_keys(block_index: int, cache_salt: str | bytes | None = None) -> tuple:
+    """The extra keys of logical block ``block_index``: the salt in block 0, nothing after.
+
+    Block 0 is enough: every later key chains through it, so two salts part at block 0
+    and never meet again.
+    """
+    return (cache_salt,) if block_index == 0 and cache_salt is not None else ()
+
+
+def _field(data: bytes) -> bytes:
+    return struct.pack("<Q", len(data)) + data
+
+
+def encode_block(parent_key: bytes | None, token_ids: Sequence[int], extra: tuple = ()) -> bytes:
+    """The canonical bytes of a block, the input of the hash.
+
+    Every field carries its length (and a str/bytes tag for extra keys), so two different
+    blocks never encode to the same bytes: any collision is the hash function's.
+
+    Args:
+        parent_key: the key of the previous logical block, or None for block 0.
+        token_ids: the block's token ids (ints).
+        extra: the block's extra keys (str or bytes each).
+    """
+    parent = b"\x00" if parent_key is None else b"\x01" + _field(parent_key)
+    tokens = _field(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    parts = [struct.pack("<Q", len(extra))]
+    for key in extra:
+        parts.append(b"s" + _field(key.encode()) if isinstance(key, str) else b"b" + _field(key))
+    return parent + tokens + b"".join(parts)
+
+
+def hash_block_tokens(parent_key: bytes | None, token_ids: Sequence[int], extra: tuple = (),
+                      hash_fn: HashFn = sha256) -> bytes:
+    """The key of one full block: ``hash_fn`` of (parent key, token ids, extra keys).
+
+    Args:
+        parent_key: the key of the previous logical block, or None for block 0.
+        token_ids: the block's token ids.
+        extra: the block's extra keys, see :func:`extra_keys`.
+        hash_fn: bytes -> bytes; :func:`sha256` unless a chapter plugs in a weak one.
+    """
+    key = hash_fn(encode_block(parent_key, token_ids, extra))
+    if not isinstance(key, bytes):
+        raise TypeError(f"hash_fn must return bytes, got {type(key).__name__}")
+    return key
+
+
+def block_keys(token_ids: Sequence[int], block_size: int, cache_salt: str | bytes | None = None,
+               hash_fn: HashFn = sha256) -> list[bytes]:
+    """The keys of every full block of ``token_ids``, in order (a partly filled tail has none).
+
+    Args:
+        token_ids: a sequence's token ids.
+        block_size: tokens per block.
+        cache_salt: the request's salt (str or bytes), or None.
+        hash_fn: see :func:`hash_block_tokens`.
+    """
+    check_salt(cache_salt)
+    B = check_int(block_size, "block_size", minimum=1)
+    keys, parent = [], None
+    for i in range(len(token_ids) // B):
+        parent = hash_block_tokens(parent, token_ids[i * B:(i + 1) * B], extra_keys(i, cache_salt), hash_fn)
+        keys.append(parent)
+    return keys
+
+
+@dataclass(frozen=True)
+class CachedBlock:
+    """What the cache knows about a block that holds a key; a hit must match all of it.
+
+    ``parent`` is the serial of the parent block's entry (None for block 0). A serial
+    names one entry for its whole life and is never reused, so matching it proves the
+    parent is the very block the lookup already verified, even when the hash collides.
+    """
+
+    key: bytes
+    token_ids: tuple[int, ...]
+    extra: tuple
+    parent: int | None
+    serial: int
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """The result of :meth:`PrefixCachingAllocator.match_prefix`: the longest verified cached prefix.
+
+    Attributes:
+        block_ids: the cached blocks, logical block 0 first.
+        keys: their keys, to check that the match is still valid when it is used.
+        num_tokens: tokens they cover, ``len(block_ids) * block_size``.
+        num_query_tokens: the prompt's length.
+        num_collisions: keys that were found but held other tokens (0 or 1: the lookup stops there).
+    """
+
+    block_ids: list[int]
+    keys: list[bytes]
+    num_tokens: int
+    num_query_tokens: int
+    num_collisions: int
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """A snapshot of the prefix cache's counters (tokens, not blocks, for queries and hits)."""
+
+    queries: int
+    hits: int
+    hit_rate: float
+    evictions: int
+    collisions: int
+    cached_blocks: int
+
+
+class PrefixCachingAllocator(BlockAllocator):
+    """Chapter 02's allocator plus a prefix cache: freed blocks keep their keys until evicted.
+
+    Free blocks wait in two queues. ``free_block_ids`` (chapter 02's deque) holds blocks
+    with no key, handed out first in FIFO order. ``evictable_block_ids`` holds free blocks
+    that still hold a key, least recently used first; one is taken only when the deque is
+    empty, and taking it evicts it (its key is dropped). A hit on an evictable block takes
+    it out of the queue in O(1): the queue is an ordered dict, not a deque.
+
+    The engine uses it in three steps (see :meth:`match_prefix`, :meth:`share_prefix`,
+    :meth:`cache_full_blocks`): find the cached prefix of a prompt, share those blocks
+    with the new sequence's table, and give keys to blocks as they fill up.
+
+    Args:
+        num_blocks: blocks in the pool.
+        block_size: token slots per block.
+        hash_fn: bytes -> bytes for the block keys; :func:`sha256` by default.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, hash_fn: HashFn = sha256):
+        if not callable(hash_fn):
+            raise TypeError(f"hash_fn must be callable (bytes -> bytes), got {type(hash_fn).__name__}")
+        super().__init__(num_blocks, block_size)
+        self.hash_fn = hash_fn
+        self.evictable_block_ids: OrderedDict[int, None] = OrderedDict()  # free and cached, LRU first
+        self.entries: list[CachedBlock | None] = [None] * self.num_blocks  # by block id
+        self.blocks_by_key: dict[bytes, list[int]] = {}  # more than one only after a collision or a duplicate
+        self._next_serial = 0
+        self.num_query_tokens = 0
+        self.num_hit_tokens = 0
+        self.num_evictions = 0
+        self.num_collisions = 0
+
+    # ---- the free queue ----
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_block_ids) + len(self.evictable_block_ids)
+
+    def free_queue(self) -> list[int]:
+        """Every free block in the order :meth:`allocate` hands them out: keyless, then cached LRU."""
+        return list(self.free_block_ids) + list(self.evictable_block_ids)
+
+    def allocate(self, seq_id=None) -> int:
+        """Take a keyless free block if any, else evict the least recently used cached one (refcount 1)."""
+        if self.free_block_ids:
+            block_id, evicted = self.free_block_ids.popleft(), None
+        elif self.evictable_block_ids:
+            block_id, _ = self.evictable_block_ids.popitem(last=False)
+            evicted = self._drop_key(block_id)
+            self.num_evictions += 1
+        else:
+            raise OutOfBlocks(f"no free block: all {self.num_blocks} blocks are in use")
+        self._refcounts[block_id] = 1
+        if evicted is not None:
+            self.emit("evict", block_id, seq_id, key=evicted.key)
+        self.emit("allocate", block_id, seq_id)
+        return block_id
+
+    def free(self, block_id: int, seq_id=None) -> None:
+        """Drop one reference; at 0 a cached block joins the LRU end, a keyless one the deque."""
+        block_id = self._check_allocated(block_id, "free")
+        self._refcounts[block_id] -= 1
+        if self._refcounts[block_id] > 0:
+            self.emit("decref", block_id, seq_id, refcount=self._refcounts[block_id])
+            return
+        cached = self.entries[block_id] is not None
+        if cached:
+            self.evictable_block_ids[block_id] = None
+        else:
+            self.free_block_ids.append(block_id)
+        self.emit("free", block_id, seq_id, cached=cached)
+
+    def free_sequence(self, block_ids: list[int], seq_id=None) -> None:
+        """Drop one reference on each of a sequence's blocks, tail first.
+
+        The last block joins the LRU queue first, so it is evicted first: a sequence's
+        deepest blocks go before the prefix it may share with others.
+
+        Args:
+            block_ids: the sequence's blocks, logical block 0 first.
+            seq_id: the sequence, for the events.
+        """
+        for block_id in reversed(block_ids):
+            self.free(block_id, seq_id)
+
+    # ---- keys ----
+
+    def block_key(self, block_id: int) -> bytes | None:
+        """The key ``block_id`` holds, or None."""
+        entry = self.entries[self._check_block_id(block_id, "read the key of")]
+        return None if entry is None else entry.key
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks that hold a key, in use or free."""
+        return sum(entry is not None for entry in self.entries)
+
+    def _drop_key(self, block_id: int) -> CachedBlock:
+        entry = self.entries[block_id]
+        self.entries[block_id] = None
+        holders = self.blocks_by_key[entry.key]
+        holders.remove(block_id)
+        if not holders:
+            del self.blocks_by_key[entry.key]
+        return entry
+
+    def _lookup(self, key: bytes, token_ids: tuple, extra: tuple, parent: int | None) -> tuple[int | None, bool]:
+        """The cached block that verifies for this key, and whether a holder of the key had other content."""
+        collided = False
+        for block_id in self.blocks_by_key.get(key, ()):
+            entry = self.entries[block_id]
+            if entry.token_ids != token_ids or entry.extra != extra:
+                collided = True
+            elif entry.parent == parent:
+                return block_id, False
+        return None, collided
+
+    def match_prefix(self, token_ids: Sequence[int], cache_salt: str | bytes | None = None) -> PrefixMatch:
+        """The longest verified cached prefix of a prompt, in whole blocks. Changes nothing.
+
+        The match never covers the last prompt token, whose logits the first decode step
+        needs: a prompt of exactly k blocks matches at most k - 1 of them.
+
+        Args:
+            token_ids: the prompt's token ids.
+            cache_salt: the request's salt (str or bytes): only requests with the same salt share.
+        """
+        check_salt(cache_salt)
+        B = self.block_size
+        blocks, keys, parent_key, parent, collisions = [], [], None, None, 0
+        for i in range((len(token_ids) - 1) // B if token_ids else 0):
+            tokens, extra = tuple(token_ids[i * B:(i + 1) * B]), extra_keys(i, cache_salt)
+            key = hash_block_tokens(parent_key, tokens, extra, self.hash_fn)
+            block_id, collided = self._lookup(key, tokens, extra, parent)
+            if block_id is None:
+                collisions += collided
+                break
+            blocks.append(block_id)
+            keys.append(key)
+            parent_key, parent = key, self.entries[block_id].serial
+        return PrefixMatch(blocks, keys, len(blocks) * B, len(token_ids), collisions)
+
+    def num_free_among(self, block_ids: Sequence[int]) -> int:
+        """How many of ``block_ids`` sit in the free queue: sharing them takes them out of it.
+
+        Admission must count them with the new blocks: after :meth:`share_prefix` the pool
+        has ``num_free - num_free_among(match.block_ids)`` free blocks.
+        """
+        return sum(self._refcounts[self._check_block_id(b, "count")] == 0 for b in block_ids)
+
+    def share_prefix(self, table: BlockTable, match: PrefixMatch) -> None:
+        """Start an empty table with the matched blocks (one more reference each) and count the query.
+
+        Call it for every request admitted with caching on, even with an empty match, so
+        that queries and hits count every prompt once. Then append the rest of the prompt
+        with ``table.append_tokens``: the matched blocks are out of the free queue by then,
+        so the new blocks can never evict them. Emits one "hit" per matched block.
+
+        Args:
+            table: the new sequence's table, empty and on this allocator.
+            match: from :meth:`match_prefix` in this same state (no allocation in between).
+
+        Raises:
+            ValueError: the table is not empty or belongs to another allocator, or the match
+                is stale (one of its blocks lost its key since).
+        """
+        if table.allocator is not self:
+            raise ValueError("table belongs to another allocator")
+        if table.blocks or table.num_tokens:
+            raise ValueError(f"table of sequence {table.seq_id!r} is not empty: share_prefix starts a new table")
+        for block_id, key in zip(match.block_ids, match.keys):
+            entry = self.entries[self._check_block_id(block_id, "share")]
+            if entry is None or entry.key != key:
+                raise ValueError(f"match is stale: block {block_id} no longer holds its key; match again")
+        was_free = []
+        for block_id in match.block_ids:
+            was_free.append(self._refcounts[block_id] == 0)
+            if was_free[-1]:
+                del self.evictable_block_ids[block_id]
+            self._refcounts[block_id] += 1
+        table.blocks = list(match.block_ids)
+        table.num_tokens = match.num_tokens
+        table.released = False
+        self.num_query_tokens += match.num_query_tokens
+        self.num_hit_tokens += match.num_tokens
+        self.num_collisions += match.num_collisions
+        for block_id, free in zip(match.block_ids, was_free):
+            self.emit("hit", block_id, table.seq_id, refcount=self._refcounts[block_id], was_free=free)
+
+    def cache_full_blocks(self, table: BlockTable, token_ids: Sequence[int], num_computed_tokens: int,
+                          cache_salt: str | bytes | None = None) -> int:
+        """Give a key to each of the table's blocks that is full and computed and has none yet.
+
+        Call it after every step that computes tokens (prompt chunks and generated tokens
+        alike), with the sequence's whole token list. Returns how many blocks got a key.
+        Emits "cache" for each.
+
+        Args:
+            table: the sequence's table, on this allocator.
+            token_ids: every token of the sequence so far (prompt, then output).
+            num_computed_tokens: tokens whose K/V are in the cache (at most ``len(token_ids)``
+                and ``table.num_tokens``).
+            cache_salt: the request's salt, the same one given to :meth:`match_prefix`.
+        """
+        check_salt(cache_salt)
+        if table.allocator is not self:
+            raise ValueError("table belongs to another allocator")
+        limit = min(len(token_ids), table.num_tokens)
+        n = check_int(num_computed_tokens, "num_computed_tokens")
+        if n > limit:
+            raise ValueError(f"num_computed_tokens {n} is more than the sequence's {limit} tokens with slots")
+        B, blocks = self.block_size, table.blocks
+        first = n // B  # blocks 0..first-1 are full and computed; keys are given in order, so scan back
+        while first > 0 and self.entries[blocks[first - 1]] is None:
+            first -= 1
+        added = []
+        for i in range(first, n // B):
+            parent = self.entries[blocks[i - 1]] if i else None
+            parent_key, parent_serial = (None, None) if parent is None else (parent.key, parent.serial)
+            tokens, extra = tuple(token_ids[i * B:(i + 1) * B]), extra_keys(i, cache_salt)
+            key = hash_block_tokens(parent_key, tokens, extra, self.hash_fn)
+            self.entries[blocks[i]] = CachedBlock(key, tokens, extra, parent_serial, self._next_serial)
+            self._next_serial += 1
+            self.blocks_by_key.setdefault(key, []).append(blocks[i])
+            added.append(blocks[i])
+        for block_id in added:
+            self.emit("cache", block_id, table.seq_id)
+        return len(added)
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every key no sequence holds: free cached blocks become keyless (in LRU order). Returns how many."""
+        dropped = list(self.evictable_block_ids)
+        for block_id in dropped:
+            self._drop_key(block_id)
+            self.free_block_ids.append(block_id)
+        self.evictable_block_ids.clear()
+        self.emit("reset", None, None, num_dropped=len(dropped))
+        return len(dropped)
+
+    # ---- metrics ----
+
+    @property
+    def hit_rate(self) -> float:
+        """Hit tokens over query tokens (0.0 before any query)."""
+        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
+    def stats(self) -> PrefixCacheStats:
+        """The counters now: query and hit tokens, hit rate, evictions, collisions, cached blocks."""
+        return PrefixCacheStats(self.num_query_tokens, self.num_hit_tokens, self.hit_rate, self.num_evictions,
+                                self.num_collisions, self.num_cached_blocks)
+
+    def __repr__(self) -> str:
+        return (f"PrefixCachingAllocator(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+                f"free={self.num_free}, cached={self.num_cached_blocks})")

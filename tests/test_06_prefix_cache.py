@@ -1,0 +1,217 @@
+"""The prefix cache: exact block ids and free-queue order over a scripted run, collisions, isolation, bad input.
+
+The exact-id test follows vLLM's own prefix-caching tests: a small pool (block size 4,
+10 blocks), a scripted sequence of requests, and after each step the block ids each
+request holds and the free queue's order, written out by hand.
+"""
+
+import pytest
+
+from minipaged.block_manager import BlockTable, OutOfBlocks
+from minipaged.prefix_cache import (
+    PrefixCachingAllocator,
+    block_keys,
+    encode_block,
+    extra_keys,
+    hash_block_tokens,
+)
+
+pytestmark = pytest.mark.ch06
+
+
+def admit(alloc, seq_id, prompt, salt=None):
+    """What the engine does on admission: match, share, allocate the rest, key the full blocks."""
+    match = alloc.match_prefix(prompt, salt)
+    table = BlockTable(alloc, seq_id)
+    alloc.share_prefix(table, match)
+    table.append_tokens(len(prompt) - table.num_tokens)
+    alloc.cache_full_blocks(table, prompt, len(prompt), salt)
+    return table
+
+
+def test_scripted_requests_exact_block_ids_and_free_queue():
+    alloc = PrefixCachingAllocator(10, 4)
+    events = []
+    alloc.subscribe(lambda e: events.append((e.kind, e.block_id)) if e.kind in ("hit", "evict") else None)
+    prompt_a = list(range(14))  # 3 full blocks and 2 tokens
+
+    a = admit(alloc, "A", prompt_a)
+    assert a.blocks == [0, 1, 2, 3]
+    assert alloc.free_queue() == [4, 5, 6, 7, 8, 9]
+    assert [alloc.block_key(b) is not None for b in range(4)] == [True, True, True, False]  # the tail is partial
+
+    b = admit(alloc, "B", list(range(8)) + [100, 101, 102, 103, 104, 105])  # shares A's first two blocks
+    assert b.blocks == [0, 1, 4, 5]
+    assert [alloc.refcount(i) for i in range(6)] == [2, 2, 1, 1, 1, 1]
+    assert alloc.free_queue() == [6, 7, 8, 9]
+    assert events == [("hit", 0), ("hit", 1)]
+
+    a.release()  # tail first: 3 has no key (deque), 2 keeps its key (LRU queue), 1 and 0 are still B's
+    assert list(alloc.free_block_ids) == [6, 7, 8, 9, 3]
+    assert list(alloc.evictable_block_ids) == [2]
+    assert alloc.free_queue() == [6, 7, 8, 9, 3, 2]
+
+    c = admit(alloc, "C", list(range(12)))  # exactly 3 blocks: the last one is recomputed, in a new block
+    assert c.blocks == [0, 1, 6]
+    assert alloc.free_queue() == [7, 8, 9, 3, 2]
+    assert alloc.block_key(6) == alloc.block_key(2)  # a duplicate of block 2, computed again
+
+    prompt_d = list(range(12)) + [50]
+    match = alloc.match_prefix(prompt_d)
+    assert match.block_ids == [0, 1, 2] and match.num_tokens == 12
+    assert alloc.num_free_among(match.block_ids) == 1  # block 2 waits in the free queue
+    d = BlockTable(alloc, "D")
+    alloc.share_prefix(d, match)
+    assert alloc.num_free == 4 and alloc.free_queue() == [7, 8, 9, 3]  # the hit took 2 out, in O(1)
+    d.append_tokens(1)
+    assert d.blocks == [0, 1, 2, 7]
+    assert alloc.free_queue() == [8, 9, 3]
+
+    events.clear()
+    b.release()
+    c.release()
+    d.release()
+    assert list(alloc.free_block_ids) == [8, 9, 3, 5, 7]
+    assert list(alloc.evictable_block_ids) == [4, 6, 2, 1, 0]  # each sequence tail first: deepest blocks go first
+    assert alloc.free_queue() == [8, 9, 3, 5, 7, 4, 6, 2, 1, 0]
+    assert alloc.refcounts == [0] * 10
+
+    e = admit(alloc, "E", list(range(200, 220)))  # 5 blocks: the keyless ones, no eviction
+    assert e.blocks == [8, 9, 3, 5, 7]
+    assert alloc.num_evictions == 0 and alloc.free_queue() == [4, 6, 2, 1, 0]
+
+    f = admit(alloc, "F", list(range(300, 308)))  # 2 blocks: the two least recently used cached ones
+    assert f.blocks == [4, 6]
+    assert events == [("evict", 4), ("evict", 6)]
+    assert alloc.num_evictions == 2 and alloc.free_queue() == [2, 1, 0]
+    assert alloc.block_key(4) != alloc.block_key(2)  # F's own keys replaced the evicted ones
+
+    e.release()  # all five hold keys: they join the LRU queue behind A's prefix, tail first
+    assert alloc.free_queue() == [2, 1, 0, 7, 5, 3, 9, 8]
+    g = admit(alloc, "G", prompt_a)  # A's prefix survived; its tail takes E's least recently used block
+    assert g.blocks == [0, 1, 2, 7]
+    assert alloc.free_queue() == [5, 3, 9, 8] and alloc.num_evictions == 3
+    assert alloc.num_query_tokens == 14 + 14 + 12 + 13 + 20 + 8 + 14
+    assert alloc.num_hit_tokens == 0 + 8 + 8 + 12 + 0 + 0 + 12
+    assert alloc.stats().hit_rate == pytest.approx(40 / 95)
+
+
+def test_exactly_full_prompt_recomputes_its_last_block():
+    alloc = PrefixCachingAllocator(10, 4)
+    admit(alloc, "a", list(range(8)))
+    assert alloc.match_prefix(list(range(8))).block_ids == [0]  # 2 blocks cached, 1 usable
+    assert alloc.match_prefix(list(range(9))).block_ids == [0, 1]
+    assert alloc.match_prefix(list(range(4))).block_ids == []
+    assert alloc.match_prefix([]).block_ids == []
+
+
+def test_keys_chain_through_the_parent():
+    # Same block tokens after different parents: different keys.
+    k1 = block_keys([1, 2, 3, 4, 9, 9, 9, 9], 4)
+    k2 = block_keys([5, 6, 7, 8, 9, 9, 9, 9], 4)
+    assert k1[1] != k2[1]
+    assert k1[1] == hash_block_tokens(k1[0], [9, 9, 9, 9])
+    assert len(block_keys(list(range(11)), 4)) == 2  # no key for the partial tail
+    # The encoding is unambiguous: a str and a bytes salt, or a moved boundary, never encode alike.
+    assert encode_block(None, [1], ("a",)) != encode_block(None, [1], (b"a",))
+    assert encode_block(None, [1, 2], ()) != encode_block(None, [1], ())
+    assert extra_keys(0, "s") == ("s",) and extra_keys(1, "s") == () and extra_keys(0) == ()
+
+
+def constant_hash(data: bytes) -> bytes:
+    return b"\x00"  # every block collides with every other
+
+
+def test_collision_is_refused_by_the_token_check_and_counted():
+    alloc = PrefixCachingAllocator(10, 4, hash_fn=constant_hash)
+    admit(alloc, "a", [1, 1, 1, 1, 5])
+    t = admit(alloc, "b", [2, 2, 2, 2, 5])
+    assert t.blocks == [2, 3]  # block 0 of "a" has the same key but other tokens: a miss
+    assert alloc.num_collisions == 1 and alloc.num_hit_tokens == 0
+    t2 = admit(alloc, "c", [2, 2, 2, 2, 7])  # the genuine block among the colliding ones is found
+    assert t2.blocks[0] == 2 and alloc.num_hit_tokens == 4
+
+
+def test_collision_through_the_parent_is_refused():
+    """An attacker's block with the victim's tokens under a colliding parent: the parent check refuses it."""
+    alloc = PrefixCachingAllocator(12, 4, hash_fn=constant_hash)
+    admit(alloc, "attacker", [1, 1, 1, 1, 2, 2, 2, 2, 0])  # blocks 0, 1 (and 2)
+    admit(alloc, "victim-1", [3, 3, 3, 3, 0])  # block 3: the victim's first block is cached
+    match = alloc.match_prefix([3, 3, 3, 3, 2, 2, 2, 2, 0])
+    assert match.block_ids == [3]  # not [3, 1]: block 1's tokens match but its parent is block 0
+
+
+def test_salts_isolate_and_the_same_salt_shares():
+    alloc = PrefixCachingAllocator(20, 4)
+    prompt = list(range(9))
+    alice = admit(alloc, "alice", prompt, salt="alice")
+    bob = admit(alloc, "bob", prompt, salt="bob")
+    nobody = admit(alloc, "none", prompt)
+    as_bytes = admit(alloc, "bytes", prompt, salt=b"alice")
+    held = [set(t.blocks) for t in (alice, bob, nobody, as_bytes)]
+    assert all(not (x & y) for i, x in enumerate(held) for y in held[i + 1:]), "different salts shared a block"
+    alice2 = admit(alloc, "alice-2", prompt, salt="alice")
+    assert alice2.blocks[:2] == alice.blocks[:2]
+
+
+@pytest.mark.parametrize("salt", [1, 1.5, ["a"], bytearray(b"a"), True])
+def test_bad_salt_is_named_and_changes_nothing(salt):
+    alloc = PrefixCachingAllocator(6, 4)
+    t = admit(alloc, "a", list(range(9)))
+    before = (alloc.free_queue(), alloc.refcounts, list(alloc.entries), t.blocks)
+    with pytest.raises(TypeError, match="cache_salt"):
+        alloc.match_prefix(list(range(9)), salt)
+    with pytest.raises(TypeError, match="cache_salt"):
+        alloc.cache_full_blocks(t, list(range(9)), 9, salt)
+    with pytest.raises(TypeError, match="cache_salt"):
+        block_keys([1, 2, 3, 4], 4, salt)
+    assert (alloc.free_queue(), alloc.refcounts, list(alloc.entries), t.blocks) == before
+
+
+def test_bad_input_to_share_and_cache_is_named():
+    alloc = PrefixCachingAllocator(6, 4)
+    t = admit(alloc, "a", list(range(9)))
+    match = alloc.match_prefix(list(range(9)))
+    with pytest.raises(ValueError, match="not empty"):
+        alloc.share_prefix(t, match)
+    with pytest.raises(ValueError, match="num_computed_tokens 10"):
+        alloc.cache_full_blocks(t, list(range(10)), 10)
+    with pytest.raises(TypeError, match="num_computed_tokens"):
+        alloc.cache_full_blocks(t, list(range(9)), 8.0)
+    other = PrefixCachingAllocator(6, 4)
+    with pytest.raises(ValueError, match="another allocator"):
+        other.share_prefix(BlockTable(alloc), match)
+    with pytest.raises(TypeError, match="hash_fn"):
+        PrefixCachingAllocator(6, 4, hash_fn="sha256")
+    with pytest.raises(TypeError, match="hash_fn must return bytes"):
+        PrefixCachingAllocator(6, 4, hash_fn=hash).match_prefix(list(range(9)))
+    # A match goes stale when a block it names is evicted before it is used.
+    t.release()
+    stale = alloc.match_prefix(list(range(9)))
+    assert stale.block_ids == [0, 1]
+    BlockTable(alloc).append_tokens(24)  # takes every block, evicting the cached ones
+    before = (alloc.free_queue(), alloc.refcounts)
+    with pytest.raises(ValueError, match="stale"):
+        alloc.share_prefix(BlockTable(alloc), stale)
+    assert (alloc.free_queue(), alloc.refcounts) == before
+
+
+def test_reset_drops_only_unheld_keys():
+    alloc = PrefixCachingAllocator(10, 4)
+    a = admit(alloc, "a", list(range(9)))
+    b = admit(alloc, "b", list(range(100, 109)))
+    b.release()
+    assert alloc.num_cached_blocks == 4
+    assert alloc.reset_prefix_cache() == 2
+    assert alloc.num_cached_blocks == 2 and [alloc.block_key(i) is not None for i in a.blocks] == [True, True, False]
+    assert list(alloc.evictable_block_ids) == [] and alloc.free_queue()[-3:] == [5, 4, 3]
+    assert alloc.match_prefix(list(range(100, 109))).block_ids == []
+    assert alloc.match_prefix(list(range(9))).block_ids == [0, 1]
+
+
+def test_out_of_blocks_when_everything_is_held():
+    alloc = PrefixCachingAllocator(2, 4)
+    t = admit(alloc, "a", list(range(8)))
+    with pytest.raises(OutOfBlocks):
+        alloc.allocate()
+    assert t.blocks == [0, 1] and alloc.num_free == 0
