@@ -326,8 +326,8 @@ class CapacityReport:
 
     @property
     def gain(self) -> float:
-        """How many times more sequences paging admits."""
-        return self.paged.num_seqs / self.fixed.num_seqs if self.fixed.num_seqs else math.inf
+        """How many times more sequences paging admits; ``math.nan`` when fixed reservation admits none."""
+        return self.paged.num_seqs / self.fixed.num_seqs if self.fixed.num_seqs else math.nan
 
     def table(self) -> str:
         def cell(v):
@@ -341,7 +341,12 @@ class CapacityReport:
     def __str__(self) -> str:
         head = (f"{self.model.name}, {self.budget_bytes / 2**30:g} GiB of KV, {self.dtype_bytes} B/number, "
                 f"max_len {self.max_len}, {self.preset.name} lengths, seed {self.seed}")
-        return f"{head}\n{self.table()}\npaging admits {self.gain:.2f}x the sequences"
+        if self.fixed.num_seqs:
+            verdict = f"paging admits {self.gain:.2f}x the sequences"
+        else:  # no ratio to a zero: say what each admits
+            verdict = (f"fixed reservation admits no sequence (one takes {self.max_len} slots); "
+                       f"paging admits {self.paged.num_seqs}")
+        return f"{head}\n{self.table()}\n{verdict}"
 
 
 def capacity(model: ModelSpec | str, budget_bytes: int, block_size: int, max_len: int,
@@ -363,6 +368,8 @@ def capacity(model: ModelSpec | str, budget_bytes: int, block_size: int, max_len
         preset: the length preset (see :func:`sample_lengths`).
         dtype: bytes per number (default: the model's own).
         seed: the seed of the sampled lengths.
+
+    A budget below one sequence is legal: that scheme admits 0 (see :attr:`CapacityReport.gain`).
     """
     spec = _spec(model)
     budget = check_int(budget_bytes, "budget_bytes")
@@ -372,7 +379,6 @@ def capacity(model: ModelSpec | str, budget_bytes: int, block_size: int, max_len
     b = spec.dtype_bytes if dtype is None else dtype_bytes(dtype)
     slot = kv_bytes_per_token(spec, b)
     row = BLOCK_TABLE_ENTRY_BYTES * blocks_needed(m, B)
-
     # Neither scheme can admit more sequences than this, so this many samples suffice.
     limit = budget // min(m * slot, B * slot + row)
     lengths = sample_lengths(preset, limit + 1, m, seed)

@@ -133,7 +133,8 @@ def memory_explorer(model="Llama-3-8B", budget_bytes: int = 16 * 2**30, dtype=No
                 plot_capacity_breakdown(report))
         # set last, so a changed summary means the new figures have been sent
         summary.value = (f"<b>{report.model.name}</b>: fixed admits {report.fixed.num_seqs}, "
-                         f"paged admits {report.paged.num_seqs} sequences ({report.gain:.2f}x)")
+                         f"paged admits {report.paged.num_seqs} sequences"
+                         + (f" ({report.gain:.2f}x)" if report.fixed.num_seqs else ""))
 
     for w in (block, max_len, which):
         w.observe(redraw, names="value")
