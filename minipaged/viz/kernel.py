@@ -25,6 +25,10 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _as_list(x) -> list:
+    return x.tolist() if hasattr(x, "tolist") else list(x)
+
+
 def program_reads(block_tables, seq_lens, block_size: int, tile: int, num_splits: int = 1) -> dict:
     """The physical blocks each program loads, loop step by loop step.
 
@@ -49,8 +53,8 @@ def program_reads(block_tables, seq_lens, block_size: int, tile: int, num_splits
     block_size = check_int(block_size, "block_size", minimum=1)
     tile = check_int(tile, "tile", minimum=1)
     num_splits = check_int(num_splits, "num_splits", minimum=1)
-    tables = [[int(b) for b in row] for row in (block_tables.tolist() if hasattr(block_tables, "tolist") else block_tables)]
-    lens = [check_int(n, "seq_lens[i]", minimum=1) for n in (seq_lens.tolist() if hasattr(seq_lens, "tolist") else seq_lens)]
+    tables = [[int(b) for b in row] for row in _as_list(block_tables)]
+    lens = [check_int(n, "seq_lens[i]", minimum=1) for n in _as_list(seq_lens)]
     if len(lens) != len(tables):
         raise ValueError(f"seq_lens has {len(lens)} entries but block_tables has {len(tables)} rows")
     reads = {}
@@ -89,14 +93,15 @@ def render_tile_loop(
     num_blocks = check_int(num_blocks, "num_blocks", minimum=1)
     num_kv_heads = check_int(num_kv_heads, "num_kv_heads", minimum=1)
     reads = program_reads(block_tables, seq_lens, block_size, tile, num_splits)
-    lens = seq_lens.tolist() if hasattr(seq_lens, "tolist") else list(seq_lens)
+    lens = _as_list(seq_lens)
     reader = {}
     for (seq, _), steps in reads.items():
         for block in (b for step in steps for b in step):
             if not 0 <= block < num_blocks:
                 raise IndexError(f"block_tables holds block {block}, outside a pool of {num_blocks} blocks")
             reader[block] = seq
-    title = title or (f"grid ({len(lens)} seqs, {num_kv_heads} KV heads, {num_splits} split{'s' if num_splits > 1 else ''}) · "
+    splits = f"{num_splits} split" + ("s" if num_splits > 1 else "")
+    title = title or (f"grid ({len(lens)} seqs, {num_kv_heads} KV heads, {splits}) · "
                       f"block_size {block_size} · tile {tile} tokens per loop step")
 
     def step_width(step):
@@ -144,8 +149,8 @@ def render_tile_loop(
     legend_y = pool_y + CELL + 24
     x = 10.0
     for seq, n in enumerate(lens):
-        parts.append(f'<rect x="{fmt(x)}" y="{fmt(legend_y - 11)}" width="14" height="14" fill="{tint(seq_color(seq), 0.55)}" '
-                     f'stroke="{seq_color(seq)}" stroke-width="2"/>')
+        parts.append(f'<rect x="{fmt(x)}" y="{fmt(legend_y - 11)}" width="14" height="14" '
+                     f'fill="{tint(seq_color(seq), 0.55)}" stroke="{seq_color(seq)}" stroke-width="2"/>')
         text = f"seq {seq}: {n} tokens"
         parts.append(f'<text x="{fmt(x + 20)}" y="{fmt(legend_y)}" font-size="12" fill="{TEXT_COLOR}">{text}</text>')
         x += 30 + 7.5 * len(text)
