@@ -6,8 +6,10 @@ Pure functions: the numbers of :mod:`minipaged.metrics` in, a matplotlib figure 
 from __future__ import annotations
 
 from minipaged.metrics import PERCENTILES, StepRecord
+from minipaged.viz import style
 
 
+@style.styled
 def plot_latency_percentiles(summaries: dict[str, dict], unit: str = "s"):
     """Bar chart: TTFT / TPOT / E2E at p50, p90, p99, one bar colour per run.
 
@@ -23,16 +25,18 @@ def plot_latency_percentiles(summaries: dict[str, dict], unit: str = "s"):
     for ax, metric in zip(axes, ("ttft", "tpot", "e2e")):
         for i, (name, s) in enumerate(summaries.items()):
             xs = [j + i * width for j in range(len(PERCENTILES))]
-            ax.bar(xs, [s[f"{metric}_p{p}"] * scale for p in PERCENTILES], width, label=name)
+            ax.bar(xs, [s[f"{metric}_p{p}"] * scale for p in PERCENTILES], width, label=name,
+                   color=style.color_of(name, i))
         ax.set_xticks([j + width * (len(summaries) - 1) / 2 for j in range(len(PERCENTILES))])
         ax.set_xticklabels([f"p{p}" for p in PERCENTILES])
         ax.set_title(metric.upper())
-        ax.set_ylabel(unit)
+        ax.set_ylabel(f"{metric.upper()} ({unit})")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     return fig
 
 
+@style.styled
 def plot_latency_cdf(latencies: dict[str, list[float]], title: str = "TTFT", unit: str = "s"):
     """Empirical CDFs, one line per run: where the curves separate at the top is the tail.
 
@@ -45,9 +49,10 @@ def plot_latency_cdf(latencies: dict[str, list[float]], title: str = "TTFT", uni
 
     scale = 1000.0 if unit == "ms" else 1.0
     fig, ax = plt.subplots(figsize=(5, 3.2))
-    for name, values in latencies.items():
+    for k, (name, values) in enumerate(latencies.items()):
         xs = sorted(v * scale for v in values)
-        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
+        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name,
+                color=style.color_of(name, k))
     ax.axhline(0.99, color="grey", lw=0.6, ls="--")
     ax.set_xlabel(f"{title} ({unit})")
     ax.set_ylabel("fraction of requests")
@@ -57,6 +62,7 @@ def plot_latency_cdf(latencies: dict[str, list[float]], title: str = "TTFT", uni
     return fig
 
 
+@style.styled
 def plot_timeline(history: list[StepRecord], title: str = ""):
     """Queue lengths and the cache's memory use over time, with preemptions marked.
 
@@ -75,8 +81,8 @@ def plot_timeline(history: list[StepRecord], title: str = ""):
     ax1.plot(t, [r.num_waiting for r in history], label="waiting")
     pre = [r for r in history if r.preemptions]
     if pre:
-        ax1.scatter([r.time for r in pre], [r.num_running for r in pre], color="red", marker="x", label="preemption",
-                    zorder=3)
+        ax1.scatter([r.time for r in pre], [r.num_running for r in pre], color=style.color("preemption"), marker="x",
+                    label="preemption", zorder=3)
     ax1.set_ylabel("sequences")
     ax1.legend(fontsize=8, loc="upper right")
     ax1.set_title(title)
