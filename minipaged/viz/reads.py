@@ -10,8 +10,10 @@ from collections.abc import Sequence
 from matplotlib.figure import Figure
 
 from minipaged.accounting import blocks_needed
+from minipaged.viz import style
 
 
+@style.styled
 def plot_reads(block_tables, seq_lens, num_blocks: int, block_size: int, names: Sequence[str]) -> Figure:
     """One row per sequence, one cell per physical slot, coloured by the logical position read there.
 
@@ -41,8 +43,8 @@ def plot_reads(block_tables, seq_lens, num_blocks: int, block_size: int, names: 
             held[s, b * block_size : (b + 1) * block_size] = True
         for pos in range(n):
             position[s, int(block_tables[s][pos // block_size]) * block_size + pos % block_size] = pos
-    fig = Figure(figsize=(9, 0.45 * len(lens) + 1.6), layout="constrained")
-    ax = fig.add_subplot()
+    fig, ax = style.figure(figsize=(9, 0.45 * len(lens) + 1.6))
+    ax.grid(False)
     ax.imshow(np.where(held & np.isnan(position), 0.0, np.nan), cmap="Greys", vmin=-1, vmax=3, aspect="auto")
     im = ax.imshow(position, cmap="viridis", aspect="auto")
     for b in range(1, num_blocks):

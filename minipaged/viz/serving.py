@@ -8,8 +8,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from minipaged.metrics import PERCENTILES, StepRecord
+from minipaged.viz import style
 
 
+@style.styled
 def plot_latency_percentiles(summaries: dict[str, dict], unit: str = "s", log: Sequence[str] = ()):
     """Bar chart: TTFT / TPOT / E2E at p50, p90, p99, one bar colour per run.
 
@@ -30,7 +32,8 @@ def plot_latency_percentiles(summaries: dict[str, dict], unit: str = "s", log: S
     for ax, metric in zip(axes, ("ttft", "tpot", "e2e")):
         for i, (name, s) in enumerate(summaries.items()):
             xs = [j + i * width for j in range(len(PERCENTILES))]
-            ax.bar(xs, [s[f"{metric}_p{p}"] * scale for p in PERCENTILES], width, label=name)
+            ax.bar(xs, [s[f"{metric}_p{p}"] * scale for p in PERCENTILES], width, label=name,
+                   color=style.color_of(name, i))
         ax.set_xticks([j + width * (len(summaries) - 1) / 2 for j in range(len(PERCENTILES))])
         ax.set_xticklabels([f"p{p}" for p in PERCENTILES])
         if metric in log:
@@ -42,6 +45,7 @@ def plot_latency_percentiles(summaries: dict[str, dict], unit: str = "s", log: S
     return fig
 
 
+@style.styled
 def plot_latency_cdf(latencies: dict[str, list[float]], title: str = "TTFT", unit: str = "s", log: bool = False):
     """Empirical CDFs, one line per run: where the curves separate at the top is the tail.
 
@@ -55,9 +59,10 @@ def plot_latency_cdf(latencies: dict[str, list[float]], title: str = "TTFT", uni
 
     scale = 1000.0 if unit == "ms" else 1.0
     fig, ax = plt.subplots(figsize=(5, 3.2))
-    for name, values in latencies.items():
+    for k, (name, values) in enumerate(latencies.items()):
         xs = sorted(v * scale for v in values)
-        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
+        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name,
+                color=style.color_of(name, k))
     ax.axhline(0.99, color="grey", lw=0.6, ls="--")
     if log:
         ax.set_xscale("log")
@@ -69,6 +74,7 @@ def plot_latency_cdf(latencies: dict[str, list[float]], title: str = "TTFT", uni
     return fig
 
 
+@style.styled
 def plot_timelines(histories: dict[str, list[StepRecord]]):
     """Queue lengths and the cache's memory use over time, one column per run, on one shared time axis.
 
@@ -93,8 +99,8 @@ def plot_timelines(histories: dict[str, list[StepRecord]]):
         ax1.plot(t, [r.num_waiting for r in history], label="waiting")
         pre = [r for r in history if r.preemptions]
         if pre:
-            ax1.scatter([r.time for r in pre], [r.num_running for r in pre], color="red", marker="x",
-                        label="preemption", zorder=3)
+            ax1.scatter([r.time for r in pre], [r.num_running for r in pre], color=style.color("preemption"),
+                        marker="x", label="preemption", zorder=3)
         ax1.set_title(name)
         ax2.plot(t, [r.kv_usage for r in history], label="KV usage (blocks in use / pool)")
         ax2.plot(t, [r.token_occupancy for r in history], label="token occupancy (tokens / pool slots)")
