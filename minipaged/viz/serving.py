@@ -80,8 +80,9 @@ def plot_timelines(histories: dict[str, list[StepRecord]]):
 
     The upper row counts running and waiting sequences, with preemptions marked. The lower row shows
     two fractions of the pool: KV usage (blocks in use) and token occupancy (tokens held); the gap
-    between them is tail waste. All panels share the time axis, and each row its y axis, so the runs
-    compare at a glance.
+    between them is tail waste. The lines take neutral colours and those of the kinds of memory, not
+    the systems' colours, so they read the same in every column. All panels share the time axis, and
+    each row its y axis, so the runs compare at a glance.
 
     Args:
         histories: run name (the column's title) -> that run's ``engine.metrics.history``.
@@ -95,20 +96,22 @@ def plot_timelines(histories: dict[str, list[StepRecord]]):
     for col, (name, history) in enumerate(histories.items()):
         ax1, ax2 = axes[0][col], axes[1][col]
         t = [r.time for r in history]
-        ax1.plot(t, [r.num_running for r in history], label="running")
-        ax1.plot(t, [r.num_waiting for r in history], label="waiting")
+        ax1.plot(t, [r.num_running for r in history], color="#777777", label="running")
+        ax1.plot(t, [r.num_waiting for r in history], color="#000000", ls="--", label="waiting")
         pre = [r for r in history if r.preemptions]
         if pre:
             ax1.scatter([r.time for r in pre], [r.num_running for r in pre], color=style.color("preemption"),
                         marker="x", label="preemption", zorder=3)
         ax1.set_title(name)
-        ax2.plot(t, [r.kv_usage for r in history], label="KV usage (blocks in use / pool)")
-        ax2.plot(t, [r.token_occupancy for r in history], label="token occupancy (tokens / pool slots)")
+        ax2.plot(t, [r.kv_usage for r in history], color=style.color("tail waste"),
+                 label="KV usage (blocks in use / pool)")
+        ax2.plot(t, [r.token_occupancy for r in history], color=style.color("effective KV"),
+                 label="token occupancy (tokens / pool slots)")
         ax2.set_ylim(0, 1.05)
         ax2.set_xlabel("time (s)")
     axes[0][0].set_ylabel("sequences")
     axes[1][0].set_ylabel("fraction of pool")
-    axes[0][0].legend(fontsize=8, loc="upper left")
-    axes[1][0].legend(fontsize=8, loc="lower right")
+    axes[0][0].legend(fontsize=8, loc="upper right")
+    axes[1][0].legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     return fig
