@@ -112,6 +112,6 @@ def plot_timelines(histories: dict[str, list[StepRecord]]):
     axes[0][0].set_ylabel("sequences")
     axes[1][0].set_ylabel("fraction of pool")
     axes[0][0].legend(fontsize=8, loc="upper right")
-    axes[1][0].legend(fontsize=8, loc="upper right")
+    axes[1][0].legend(fontsize=8, loc="center right")
     fig.tight_layout()
     return fig
