@@ -52,6 +52,9 @@ def test_timelines_share_one_time_axis():
     assert axes[0].get_ylim() == axes[1].get_ylim()  # a row shares its y axis
     assert [ax.get_title() for ax in axes[:2]] == ["paged", "static"]
     assert len(axes[1].collections) == 1  # the one preemption, marked in the run that had it
+    legends = [ax.get_legend() for ax in axes]
+    assert legends[0] is None and legends[2] is None  # legends sit right of the last column
+    assert [t.get_text() for t in legends[1].get_texts()] == ["running", "waiting", "preemption"]
     plt.close(fig)
 
 

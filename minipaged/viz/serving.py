@@ -91,7 +91,7 @@ def plot_timelines(histories: dict[str, list[StepRecord]]):
 
     if not histories:
         raise ValueError("histories: need at least one run")
-    fig, axes = plt.subplots(2, len(histories), figsize=(5.5 * len(histories), 4.5), sharex=True, sharey="row",
+    fig, axes = plt.subplots(2, len(histories), figsize=(4.5 * len(histories) + 2.5, 4.5), sharex=True, sharey="row",
                              squeeze=False)
     for col, (name, history) in enumerate(histories.items()):
         ax1, ax2 = axes[0][col], axes[1][col]
@@ -111,7 +111,8 @@ def plot_timelines(histories: dict[str, list[StepRecord]]):
         ax2.set_xlabel("time (s)")
     axes[0][0].set_ylabel("sequences")
     axes[1][0].set_ylabel("fraction of pool")
-    axes[0][0].legend(fontsize=8, loc="upper right")
-    axes[1][0].legend(fontsize=8, loc="center right")
+    for row in axes:  # one legend per row, right of the last column, clear of every run's lines
+        entries = {label: handle for ax in row for handle, label in zip(*ax.get_legend_handles_labels())}
+        row[-1].legend(entries.values(), entries.keys(), fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.tight_layout()
     return fig
