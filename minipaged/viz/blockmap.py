@@ -175,7 +175,7 @@ class PoolSnapshot:
 
     @property
     def tail_waste(self) -> int:
-        """Reserved but empty slots in the last block of every sequence (internal fragmentation)."""
+        """Reserved but empty slots in the last block of every sequence (tail waste)."""
         return sum(len(bl) * self.block_size - self.num_tokens[s] for s, bl in self.tables.items())
 
 
