@@ -103,6 +103,38 @@ def plot_capacity_breakdown(report: acc.CapacityReport) -> Figure:
     return fig
 
 
+@style.styled
+def plot_waste_breakdown(breakdown: dict[str, dict[str, float]], title: str = "") -> Figure:
+    """One stacked bar per scheme: effective KV, reserved and internal fragmentation, in % of the slots held.
+
+    Args:
+        breakdown: what :func:`minipaged.accounting.waste_breakdown` returned.
+        title: the axes title.
+    """
+    names = list(breakdown)
+    fig = Figure(figsize=(7.2, 0.55 * len(names) + 1.6), layout="constrained")
+    ax = fig.add_subplot()
+    seen = set()
+    for row, name in enumerate(names):
+        y, left = len(names) - 1 - row, 0.0
+        for part in acc.WASTE_PARTS:
+            share = 100 * breakdown[name][part]
+            key = "tail waste" if part == "internal fragmentation" and name.startswith("paged") else part
+            label = {"tail waste": "tail waste (paging's internal fragmentation)"}.get(key, key)
+            ax.barh(y, share, left=left, color=style.color(key), label=None if key in seen else label)
+            seen.add(key)
+            if share >= 6:
+                ax.text(left + share / 2, y, f"{share:.0f}%", ha="center", va="center", fontsize=9,
+                        color="#ffffff" if key in ("internal fragmentation",) else "#222222")
+            left += share
+    ax.set_yticks(range(len(names)), list(reversed(names)))
+    ax.set_xlim(0, 100)
+    style.axes(ax, "share of the KV slots held, over the requests' lives (%)", "scheme", title=title or None)
+    ax.grid(axis="y", visible=False)
+    ax.legend(ncols=2, loc="upper center", bbox_to_anchor=(0.5, -0.3))
+    return fig
+
+
 def memory_explorer(model="Llama-3-8B", budget_bytes: int = 16 * 2**30, dtype=None, seed: int = 0,
                     presets: Sequence[str] = ("chat", "long_tail", "uniform")):
     """Live view: block size, max length and length-preset controls redraw the waste and capacity figures.
