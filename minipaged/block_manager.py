@@ -266,7 +266,7 @@ class BlockTable:
 
     @property
     def tail_waste(self) -> int:
-        """Reserved but unused slots in the last block: the only internal waste paging leaves."""
+        """Reserved but unused slots in the last block: tail waste, paging's only internal fragmentation."""
         return len(self.blocks) * self.block_size - self.num_tokens
 
     def as_tensor(self, width: int | None = None) -> torch.Tensor:

@@ -288,3 +288,38 @@ def test_expected_saving_matches_formula_for_a_constant_length():
     # 880 tokens in 2048: A_16 = 880, saving = 1 - 880/2048 = 57.0%
     assert math.isclose(acc.expected_saving(const, 16, 2048), 1 - 880 / 2048)
 
+
+
+def test_waste_breakdown_worked_by_hand():
+    # prompt 3, output 2, max_len 8, B = 4: the request holds 4 then 5 tokens of a final 5.
+    preset = wl.WorkloadPreset("const", prompt_len=wl.Constant(3), output_len=wl.Constant(2))
+    got = acc.waste_breakdown(preset, max_len=8, block_size=4, num_seqs=3)
+    assert got["fixed max_len"] == pytest.approx({"effective KV": 9 / 16, "reserved": 1 / 16,
+                                                  "internal fragmentation": 6 / 16})
+    assert got["fixed pow2"] == got["fixed max_len"]  # the next power of two above 5 is 8
+    assert got["fixed oracle"] == pytest.approx({"effective KV": 0.9, "reserved": 0.1, "internal fragmentation": 0})
+    assert got["paged B=4"] == pytest.approx({"effective KV": 0.75, "reserved": 0, "internal fragmentation": 0.25})
+
+
+@settings(max_examples=25, deadline=None)
+@given(max_len=st.integers(8, 600), block_size=st.sampled_from([1, 4, 16, 64]), seed=st.integers(0, 50))
+def test_waste_breakdown_shares_sum_to_one_and_paging_reserves_nothing(max_len, block_size, seed):
+    got = acc.waste_breakdown("chat", max_len, block_size, num_seqs=40, seed=seed)
+    for parts in got.values():
+        assert sum(parts.values()) == pytest.approx(1.0)
+        assert all(v >= 0 for v in parts.values())
+    paged = got[f"paged B={block_size}"]
+    assert paged["reserved"] == 0
+    assert got["fixed oracle"]["internal fragmentation"] == 0
+    # each contiguous scheme holds at least what the one before it holds: n <= pow2 (capped) <= max_len
+    eff = [got[k]["effective KV"] for k in ("fixed oracle", "fixed pow2", "fixed max_len")]
+    assert eff[0] >= eff[1] - 1e-12 and eff[1] >= eff[2] - 1e-12
+    if block_size == 1:
+        assert paged["effective KV"] == 1.0
+
+
+def test_waste_breakdown_rejects_bad_input():
+    with pytest.raises(ValueError, match="max_len"):
+        acc.waste_breakdown("chat", 0)
+    with pytest.raises(TypeError, match="block_size"):
+        acc.waste_breakdown("chat", 128, block_size=16.0)

@@ -49,6 +49,7 @@ from minipaged.viz.svg import (
     fmt,
     seq_color,
     svg_open,
+    text_on,
     tint,
 )
 from minipaged.viz.timeline import counter_events, default_series, history_series, render_timeline, split_series_name
@@ -174,7 +175,7 @@ class PoolSnapshot:
 
     @property
     def tail_waste(self) -> int:
-        """Reserved but empty slots in the last block of every sequence (internal fragmentation)."""
+        """Reserved but empty slots in the last block of every sequence (tail waste)."""
         return sum(len(bl) * self.block_size - self.num_tokens[s] for s, bl in self.tables.items())
 
 
@@ -249,7 +250,7 @@ def _pool_cells(snap: PoolSnapshot, cols: int, x0: float, y0: float, show_refcou
                 f'<rect class="fill" x="{fmt(x)}" y="{fmt(y + CELL - h)}" width="{CELL}" height="{fmt(h)}"'
                 f' rx="3" fill="{bar}" fill-opacity="0.85" data-fraction="{fmt(frac)}"/>'
             )
-        text_fill = "#ffffff" if frac >= 0.5 else TEXT_COLOR
+        text_fill = text_on(bar) if frac >= 0.5 else TEXT_COLOR
         out.append(
             f'<text class="block-id" x="{fmt(x + CELL / 2)}" y="{fmt(y + CELL / 2 + 4)}" text-anchor="middle"'
             f' font-size="11" fill="{text_fill}">{b}</text>'
@@ -275,11 +276,12 @@ def _pool_cells(snap: PoolSnapshot, cols: int, x0: float, y0: float, show_refcou
     return out
 
 
-def _legend(x: float, y: float, prefix: bool = False) -> list[str]:
+def _legend(x: float, y: float, prefix: bool = False, notes: tuple[str, ...] = ()) -> list[str]:
+    """The key under a picture: the cell states on one row at baseline ``y``, then one row per note."""
     items = [("free", FREE_COLOR), ("used (colour = sequence)", PALETTE[0]), ("shared (refcount > 1)", SHARED_COLOR)]
     if prefix:
         items.append(("cached, free (# = has a key)", CACHED_COLOR))
-    out, cx = [], x
+    out, cx = ['<g class="legend">'], x
     for label, color in items:
         out.append(f'<rect x="{fmt(cx)}" y="{fmt(y - 9)}" width="10" height="10" fill="{color}" stroke="#999"/>')
         out.append(f'<text x="{fmt(cx + 14)}" y="{fmt(y)}" font-size="10" fill="{TEXT_COLOR}">{escape(label)}</text>')
@@ -291,7 +293,19 @@ def _legend(x: float, y: float, prefix: bool = False) -> list[str]:
                        f' font-weight="bold">{letter}</text>'
                        f'<text x="{fmt(cx + 13)}" y="{fmt(y)}" font-size="10" fill="{TEXT_COLOR}">{kind}</text>')
             cx += 13 + 6.2 * len(kind) + 12
+    for i, note in enumerate(notes, 1):
+        out.append(f'<text class="note" x="{fmt(x)}" y="{fmt(y + LEGEND_LINE * i)}" font-size="10" fill="#555">'
+                   f"{escape(note)}</text>")
+    out.append("</g>")
     return out
+
+
+LEGEND_LINE = 14  # px between the legend's rows
+POOL_NOTES = ("The filled part of a cell is the share of its slots that hold tokens.",)
+MAP_NOTES = (
+    "Each row is a sequence's block table: the number in logical block i is the physical block it maps to,",
+    "and a line joins the two. The filled part of a block is the share of its slots that hold tokens.",
+)
 
 
 def _prefix_caption(snap: PoolSnapshot) -> str:
@@ -315,8 +329,8 @@ def render_pool(snapshot: PoolSnapshot, *, columns: int | None = None, show_refc
     cols = _grid_columns(snap.num_blocks, columns)
     rows = max(1, math.ceil(snap.num_blocks / cols))
     x0, y0 = 8, 24
-    width = max(x0 * 2 + cols * (CELL + GAP) - GAP, 780 if snap.cached or snap.marks else 420)
-    height = y0 + rows * (CELL + GAP) - GAP + 28
+    width = max(x0 * 2 + cols * (CELL + GAP) - GAP, 780 if snap.cached or snap.marks else 460)
+    height = y0 + rows * (CELL + GAP) - GAP + 28 + LEGEND_LINE * len(POOL_NOTES)
     head = (
         f"pool: {snap.num_used}/{snap.num_blocks} blocks used, {snap.num_shared} shared, "
         f"block_size {snap.block_size}{_prefix_caption(snap)}"
@@ -325,10 +339,21 @@ def render_pool(snapshot: PoolSnapshot, *, columns: int | None = None, show_refc
         svg_open("minipaged-pool", width, height, snap.step, f' data-used="{snap.num_used}"'),
         f'<text class="caption" x="{x0}" y="15" font-size="12" fill="{TEXT_COLOR}">{escape(head)}</text>',
         *_pool_cells(snap, cols, x0, y0, show_refcount),
-        *_legend(x0, height - 8, prefix=bool(snap.cached or snap.marks)),
+        *_legend(x0, height - 8 - LEGEND_LINE * len(POOL_NOTES), bool(snap.cached or snap.marks), POOL_NOTES),
         "</svg>",
     ]
     return "".join(parts)
+
+
+def _hover_style(seq_ids) -> str:
+    """CSS that brings one sequence's links forward while the pointer is on its row (live views only)."""
+    rules = [".minipaged-blockmap .seq{cursor:default}"]
+    for seq_id in seq_ids:
+        sid = str(seq_id)
+        if sid.replace("-", "").replace("_", "").isalnum():  # ids that need no CSS escaping
+            rules.append(f'.minipaged-blockmap .seq[data-seq="{sid}"]:hover~.links .link[data-seq="{sid}"]'
+                         "{stroke-opacity:1;stroke-width:2.5}")
+    return "<style>" + "".join(rules) + "</style>"
 
 
 def render_block_map(
@@ -357,13 +382,13 @@ def render_block_map(
     # Logical cells shrink for long tables so the map keeps a readable width.
     pitch = min(25.0, max(9.0, 400 / max(longest, 1)))
     lcell, lgap, label_w, row_h = pitch - 3, 3, 78, 28
-    top = 40
+    top = 48
     logical_w = label_w + max(longest, 1) * (lcell + lgap)
     pool_x0 = logical_w + 70
     pool_w = cols * (CELL + GAP) - GAP
-    width = max(pool_x0 + max(pool_w, 270) + 10, 780 if prefix else 480)  # room for the caption and legend
+    width = max(pool_x0 + max(pool_w, 270) + 10, 780 if prefix else 660)  # room for the caption and legend
     rows_h = max(len(shown), 1) * row_h + (row_h if hidden else 0)
-    height = top + max(rows_h, pool_rows * (CELL + GAP)) + 30
+    height = top + max(rows_h, pool_rows * (CELL + GAP)) + 30 + LEGEND_LINE * len(MAP_NOTES)
 
     caption = (f"step {snap.step}: {len(seq_ids)} sequences, {snap.num_used}/{snap.num_blocks} blocks used, "
                f"tail waste {snap.tail_waste} slots{_prefix_caption(snap)}")
@@ -376,10 +401,15 @@ def render_block_map(
             f' data-used="{snap.num_used}" data-seqs="{len(seq_ids)}"',
         ),
         f'<text class="caption" x="8" y="16" font-size="12" fill="{TEXT_COLOR}">{escape(caption)}</text>',
-        '<text x="8" y="32" font-size="10" fill="#666">logical blocks (block table)</text>',
+        '<text x="8" y="32" font-size="10" fill="#666">block tables (logical → physical)</text>',
         f'<text x="{fmt(pool_x0)}" y="32" font-size="10" fill="#666">physical pool (block id, fill, ×refcount)</text>',
+        _hover_style(shown),
     ]
-    links, ends, logical = [], [], []
+    if longest and lcell >= 14:  # the logical indices, once, above the rows
+        parts.append('<g class="logical-index">' + "".join(
+            f'<text x="{fmt(label_w + i * (lcell + lgap) + lcell / 2)}" y="{top - 4}" text-anchor="middle"'
+            f' font-size="8" fill="#666">{i}</text>' for i in range(longest)) + "</g>")
+    links, logical = [], []
     for row, seq_id in enumerate(shown):
         color = seq_color(seq_id)
         y = top + row * row_h
@@ -387,8 +417,10 @@ def render_block_map(
         n_tok = snap.num_tokens[seq_id]
         logical.append(
             f'<g class="seq" data-seq="{sid}" data-color="{color}" data-tokens="{n_tok}">'
-            f'<text x="8" y="{fmt(y + 15)}" font-size="11" fill="{color}" font-weight="bold">seq {sid}</text>'
-            f'<text x="8" y="{fmt(y + 25)}" font-size="8" fill="#666">{n_tok} tok</text>'
+            f'<rect class="swatch" x="2" y="{fmt(y)}" width="4" height="{fmt(lcell)}" fill="{color}"/>'
+            f'<text class="label" x="10" y="{fmt(y + 13)}" font-size="11" fill="{TEXT_COLOR}" font-weight="bold">'
+            f"seq {sid}</text>"
+            f'<text x="10" y="{fmt(y + 24)}" font-size="8" fill="#555">{n_tok} tokens</text>'
         )
         for i, b in enumerate(snap.tables[seq_id]):
             x = label_w + i * (lcell + lgap)
@@ -406,23 +438,19 @@ def render_block_map(
                     f'<rect class="fill" x="{fmt(x)}" y="{fmt(y)}" width="{fmt(w)}" height="{fmt(lcell)}" rx="2"'
                     f' fill="{color}" data-fraction="{fmt(frac)}"/>'
                 )
-            if lcell >= 14:
+            if lcell >= 14:  # the table entry: which physical block this logical block is
                 logical.append(
-                    f'<text x="{fmt(x + lcell / 2)}" y="{fmt(y + 15)}" text-anchor="middle" font-size="9"'
-                    f' fill="{"#fff" if frac >= 0.5 else TEXT_COLOR}">{i}</text>'
+                    f'<text class="entry" x="{fmt(x + lcell / 2)}" y="{fmt(y + 15)}" text-anchor="middle"'
+                    f' font-size="9" fill="{text_on(color) if frac >= 0.5 else TEXT_COLOR}">{b}</text>'
                 )
             logical.append("</g>")
             cx, cy = _cell_xy(b, cols, pool_x0, top)
             x1, y1 = x + lcell / 2, y + lcell
-            x2, y2 = cx + 5, cy + CELL - 5  # the cell's lower-left corner, clear of its labels
+            x2, y2 = cx, cy + CELL / 2  # the middle of the cell's left edge
             links.append(
                 f'<path class="link" data-seq="{sid}" data-logical="{i}" data-block="{b}" stroke="{color}"'
                 f' d="M{fmt(x1)},{fmt(y1)} C{fmt(x1)},{fmt(y1 + 14)} {fmt(x2 - 60)},{fmt(y2)} {fmt(x2)},{fmt(y2)}"'
-                f' fill="none" stroke-width="1.2" stroke-opacity="0.6"/>'
-            )
-            ends.append(
-                f'<circle class="link-end" data-seq="{sid}" data-block="{b}" cx="{fmt(x2)}" cy="{fmt(y2)}" r="3"'
-                f' fill="{color}" stroke="#ffffff" stroke-width="1"/>'
+                f' fill="none" stroke-width="1" stroke-opacity="0.35"/>'
             )
         logical.append("</g>")
     if hidden:
@@ -432,11 +460,10 @@ def render_block_map(
             f"… and {len(hidden)} more sequences</text>"
         )
     parts += logical
-    # Links run beneath the pool cells; a dot in the sequence's colour marks where each one lands.
+    # Links run beneath the pool cells, faint so that they do not hide the table entries.
     parts.append('<g class="links">' + "".join(links) + "</g>")
     parts += _pool_cells(snap, cols, pool_x0, top, show_refcount)
-    parts.append('<g class="link-ends">' + "".join(ends) + "</g>")
-    parts += _legend(8, height - 8, prefix=prefix)
+    parts += _legend(8, height - 8 - LEGEND_LINE * len(MAP_NOTES), prefix, MAP_NOTES)
     parts.append("</svg>")
     return "".join(parts)
 

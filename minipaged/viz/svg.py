@@ -51,6 +51,19 @@ def tint(hex_color: str, amount: float = 0.72) -> str:
     return f"#{r:02x}{g:02x}{b:02x}"
 
 
+def text_on(hex_color: str) -> str:
+    """White or near-black, whichever reads better on ``hex_color`` (by its WCAG relative luminance)."""
+
+    def channel(c: int) -> float:
+        c = c / 255
+        return c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4
+
+    r, g, b = (channel(int(hex_color[i : i + 2], 16)) for i in (1, 3, 5))
+    lum = 0.2126 * r + 0.7152 * g + 0.0722 * b
+    # contrast with white is 1.05 / (lum + 0.05), with #222 it is (lum + 0.05) / 0.066; pick the larger
+    return "#ffffff" if 1.05 / (lum + 0.05) >= (lum + 0.05) / 0.066 else TEXT_COLOR
+
+
 def fmt(x: float) -> str:
     """Short, stable number formatting for SVG attributes."""
     s = f"{x:.2f}".rstrip("0").rstrip(".")
