@@ -12,6 +12,7 @@ from matplotlib.figure import Figure
 
 from minipaged import accounting as acc
 from minipaged.viz import style
+from minipaged.viz.svg import text_on
 from minipaged.workload import WorkloadPreset, get_length_preset
 
 # the parts of a KV budget (``accounting.Breakdown.parts``), in the course palette
@@ -125,7 +126,7 @@ def plot_waste_breakdown(breakdown: dict[str, dict[str, float]], title: str = ""
             seen.add(key)
             if share >= 6:
                 ax.text(left + share / 2, y, f"{share:.0f}%", ha="center", va="center", fontsize=9,
-                        color="#ffffff" if key in ("internal fragmentation",) else "#222222")
+                        color=text_on(style.color(key)))
             left += share
     ax.set_yticks(range(len(names)), list(reversed(names)))
     ax.set_xlim(0, 100)
