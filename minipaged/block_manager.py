@@ -5,12 +5,18 @@ bookkeeping over block ids, so allocation never touches device memory.
 
 Every state change is published as a :class:`BlockEvent`. Widgets, metrics
 and higher layers (the scheduler, prefix sharing) subscribe to the allocator
-instead of polling its internals.
+instead of polling its internals. An event is delivered only once the whole
+operation that caused it is complete (a table's growth, release or fork, a
+scheduling pass): a subscriber always sees consistent state, may call back
+into the allocator, and cannot break the operation by raising (see
+:meth:`BlockAllocator.subscribe`).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +25,7 @@ from minipaged.accounting import blocks_needed
 from minipaged.validation import check_fits_memory, check_int
 
 BOOKKEEPING_BYTES_PER_BLOCK = 64  # an upper bound of the allocator's Python bookkeeping per block
+SUBSCRIBER_ERRORS_KEPT = 16  # the latest subscriber errors an allocator keeps (all are counted)
 
 
 class OutOfBlocks(RuntimeError):
@@ -63,6 +70,9 @@ class BlockAllocator:
         self._refcounts = [0] * num_blocks
         self._ever_allocated = bytearray(num_blocks)  # tells a double free from an id never handed out
         self._subscribers: list = []
+        self._held_events: list[BlockEvent] | None = None  # events of the operation in progress (see hold_events)
+        self.subscriber_errors: deque[tuple[BlockEvent, object, Exception]] = deque(maxlen=SUBSCRIBER_ERRORS_KEPT)
+        self.num_subscriber_errors = 0
 
     @property
     def num_free(self) -> int:
@@ -92,7 +102,8 @@ class BlockAllocator:
         n = check_int(num_blocks, "num_blocks")
         if n > self.num_free:
             raise OutOfBlocks(f"need {n} blocks but only {self.num_free} of {self.num_blocks} are free")
-        return [self.allocate(seq_id) for _ in range(n)]
+        with self.hold_events():
+            return [self.allocate(seq_id) for _ in range(n)]
 
     def _check_block_id(self, block_id, action: str) -> int:
         block_id = check_int(block_id, "block_id", minimum=None)
@@ -136,8 +147,9 @@ class BlockAllocator:
         Chapter 06's prefix cache overrides the order (tail first); here the order is not
         observable beyond the free queue.
         """
-        for block_id in block_ids:
-            self.free(block_id, seq_id)
+        with self.hold_events():
+            for block_id in block_ids:
+                self.free(block_id, seq_id)
 
     def refcount(self, block_id: int) -> int:
         """How many sequences hold ``block_id`` (0: it is free)."""
@@ -148,7 +160,24 @@ class BlockAllocator:
         return list(self._refcounts)
 
     def subscribe(self, callback):
-        """Call ``callback(event)`` on every event; returns a function that unsubscribes."""
+        """Call ``callback(event)`` on every event; returns a function that unsubscribes.
+
+        Events arrive once the operation that caused them is complete (see :meth:`hold_events`),
+        so the callback sees consistent state and may call back into the allocator, a table, the
+        scheduler or the engine (an engine defers an abort made during its step to the step's end).
+
+        A callback that raises an ``Exception`` is isolated: the exception is recorded in
+        :attr:`subscriber_errors` (the latest :data:`SUBSCRIBER_ERRORS_KEPT`; all are counted in
+        :attr:`num_subscriber_errors`) and reported with a ``RuntimeWarning``; the other callbacks
+        still get the event, and the operation that emitted it is unaffected. A ``BaseException``
+        that is not an ``Exception`` (``KeyboardInterrupt``, ``SystemExit``) is re-raised once every
+        callback has had the event; the state is already consistent by then.
+
+        Args:
+            callback: a function of one :class:`BlockEvent`.
+        """
+        if not callable(callback):
+            raise TypeError(f"callback must be callable (BlockEvent -> None), got {type(callback).__name__}")
         self._subscribers.append(callback)
 
         def unsubscribe():
@@ -158,10 +187,49 @@ class BlockAllocator:
         return unsubscribe
 
     def emit(self, kind: str, block_id: int | None = None, seq_id=None, **info) -> None:
-        """Publish an event; higher layers use this for their own kinds ("preempt", "cow")."""
+        """Publish an event; higher layers use this for their own kinds ("preempt", "cow").
+
+        Inside :meth:`hold_events` the event waits for the end of the operation.
+        """
         event = BlockEvent(kind, block_id, seq_id, info)
-        for callback in list(self._subscribers):  # a callback may unsubscribe itself
-            callback(event)
+        if self._held_events is not None:
+            self._held_events.append(event)
+        else:
+            self._deliver([event])
+
+    @contextmanager
+    def hold_events(self):
+        """Hold the events emitted inside the block; deliver them, in order, when the outermost block ends.
+
+        An operation made of several changes (a table that grows by many blocks, a release, a
+        scheduling pass) runs inside one, so that subscribers hear of it only once it is complete.
+        The events are delivered even if the block raises: they describe changes that happened.
+        """
+        if self._held_events is not None:  # nested: the outermost block delivers
+            yield
+            return
+        self._held_events = []
+        try:
+            yield
+        finally:
+            events, self._held_events = self._held_events, None
+            self._deliver(events)
+
+    def _deliver(self, events: list[BlockEvent]) -> None:
+        interrupt = None
+        for event in events:
+            for callback in list(self._subscribers):  # a callback may unsubscribe itself
+                try:
+                    callback(event)
+                except Exception as exc:  # isolated: recorded and reported, never breaks the emitter
+                    self.subscriber_errors.append((event, callback, exc))
+                    self.num_subscriber_errors += 1
+                    warnings.warn(f"event subscriber {callback!r} raised {exc!r} on a {event.kind!r} event; "
+                                  "it was skipped (see BlockAllocator.subscriber_errors)", RuntimeWarning, stacklevel=2)
+                except BaseException as exc:  # KeyboardInterrupt and the like: after every callback has the event
+                    interrupt = interrupt or exc
+        if interrupt is not None:
+            raise interrupt
 
     def __repr__(self) -> str:
         return f"BlockAllocator(num_blocks={self.num_blocks}, block_size={self.block_size}, free={self.num_free})"
@@ -222,12 +290,13 @@ class BlockTable:
         if need > self.allocator.num_free:
             raise OutOfBlocks(f"appending {n} tokens needs {need} blocks but only "
                               f"{self.allocator.num_free} of {self.allocator.num_blocks} are free")
-        if self._shares_last_block(n):
-            self._copy_on_write()
-        self.blocks += self.allocator.allocate_many(self.blocks_needed(n), self.seq_id)
-        start = self.num_tokens
-        self.num_tokens += n
-        self.released = False
+        with self.allocator.hold_events():  # subscribers hear of the new blocks once this table holds them
+            if self._shares_last_block(n):
+                self._copy_on_write()
+            self.blocks += self.allocator.allocate_many(self.blocks_needed(n), self.seq_id)
+            start = self.num_tokens
+            self.num_tokens += n
+            self.released = False
         return self._slots(range(start, start + n))
 
     def _copy_on_write(self) -> None:
@@ -237,11 +306,12 @@ class BlockTable:
         copy itself is the caller's (see :attr:`pending_copies`). Emits "cow" once the
         table holds its own block.
         """
-        src, dst = self.blocks[-1], self.allocator.allocate(self.seq_id)
-        self.blocks[-1] = dst
-        self.allocator.free(src, self.seq_id)  # refcount was > 1: the other holders keep it
-        self.pending_copies.append((src, dst))
-        self.allocator.emit("cow", dst, self.seq_id, src=src, dst=dst, num_slots=self.num_tokens % self.block_size)
+        with self.allocator.hold_events():
+            src, dst = self.blocks[-1], self.allocator.allocate(self.seq_id)
+            self.blocks[-1] = dst
+            self.allocator.free(src, self.seq_id)  # refcount was > 1: the other holders keep it
+            self.pending_copies.append((src, dst))
+            self.allocator.emit("cow", dst, self.seq_id, src=src, dst=dst, num_slots=self.num_tokens % self.block_size)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """The (src, dst) block copies recorded since the last call, oldest first; clears them."""
@@ -283,11 +353,12 @@ class BlockTable:
 
         Pending copies are dropped too: their destination blocks went back with the rest.
         """
-        self.allocator.free_sequence(self.blocks, self.seq_id)
-        self.blocks = []
-        self.num_tokens = 0
-        self.pending_copies = []
-        self.released = True
+        with self.allocator.hold_events():  # subscribers hear of the frees once the table is empty
+            blocks, self.blocks = self.blocks, []
+            self.num_tokens = 0
+            self.pending_copies = []
+            self.released = True
+            self.allocator.free_sequence(blocks, self.seq_id)
 
     def fork(self, seq_id=None) -> BlockTable:
         """A new table that shares all of this one's blocks (each gets one more reference).
@@ -304,11 +375,12 @@ class BlockTable:
         if self.released:
             raise ValueError(f"cannot fork the block table of sequence {self.seq_id!r}: it was released")
         child = BlockTable(self.allocator, seq_id)
-        for block_id in self.blocks:
-            self.allocator.incref(block_id, seq_id)
-        child.blocks = list(self.blocks)
-        child.num_tokens = self.num_tokens
-        self.allocator.emit("fork", None, seq_id, parent=self.seq_id, num_blocks=len(self.blocks))
+        with self.allocator.hold_events():  # subscribers hear of the increfs once the child holds the blocks
+            for block_id in self.blocks:
+                self.allocator.incref(block_id, seq_id)
+            child.blocks = list(self.blocks)
+            child.num_tokens = self.num_tokens
+            self.allocator.emit("fork", None, seq_id, parent=self.seq_id, num_blocks=len(self.blocks))
         return child
 
     def __repr__(self) -> str:

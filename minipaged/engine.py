@@ -9,7 +9,10 @@ One :meth:`Engine.step` is
    addressed through the block tables (:meth:`Engine.execute`);
 3. sampling a token for every sequence whose chunk reached its end;
 4. ``scheduler.postprocess()``: advance counters, finish sequences, free blocks;
-5. one :class:`~minipaged.metrics.StepRecord` in ``engine.metrics.history``.
+5. one :class:`~minipaged.metrics.StepRecord` in ``engine.metrics.history``;
+6. the requests that finished are handed over in ``StepOutput.outputs`` (and,
+   unless ``EngineConfig(keep_finished=True)``, forgotten: a long-running
+   engine's memory stays bounded).
 
 Public state (the live dashboard reads it; keep these names stable):
 
@@ -17,10 +20,11 @@ Public state (the live dashboard reads it; keep these names stable):
   of :class:`~minipaged.sequence.Sequence`; each running one has a ``block_table``.
 * ``engine.cache.allocator``: the block pool and its event bus ("allocate",
   "free", ..., and "preempt" with the victim's seq_id).
-* ``engine.metrics``: step ``history``, ``num_preemptions``, ``max_running``.
-* ``engine.requests``: every sequence by its seq_id, finished ones included (with
-  one sample, a request's seq_id is its request_id).
-* ``engine.samples``: every request's sequences by request_id, ``n`` of them, in sample order.
+* ``engine.metrics``: step ``history`` (the latest :data:`~minipaged.metrics.HISTORY_WINDOW`
+  steps, or all with ``keep_finished``), ``num_steps``, ``num_finished``, ``num_preemptions``, ``max_running``.
+* ``engine.requests``: every unfinished sequence by its seq_id (with one sample, a
+  request's seq_id is its request_id); finished and aborted ones too with ``keep_finished``.
+* ``engine.samples``: the same requests' sequences by request_id, ``n`` of them, in sample order.
 * ``engine.swap_space``: swap mode's CPU copies of preempted sequences' K/V, by id.
 * ``engine.step()`` returns a :class:`StepOutput` saying what happened.
 
@@ -50,16 +54,34 @@ from minipaged.attention import AttentionMetadata
 from minipaged.cache import PagedKVCache
 from minipaged.clock import VirtualClock
 from minipaged.generate import check_prompt
-from minipaged.metrics import Metrics
+from minipaged.metrics import HISTORY_WINDOW, Metrics
 from minipaged.scheduler import EngineConfig, Scheduler, SchedulerOutput
-from minipaged.sequence import SamplingParams, Sequence
+from minipaged.sequence import SamplingParams, Sequence, SequenceStatus
 from minipaged.validation import check_real
 from minipaged.workload import RequestSpec, prompt_token_ids
 
 
 @dataclass
+class RequestOutput:
+    """A request that finished, as :meth:`Engine.step` hands it over.
+
+    Attributes:
+        request_id: the request's id.
+        seqs: its samples (finished :class:`~minipaged.sequence.Sequence`, with their timings), in sample order.
+    """
+
+    request_id: object
+    seqs: list[Sequence]
+
+    @property
+    def output_token_ids(self) -> list[list[int]]:
+        """Each sample's generated tokens, in sample order."""
+        return [s.output_token_ids for s in self.seqs]
+
+
+@dataclass
 class StepOutput:
-    """What one step did, by request id (= seq_id)."""
+    """What one step did, by seq_id (= request id with one sample); ``outputs``: the requests it finished."""
 
     step: int
     time: float
@@ -68,6 +90,7 @@ class StepOutput:
     admitted: list = field(default_factory=list)
     preempted: list = field(default_factory=list)
     finished: list = field(default_factory=list)
+    outputs: list[RequestOutput] = field(default_factory=list)
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
@@ -123,13 +146,16 @@ class Engine:
             self.cache.allocator = PrefixCachingAllocator(self.config.num_blocks, self.config.block_size,
                                                           self.config.prefix_caching_hash_fn or sha256)  # fmt: skip
         self.scheduler = Scheduler(self.config, self.cache.allocator)
-        self.metrics = Metrics(self.config.num_blocks, self.config.block_size)
+        window = None if self.config.keep_finished else HISTORY_WINDOW
+        self.metrics = Metrics(self.config.num_blocks, self.config.block_size, window)
         self.metrics.attach(self.cache.allocator)
         self.clock = clock or VirtualClock()
         self.requests: dict = {}  # seq_id -> Sequence
         self.samples: dict = {}  # request_id -> its sequences, in sample order
         self.swap_space: dict = {}  # seq_id -> per-layer (k, v) of its saved blocks, in CPU memory
         self._next_id = 0
+        self._in_step = False  # an abort asked for during a step (by an event subscriber) waits for its end
+        self._deferred_aborts: list = []
 
     # -- requests ---------------------------------------------------------
 
@@ -167,7 +193,8 @@ class Engine:
         seqs = []
         for i, seq_id in enumerate(seq_ids):
             seed = None if params.seed is None else params.seed + i
-            seqs.append(Sequence(seq_id, prompt_token_ids, replace(params, n=1, seed=seed), now, cache_salt))
+            seqs.append(Sequence(seq_id, prompt_token_ids, replace(params, n=1, seed=seed), now, cache_salt,
+                                 request_id))  # fmt: skip
         seqs[0].pending_forks = seqs[1:]  # they fork from sample 0 once its prompt is computed
         self.scheduler.add(seqs[0])  # raises if the request could never fit the pool
         for seq in seqs:
@@ -176,16 +203,42 @@ class Engine:
         return request_id
 
     def abort(self, request_id) -> None:
-        """Drop a waiting or running request (all its samples) now; its blocks and swapped-out K/V are freed at once."""
+        """Drop a waiting or running request (all its samples); its blocks and swapped-out K/V are freed.
+
+        Now, or, when called during a step (by an event subscriber), at the end of that step: a
+        step never loses a sequence it is running. Unless ``keep_finished``, the engine then
+        forgets the request.
+
+        Raises:
+            KeyError: no such request (a finished one is forgotten unless ``keep_finished``).
+            ValueError: the request has already finished or been aborted (``keep_finished``).
+        """
         if request_id not in self.samples:
-            raise KeyError(f"abort: no request with id {request_id!r}")
+            raise KeyError(f"abort: no request with id {request_id!r} (a finished request is handed over by step() "
+                           "and forgotten, unless EngineConfig(keep_finished=True))")
         seqs = self.samples[request_id]
         if all(s.is_finished for s in seqs):
             raise ValueError(f"abort: request {request_id!r} has already {seqs[0].status.value}")
+        if self._in_step:
+            self._deferred_aborts.append(request_id)
+            return
         for seq in seqs:
             if not seq.is_finished:  # a pending sample is aborted with the sample it would fork from
                 self.scheduler.abort(seq)
                 self.swap_space.pop(seq.seq_id, None)
+        if not self.config.keep_finished:
+            self._forget(request_id)
+
+    def _forget(self, request_id) -> None:
+        for seq in self.samples.pop(request_id):
+            del self.requests[seq.seq_id]
+
+    def _apply_deferred_aborts(self) -> None:
+        aborts, self._deferred_aborts = self._deferred_aborts, []
+        for request_id in aborts:
+            seqs = self.samples.get(request_id, ())
+            if seqs and not all(s.is_finished for s in seqs):  # it may have finished in the step
+                self.abort(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -202,18 +255,26 @@ class Engine:
         allocator's subscribers, and the exception propagates; the next ``step()`` works. Only K/V
         in slots that no sequence counts as computed may differ: blocks that change hands in the
         step (a victim's, a cached free one's) have their K/V saved first and put back.
+
+        Returns:
+            What the step did; its ``outputs`` are the requests that finished in it, which the
+            engine forgets unless ``EngineConfig(keep_finished=True)``.
         """
         undo = _StepUndo(self)
+        self._in_step = True
         try:
             return self._step(undo)
         except BaseException:
             undo.restore()
             raise
+        finally:
+            self._in_step = False
+            self._apply_deferred_aborts()
 
     def _step(self, undo: _StepUndo) -> StepOutput:
         out = self.scheduler.schedule()
         undo.protect_kv(out)  # from here on K/V moves: swaps, copy-on-write, the forward pass
-        result = StepOutput(step=len(self.metrics.history), time=self.clock.now())
+        result = StepOutput(step=self.metrics.num_steps, time=self.clock.now())
         result.admitted = [s.seq_id for s in out.admitted]
         result.preempted = [s.seq_id for s in out.preempted]
         swapped = self.swap(out)
@@ -236,7 +297,19 @@ class Engine:
         result.finished = [s.seq_id for s in finished]
         self.metrics.record_step(result.time, self.scheduler.running, len(self.scheduler.waiting),
                                  out.num_new_tokens, prefill, len(finished))
+        result.outputs = self._hand_over(finished)
         return result
+
+    def _hand_over(self, finished: list[Sequence]) -> list[RequestOutput]:
+        """The requests whose last sample just finished; forgotten here unless ``keep_finished``."""
+        outputs = []
+        for request_id in dict.fromkeys(s.request_id for s in finished):
+            seqs = self.samples[request_id]
+            if all(s.status is SequenceStatus.FINISHED for s in seqs):
+                outputs.append(RequestOutput(request_id, seqs))
+                if not self.config.keep_finished:
+                    self._forget(request_id)
+        return outputs
 
     def swap(self, out: SchedulerOutput) -> int:
         """Move K/V as the plan says: save victims' to CPU memory, copy-on-write, restore readmitted ones'.
@@ -316,6 +389,9 @@ class Engine:
         The list is flat, prompt by prompt: with ``n`` samples per prompt, entry ``p * n + i``
         is sample ``i`` of prompt ``p`` (with ``n == 1``, one output per prompt, in order).
 
+        It steps until nothing is unfinished: requests queued before with :meth:`add_request`
+        finish too, and are forgotten (unless ``keep_finished``) as :meth:`step` hands them over.
+
         Args:
             prompts: the prompts' token ids.
             sampling_params: the same for every prompt (:class:`SamplingParams` defaults if None).
@@ -334,9 +410,10 @@ class Engine:
                     del self.requests[seq.seq_id]
             self._next_id = next_id
             raise
+        mine = {i: self.samples[i] for i in ids}  # their sequences; step() may forget them once finished
         while self.has_unfinished():
             self.step()
-        return [s.output_token_ids for i in ids for s in self.samples[i]]
+        return [s.output_token_ids for i in ids for s in mine[i]]
 
 
 def _copy_state(obj, skip: tuple = ()) -> dict:
@@ -379,10 +456,12 @@ class _StepUndo:
         self.engine = engine
         self.saved_kv = None  # (block ids, their K/V) that the step may overwrite although they hold K/V
         allocator, scheduler = engine.cache.allocator, engine.scheduler
-        self.allocator = _copy_state(allocator, skip=("_subscribers",))
+        self.allocator = _copy_state(allocator, skip=("_subscribers", "_held_events", "subscriber_errors",
+                                                      "num_subscriber_errors"))  # fmt: skip
         self.scheduler = _copy_state(scheduler)
+        history = engine.metrics.history  # a window or all: keep its length and the record a step may drop
         self.metrics = _copy_state(engine.metrics, skip=("history",))
-        self.num_records = len(engine.metrics.history)
+        self.history = (len(history), history[0] if history else None)
         self.clock = _copy_state(engine.clock)
         self.engine_state = {"swap_space": dict(engine.swap_space), "requests": dict(engine.requests),
                              "samples": dict(engine.samples)}  # fmt: skip
@@ -422,8 +501,12 @@ class _StepUndo:
             engine.cache.swap_in(*self.saved_kv)
         _restore_state(allocator, self.allocator)
         _restore_state(engine.scheduler, self.scheduler)
+        history, (length, oldest) = engine.metrics.history, self.history
+        for _ in range(engine.metrics.num_steps - self.metrics["num_steps"]):
+            history.pop()
+        if len(history) < length:  # the window dropped its oldest record for the step's one
+            history.insert(0, oldest)
         _restore_state(engine.metrics, self.metrics)
-        del engine.metrics.history[self.num_records :]
         _restore_state(engine.clock, self.clock)
         _restore_state(engine, self.engine_state)
         for table, state in self.tables:

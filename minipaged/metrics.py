@@ -11,7 +11,9 @@ not its average. Throughput is output tokens (and requests) per second over
 the run, from the first arrival to the last finish.
 
 Per step, :class:`Metrics` keeps a ``history`` of :class:`StepRecord` (queue
-lengths, the cache's memory use, preemptions). It learns about blocks and
+lengths, the cache's memory use, preemptions): every step, or only the latest
+``window`` of them (a long-running engine's memory stays bounded), with running
+totals (``num_steps``, ``num_finished``, ``num_preemptions``) that count every step. It learns about blocks and
 preemptions by subscribing to the allocator's events, not by polling. Memory
 use is two fractions of the pool, never to be confused with chapter 01's
 utilisation U (tokens / *allocated* slots):
@@ -30,8 +32,10 @@ from dataclasses import dataclass, field
 import torch
 
 from minipaged.sequence import Sequence, SequenceStatus
+from minipaged.validation import check_int
 
 PERCENTILES = (50, 90, 99)
+HISTORY_WINDOW = 1024  # step records an engine keeps by default (EngineConfig(keep_finished=True): all)
 
 
 @dataclass
@@ -55,11 +59,16 @@ class Metrics:
     """Step history plus counters fed by allocator events. ``attach(allocator)`` subscribes.
 
     ``num_blocks`` and ``block_size`` are the pool's, the denominators of KV usage and token occupancy.
+    ``window`` bounds the history to the latest ``window`` records (the oldest is dropped as a
+    new one comes); None keeps every record. The counters always count every step.
     """
 
     num_blocks: int
     block_size: int
+    window: int | None = None
     history: list[StepRecord] = field(default_factory=list)
+    num_steps: int = 0  # steps recorded, including those the window dropped
+    num_finished: int = 0  # sequences finished, over all steps
     used_blocks: int = 0
     num_preemptions: int = 0
     max_running: int = 0
@@ -68,6 +77,10 @@ class Metrics:
     num_cow: int = 0  # copy-on-write block copies (parallel sampling)
     _step_preemptions: int = 0
     _allocator: object = field(default=None, repr=False)  # attached; its prefix-cache counters, if any
+
+    def __post_init__(self):
+        if self.window is not None:
+            self.window = check_int(self.window, "window", minimum=1)
 
     @property
     def prefix_cache(self):
@@ -105,7 +118,7 @@ class Metrics:
 
     def record_step(self, time: float, running: list[Sequence], num_waiting: int, num_new_tokens: list[int],
                     num_prefill_tokens: int, num_finished: int) -> StepRecord:
-        """Append the record of the step that just ended and return it.
+        """Append the record of the step that just ended (dropping the oldest beyond the window) and return it.
 
         Args:
             time: the clock at the end of the step.
@@ -117,7 +130,7 @@ class Metrics:
         """
         tables = [s.block_table for s in running if s.block_table is not None]
         record = StepRecord(
-            step=len(self.history),
+            step=self.num_steps,
             time=time,
             num_running=len(running),
             num_waiting=num_waiting,
@@ -132,7 +145,11 @@ class Metrics:
         )
         self._step_preemptions = 0
         self.max_running = max(self.max_running, len(running))
+        self.num_steps += 1
+        self.num_finished += num_finished
         self.history.append(record)
+        if self.window is not None and len(self.history) > self.window:
+            del self.history[0]  # a memmove of `window` pointers: cheap next to a step
         return record
 
 

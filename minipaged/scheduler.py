@@ -69,6 +69,9 @@ class EngineConfig:
     backend: str = "torch"  # attention backend of the model forward: "torch" or "triton"
     enable_prefix_caching: bool = True  # share cached full blocks between requests (chapter 06), as vLLM does
     prefix_caching_hash_fn: Callable[[bytes], bytes] | None = None  # the block-key hash; None: SHA-256
+    # False: step() hands finished requests over and the engine forgets them, and metrics keep the latest
+    # HISTORY_WINDOW step records (memory stays bounded). True: engine.requests and the history keep everything.
+    keep_finished: bool = False
 
     def __post_init__(self):
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -78,6 +81,7 @@ class EngineConfig:
         if not 0 <= self.watermark < 1:
             raise ValueError(f"EngineConfig.watermark must be in [0, 1), got {self.watermark!r}")
         check_bool(self.chunked_prefill, "EngineConfig.chunked_prefill")
+        check_bool(self.keep_finished, "EngineConfig.keep_finished")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(
                 f"EngineConfig.preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
@@ -213,6 +217,14 @@ class Scheduler:
         return n
 
     def schedule(self) -> SchedulerOutput:
+        """This step's plan (see the module docstring): blocks allocated, victims preempted, sequences admitted.
+
+        The allocator's subscribers hear of the pass's events once the whole plan is made.
+        """
+        with self.allocator.hold_events():
+            return self._schedule()
+
+    def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
 
@@ -316,8 +328,13 @@ class Scheduler:
         """Advance the sequences after the forward pass; return those that finished.
 
         ``sampled`` maps seq_id to the token sampled for every sequence whose
-        chunk reached its last token (the others were mid-prefill).
+        chunk reached its last token (the others were mid-prefill). The allocator's
+        subscribers hear of the frees, forks and keys once every sequence has advanced.
         """
+        with self.allocator.hold_events():
+            return self._postprocess(out, sampled, now)
+
+    def _postprocess(self, out: SchedulerOutput, sampled: dict, now: float) -> list[Sequence]:
         finished = []
         for seq, n in zip(out.seqs, out.num_new_tokens):
             seq.num_computed_tokens += n
@@ -357,8 +374,9 @@ class Scheduler:
             self.waiting.remove(seq)
         else:
             raise ValueError(f"request {seq.seq_id!r} is neither waiting nor running ({seq.status.value})")
-        for child in seq.pending_forks:
-            child.status = SequenceStatus.ABORTED
-        seq.pending_forks = []
-        self._release(seq)
-        seq.status = SequenceStatus.ABORTED
+        with self.allocator.hold_events():  # subscribers hear of the frees once the sequence is aborted
+            for child in seq.pending_forks:
+                child.status = SequenceStatus.ABORTED
+            seq.pending_forks = []
+            seq.status = SequenceStatus.ABORTED
+            self._release(seq)

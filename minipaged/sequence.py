@@ -85,13 +85,15 @@ class Sequence:
         arrival_time: when the request arrived, in the engine's clock.
         cache_salt: the prefix cache's salt (str or bytes; None: no salt). Only requests
             with the same salt share cached blocks.
+        request_id: the request this sequence is a sample of (None: ``seq_id``, one sample).
     """
 
     def __init__(self, seq_id, prompt_token_ids: list[int], sampling_params: SamplingParams, arrival_time: float = 0.0,
-                 cache_salt: str | bytes | None = None):  # fmt: skip
+                 cache_salt: str | bytes | None = None, request_id=None):  # fmt: skip
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must hold at least one token")
         self.seq_id = seq_id
+        self.request_id = seq_id if request_id is None else request_id
         self.cache_salt = cache_salt
         self.pending_forks: list[Sequence] = []  # samples that fork from this one when its prompt is computed
         self.token_ids = list(prompt_token_ids)

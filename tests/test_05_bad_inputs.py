@@ -53,7 +53,7 @@ def test_the_longest_request_that_fits_the_positions_runs(model):
 
 
 def test_generate_checks_every_prompt_before_queueing_any(model):
-    engine = Engine(model, EngineConfig(num_blocks=8, block_size=4))
+    engine = Engine(model, EngineConfig(keep_finished=True, num_blocks=8, block_size=4))
     with pytest.raises(ValueError, match=r"prompts\[1\]\[0\] = 999"):
         engine.generate([[1, 2], [999], [3]])
     assert unchanged(engine)

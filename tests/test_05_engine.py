@@ -55,7 +55,7 @@ def test_outputs_match_contiguous_under_preemption_chunking_and_aborts(model, ch
     rng = random.Random(5 + chunked)
     # 20 blocks of 4 slots for up to 8 sequences that each grow to ~13 blocks: preemption is certain.
     config = EngineConfig(num_blocks=20, block_size=4, max_num_seqs=8, max_num_batched_tokens=64 if not chunked else 24,
-                          chunked_prefill=chunked, preemption_mode=mode)
+                          chunked_prefill=chunked, preemption_mode=mode, keep_finished=True)
     engine = Engine(model, config)
     requests = random_requests(rng, 16, model.config.vocab_size)
     aborted = drive(engine, requests, rng, abort_prob=0.08)
@@ -81,7 +81,7 @@ def test_outputs_match_contiguous_under_preemption_chunking_and_aborts(model, ch
 def test_static_batching_outputs_match_and_batches_wait_for_the_longest(model):
     rng = random.Random(11)
     requests = random_requests(rng, 10, model.config.vocab_size, max_prompt=20, max_out=10)
-    config = EngineConfig(num_blocks=24, block_size=4, max_num_seqs=8)
+    config = EngineConfig(keep_finished=True, num_blocks=24, block_size=4, max_num_seqs=8)
     engine = static_engine(model, config, max_model_len=30)  # 8 blocks per reservation: batches of 3
     assert engine.scheduler.batch_size == 3
     for i, (prompt, n) in enumerate(requests):
@@ -123,7 +123,7 @@ def test_stop_token_ends_a_request_early(model):
 
 
 def test_clear_errors_leave_the_engine_unchanged(model):
-    engine = Engine(model, EngineConfig(num_blocks=4, block_size=4))
+    engine = Engine(model, EngineConfig(keep_finished=True, num_blocks=4, block_size=4))
     with pytest.raises(ValueError, match="pool has 4 blocks"):
         engine.add_request([1] * 15, SamplingParams(max_tokens=4))  # needs 18 slots = 5 blocks
     with pytest.raises(ValueError, match="token ids"):

@@ -107,7 +107,7 @@ STAGES = ["schedule", "schedule_midway", "swap", "forward", "sample", "postproce
 def test_a_fault_at_any_stage_leaves_the_engine_as_before_the_step(model, stage, mode, prefix_caching, monkeypatch):
     rng = random.Random(f"{stage}-{mode}-{prefix_caching}-{SEED}")
     # A small pool: preemption (and so swaps) happens; shared prompt starts make prefix hits.
-    config = EngineConfig(num_blocks=14, block_size=4, max_num_seqs=6, max_num_batched_tokens=16,
+    config = EngineConfig(num_blocks=14, block_size=4, max_num_seqs=6, max_num_batched_tokens=16, keep_finished=True,
                           preemption_mode=mode, enable_prefix_caching=prefix_caching)
     engine = Engine(model, config)
     base = [rng.randrange(512) for _ in range(8)]
@@ -139,7 +139,7 @@ def test_a_fault_at_any_stage_leaves_the_engine_as_before_the_step(model, stage,
 
 
 def test_keyboard_interrupt_in_the_forward_pass_then_the_engine_goes_on(model, monkeypatch):
-    engine = Engine(model, EngineConfig(num_blocks=16, block_size=4))
+    engine = Engine(model, EngineConfig(num_blocks=16, block_size=4, keep_finished=True))
     prompts = [[5, 6, 7, 8, 9], [1, 2, 3]]
     for p in prompts:
         engine.add_request(p, SamplingParams(max_tokens=6))

@@ -80,7 +80,8 @@ def test_outputs_match_contiguous_with_caching_under_preemption_chunking_and_abo
     outputs = {}
     for caching in (False, True):
         config = EngineConfig(num_blocks=14, block_size=4, max_num_seqs=8, max_num_batched_tokens=24 if chunked else 64,
-                              chunked_prefill=chunked, preemption_mode=mode, enable_prefix_caching=caching)
+                              chunked_prefill=chunked, preemption_mode=mode, enable_prefix_caching=caching,
+                              keep_finished=True)
         engine = Engine(model, config)
         aborted = drive(engine, requests, random.Random(3), abort_prob=0.08)
         assert engine.metrics.num_preemptions > 0
@@ -105,7 +106,7 @@ def test_outputs_match_contiguous_with_caching_under_preemption_chunking_and_abo
 def test_random_shared_prefix_workloads_match_contiguous(model, seed, num_blocks, block_size, budget, mode, chunked):
     rng = random.Random(seed)
     requests = shared_prefix_requests(rng, model.config.vocab_size, 8, block_size)
-    config = EngineConfig(num_blocks=num_blocks, block_size=block_size, max_num_seqs=6,
+    config = EngineConfig(keep_finished=True, num_blocks=num_blocks, block_size=block_size, max_num_seqs=6,
                           max_num_batched_tokens=budget if chunked else 64, chunked_prefill=chunked,
                           preemption_mode=mode)  # fmt: skip
     engine = Engine(model, config)
@@ -118,7 +119,7 @@ def test_random_shared_prefix_workloads_match_contiguous(model, seed, num_blocks
 
 
 def test_a_hit_shares_blocks_and_starts_at_the_hit_length(model):
-    engine = Engine(model, EngineConfig(num_blocks=16, block_size=4))
+    engine = Engine(model, EngineConfig(keep_finished=True, num_blocks=16, block_size=4))
     prompt = list(range(1, 12))  # 11 tokens: blocks 0 and 1 full, block 2 partly
     engine.add_request(prompt, SamplingParams(max_tokens=5), request_id="a")
     engine.step()  # a's prompt computed: its two full blocks get keys
@@ -141,7 +142,7 @@ def test_a_hit_shares_blocks_and_starts_at_the_hit_length(model):
 
 
 def test_a_prompt_of_whole_blocks_recomputes_its_last_block(model):
-    engine = Engine(model, EngineConfig(num_blocks=16, block_size=4))
+    engine = Engine(model, EngineConfig(keep_finished=True, num_blocks=16, block_size=4))
     prompt = list(range(1, 9))  # exactly 2 blocks
     engine.generate([prompt], SamplingParams(max_tokens=1))
     engine.add_request(prompt, SamplingParams(max_tokens=3), request_id="again")
@@ -153,7 +154,7 @@ def test_a_prompt_of_whole_blocks_recomputes_its_last_block(model):
 
 
 def test_generated_tokens_are_cached_too(model):
-    engine = Engine(model, EngineConfig(num_blocks=16, block_size=4))
+    engine = Engine(model, EngineConfig(keep_finished=True, num_blocks=16, block_size=4))
     prompt = [5, 6, 7]
     out = engine.generate([prompt], SamplingParams(max_tokens=9))[0]
     # prompt + 8 fed-back outputs = 11 computed tokens: blocks 0 and 1 hold generated tokens and are cached.
@@ -163,7 +164,7 @@ def test_generated_tokens_are_cached_too(model):
 
 def test_admission_counts_a_free_hit_block_as_used(model):
     # 6 blocks, watermark 2. Request "a" leaves 2 cached blocks in the free queue.
-    engine = Engine(model, EngineConfig(num_blocks=6, block_size=4, watermark=0.34))
+    engine = Engine(model, EngineConfig(keep_finished=True, num_blocks=6, block_size=4, watermark=0.34))
     prefix = list(range(1, 9))
     engine.generate([prefix + [9]], SamplingParams(max_tokens=1))
     allocator = engine.cache.allocator
@@ -185,7 +186,7 @@ def test_admission_counts_a_free_hit_block_as_used(model):
 def test_salts_isolate_and_the_same_salt_shares(model):
     prompt = list(range(1, 10))
     for salt, shares in (("alice", True), ("bob", False), (None, False), (b"alice", False)):
-        engine = Engine(model, EngineConfig(num_blocks=16, block_size=4))
+        engine = Engine(model, EngineConfig(keep_finished=True, num_blocks=16, block_size=4))
         engine.add_request(prompt, SamplingParams(max_tokens=1), cache_salt="alice")
         while engine.has_unfinished():
             engine.step()
@@ -197,7 +198,8 @@ def test_salts_isolate_and_the_same_salt_shares(model):
 
 def test_swapped_out_sequence_drops_its_references_and_hits_again(model):
     # Two sequences share a 2-block prefix; the pool forces the younger one out by swap.
-    config = EngineConfig(num_blocks=8, block_size=4, max_num_seqs=2, preemption_mode="swap", watermark=0.0)
+    config = EngineConfig(num_blocks=8, block_size=4, max_num_seqs=2, preemption_mode="swap",
+                          watermark=0.0, keep_finished=True)
     engine = Engine(model, config)
     prefix = list(range(1, 9))
     engine.add_request(prefix + [9], SamplingParams(max_tokens=14), request_id="old")
@@ -222,7 +224,8 @@ def test_parallel_samples_equal_the_same_seed_run_alone(model):
     prompt = list(range(3, 13))  # 10 tokens, block size 4: the last prompt block is shared and partly filled
     params = SamplingParams(max_tokens=8, temperature=0.9, seed=11, n=4)
     for caching in (False, True):
-        engine = Engine(model, EngineConfig(num_blocks=32, block_size=4, enable_prefix_caching=caching))
+        engine = Engine(model, EngineConfig(num_blocks=32, block_size=4,
+                                            enable_prefix_caching=caching, keep_finished=True))
         rid = engine.add_request(prompt, params)
         engine.step()  # the prompt: sample 0 computes it, samples 1..3 fork its table
         tables = [s.block_table.blocks for s in engine.samples[rid]]
@@ -244,7 +247,7 @@ def test_parallel_samples_equal_the_same_seed_run_alone(model):
 
 
 def test_generate_returns_every_sample_prompt_by_prompt(model):
-    engine = Engine(model, EngineConfig(num_blocks=32, block_size=4))
+    engine = Engine(model, EngineConfig(keep_finished=True, num_blocks=32, block_size=4))
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
     outs = engine.generate(prompts, SamplingParams(max_tokens=3, n=2))
     greedy = [generate_contiguous(model, p, 3) for p in prompts]
@@ -255,7 +258,8 @@ def test_generate_returns_every_sample_prompt_by_prompt(model):
 def test_parallel_samples_under_preemption_and_abort(model):
     # Samples fork, run out of blocks, get preempted (each one alone afterwards), and one request is aborted.
     for mode in ("recompute", "swap"):
-        engine = Engine(model, EngineConfig(num_blocks=10, block_size=4, max_num_seqs=4, preemption_mode=mode))
+        engine = Engine(model, EngineConfig(num_blocks=10, block_size=4, max_num_seqs=4,
+                                            preemption_mode=mode, keep_finished=True))
         prompt = list(range(1, 8))
         rid = engine.add_request(prompt, SamplingParams(max_tokens=12, n=3))
         other = engine.add_request([9, 8, 7], SamplingParams(max_tokens=12))
@@ -272,7 +276,7 @@ def test_parallel_samples_under_preemption_and_abort(model):
 
 
 def test_abort_before_the_fork_aborts_every_sample(model):
-    engine = Engine(model, EngineConfig(num_blocks=16, block_size=4, max_num_batched_tokens=4))
+    engine = Engine(model, EngineConfig(keep_finished=True, num_blocks=16, block_size=4, max_num_batched_tokens=4))
     rid = engine.add_request(list(range(1, 11)), SamplingParams(max_tokens=3, n=3))
     engine.step()  # a first chunk of the prompt only
     engine.abort(rid)

@@ -94,7 +94,7 @@ def main(argv: list[str]) -> int:
             summary = summarize(seqs)
             summary["max_concurrent"] = engine.metrics.max_running
             summary["preemptions"] = engine.metrics.num_preemptions
-            print(f"{name} run {repeat + 1}: {len(engine.metrics.history)} steps in {elapsed:.1f} s wall-clock")
+            print(f"{name} run {repeat + 1}: {engine.metrics.num_steps} steps in {elapsed:.1f} s wall-clock")
             if name not in runs or summary["tokens_per_s"] > runs[name]["tokens_per_s"]:
                 runs[name] = summary
     static_batch = min(config.max_num_seqs, config.num_blocks // blocks_needed(max_model_len, config.block_size))

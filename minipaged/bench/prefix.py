@@ -108,7 +108,7 @@ def main(argv: list[str]) -> int:
                 summary = summarize(seqs)
                 summary["max_concurrent"] = engine.metrics.max_running
                 summary["preemptions"] = engine.metrics.num_preemptions
-                print(f"{shot} {name} run {repeat + 1}: {len(engine.metrics.history)} steps in {elapsed:.1f} s")
+                print(f"{shot} {name} run {repeat + 1}: {engine.metrics.num_steps} steps in {elapsed:.1f} s")
                 if name not in runs or summary["tokens_per_s"] > runs[name]["tokens_per_s"]:
                     runs[name] = summary
                 if caching:

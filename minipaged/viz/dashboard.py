@@ -106,10 +106,9 @@ class EngineSnapshot:
     def from_engine(cls, engine, step: int | None = None) -> EngineSnapshot:
         """Copy what the dashboard needs from an :class:`~minipaged.engine.Engine` (its public state only)."""
         sched = engine.scheduler
-        history = engine.metrics.history
-        step = len(history) if step is None else step
+        step = engine.metrics.num_steps if step is None else step
         tables = {s.seq_id: s.block_table for s in sched.running if s.block_table is not None}
-        finished = sum(1 for s in engine.requests.values() if getattr(s.status, "value", s.status) == "finished")
+        finished = engine.metrics.num_finished  # a running total: finished requests may be forgotten
         return cls(
             pool=PoolSnapshot.from_allocator(engine.cache.allocator, tables, step=step),
             waiting=tuple(RequestInfo.from_sequence(s) for s in sched.waiting),
@@ -332,6 +331,6 @@ class EngineDashboard(BlockMapView):
         engine = self.sim.engine
         state = "finished" if self.finished else "running"
         return (
-            f"step {len(engine.metrics.history)} · t = {engine.clock.now():.3f} s · "
+            f"step {engine.metrics.num_steps} · t = {engine.clock.now():.3f} s · "
             f"{engine.metrics.num_preemptions} preemptions · {state}"
         )

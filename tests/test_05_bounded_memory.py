@@ -1,0 +1,103 @@
+"""Issue 11, bounded memory: step() hands finished requests over; by default the engine forgets them
+and keeps a bounded window of step records plus running totals; keep_finished=True keeps everything."""
+
+import pytest
+import torch
+
+from minipaged.engine import Engine
+from minipaged.generate import generate_contiguous
+from minipaged.metrics import Metrics
+from minipaged.model import LlamaConfig, LlamaForCausalLM
+from minipaged.scheduler import EngineConfig
+from minipaged.sequence import SamplingParams
+from minipaged.workload import RequestSpec
+
+pytestmark = pytest.mark.ch05
+
+PROMPTS = [[5, 6, 7, 8, 9], [1, 2, 3], [5, 6, 7, 8, 10, 11], [40, 41]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.set_num_threads(1)
+    return LlamaForCausalLM(LlamaConfig(), seed=0).eval()
+
+
+def config(**kw):
+    return EngineConfig(num_blocks=10, block_size=4, max_num_seqs=3, max_num_batched_tokens=8, **kw)
+
+
+def test_step_hands_each_finished_request_over_once_and_forgets_it(model):
+    engine = Engine(model, config())
+    ids = [engine.add_request(p, SamplingParams(max_tokens=4 + i)) for i, p in enumerate(PROMPTS)]
+    ids.append(engine.add_request([9, 8, 7], SamplingParams(n=2, max_tokens=3, temperature=0.0)))
+    outputs = {}
+    while engine.has_unfinished():
+        for out in engine.step().outputs:
+            assert out.request_id not in outputs
+            outputs[out.request_id] = out
+            assert out.request_id not in engine.samples  # forgotten as it is handed over
+        assert set(engine.requests) == {s.seq_id for s in [*engine.scheduler.running, *engine.scheduler.waiting]} | {
+            c.seq_id for s in engine.scheduler.running + list(engine.scheduler.waiting) for c in s.pending_forks}
+    assert sorted(outputs) == ids and not engine.requests and not engine.samples
+    for i, p in enumerate(PROMPTS):
+        assert outputs[i].output_token_ids == [generate_contiguous(model, p, 4 + i)]
+    assert outputs[ids[-1]].output_token_ids == [generate_contiguous(model, [9, 8, 7], 3)] * 2
+    assert engine.metrics.num_finished == len(PROMPTS) + 2
+    with pytest.raises(KeyError, match="keep_finished"):
+        engine.abort(0)
+
+
+def test_generate_and_run_collect_their_outputs_and_the_engine_keeps_nothing(model):
+    engine = Engine(model, config())
+    assert engine.generate(PROMPTS, SamplingParams(max_tokens=3)) == [generate_contiguous(model, p, 3) for p in PROMPTS]
+    assert not engine.requests and not engine.samples
+    workload = [RequestSpec(0.01 * i, 4, 3) for i in range(6)]
+    seqs = engine.run(workload, progress=False)
+    assert len(seqs) == 6 and all(s.num_output_tokens == 3 for s in seqs) and not engine.requests
+    kept = Engine(model, config(keep_finished=True))
+    kept.generate(PROMPTS, SamplingParams(max_tokens=3))
+    assert len(kept.requests) == len(PROMPTS) and all(s.is_finished for s in kept.requests.values())
+
+
+def test_the_history_is_a_window_with_exact_totals():
+    m = Metrics(8, 4, window=3)
+    for i in range(7):
+        m.record_step(float(i), [], 0, [1, 2], 0, i % 2)
+    assert [r.step for r in m.history] == [4, 5, 6] and m.num_steps == 7 and m.num_finished == 3
+    everything = Metrics(8, 4)
+    for i in range(7):
+        everything.record_step(float(i), [], 0, [1], 0, 0)
+    assert len(everything.history) == 7
+    with pytest.raises(TypeError, match="window"):
+        Metrics(8, 4, window=2.5)
+
+
+def test_a_failed_step_puts_back_the_record_the_window_dropped(model, monkeypatch):
+    engine = Engine(model, config())
+    engine.metrics.window = 3
+    for p in PROMPTS:
+        engine.add_request(p, SamplingParams(max_tokens=5))
+    for _ in range(4):
+        engine.step()
+    before = (list(engine.metrics.history), engine.metrics.num_steps, engine.metrics.num_finished, dict(engine.samples))
+    assert len(before[0]) == 3
+
+    def boom(finished):  # after record_step: the window already dropped its oldest record
+        raise RuntimeError("late fault")
+
+    monkeypatch.setattr(engine, "_hand_over", boom)
+    with pytest.raises(RuntimeError, match="late fault"):
+        engine.step()
+    monkeypatch.undo()
+    after = (list(engine.metrics.history), engine.metrics.num_steps, engine.metrics.num_finished, dict(engine.samples))
+    assert after == before
+    while engine.has_unfinished():
+        engine.step()
+    assert len(engine.metrics.history) == 3 and engine.metrics.history[-1].step == engine.metrics.num_steps - 1
+    assert engine.metrics.num_finished == len(PROMPTS)
+
+
+def test_keep_finished_must_be_a_bool():
+    with pytest.raises(TypeError, match="keep_finished"):
+        EngineConfig(keep_finished="yes")
