@@ -6,11 +6,9 @@ shows (a naive per-block hash, chapter 02's append and deque): the chapter
 teaches the idea without printing the answer, so those must FAIL too.
 """
 
-from collections import OrderedDict, deque
 
 import pytest
 
-from minipaged.block_manager import OutOfBlocks
 from minipaged.checks import FAIL, PASS, TODO, ch06
 
 pytestmark = pytest.mark.ch06
@@ -175,50 +173,7 @@ class FreesBeforeAllocating(CowTable):  # on a full pool the old reference is go
 # -- Task 6.4 ----------------------------------------------------------------------
 
 
-class PrefixPool:
-    def __init__(self, num_blocks):
-        self.refcounts = [0] * num_blocks
-        self.key_of = [None] * num_blocks
-        self.block_of = {}
-        self.keyless_free = deque(range(num_blocks))
-        self.cached_free = OrderedDict()
-        self.evicted = []
-
-    def cache(self, block_id, key):
-        self.key_of[block_id], self.block_of[key] = key, block_id
-
-    def allocate(self):
-        if self.keyless_free:
-            block_id = self.keyless_free.popleft()
-        elif self.cached_free:
-            block_id, _ = self.cached_free.popitem(last=False)
-            self._evict(block_id)
-        else:
-            raise OutOfBlocks("every block is in use")
-        self.refcounts[block_id] = 1
-        return block_id
-
-    def _evict(self, block_id):
-        del self.block_of[self.key_of[block_id]]
-        self.key_of[block_id] = None
-        self.evicted.append(block_id)
-
-    def free(self, block_id):
-        self.refcounts[block_id] -= 1
-        if self.refcounts[block_id] == 0:
-            if self.key_of[block_id] is None:
-                self.keyless_free.append(block_id)
-            else:
-                self.cached_free[block_id] = None
-
-    def hit(self, key):
-        block_id = self.block_of.get(key)
-        if block_id is None:
-            return None
-        if self.refcounts[block_id] == 0:
-            del self.cached_free[block_id]
-        self.refcounts[block_id] += 1
-        return block_id
+PrefixPool = ch06._RefPrefixPool  # the check's own reference; the mutations below break it one way each
 
 
 class EvictsReferencedBlocks(PrefixPool):  # a hit leaves the block in the free queue

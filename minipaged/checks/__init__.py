@@ -190,6 +190,22 @@ def expect_equal(actual, expected, what: str) -> None:
         raise CheckFailed(f"{what} returned {actual!r}, expected {expected!r}")
 
 
+def expect_raises(exc_type, fn, what: str) -> None:
+    """``fn()`` must raise ``exc_type``; another exception or a normal return is a FAIL that says which.
+
+    ``NotImplementedError`` passes through, so an unfinished task still reads NOT IMPLEMENTED YET.
+    """
+    try:
+        fn()
+    except exc_type:
+        return
+    except NotImplementedError:
+        raise
+    except Exception as exc:
+        raise CheckFailed(f"{what} raised {type(exc).__name__}: {exc}; expected {exc_type.__name__}") from None
+    raise CheckFailed(f"{what} returned normally; expected it to raise {exc_type.__name__}")
+
+
 def expect_close(actual, expected, what: str, rel: float = 1e-9, abs_: float = 1e-12) -> None:
     try:
         ok = math.isclose(float(actual), float(expected), rel_tol=rel, abs_tol=abs_)

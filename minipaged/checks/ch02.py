@@ -12,7 +12,7 @@ from collections import deque
 from functools import partial
 
 from minipaged.block_manager import BlockError, OutOfBlocks
-from minipaged.checks import CheckFailed, check, expect_equal
+from minipaged.checks import CheckFailed, check, expect_equal, expect_raises
 
 HINTS = {
     "2.1": [
@@ -31,18 +31,6 @@ HINTS = {
         "raise IndexError when the chunk's last position is beyond len(blocks) * block_size, before computing slots",
     ],
 }
-
-
-def _expect_raises(exc_type, fn, what: str) -> None:
-    try:
-        fn()
-    except exc_type:
-        return
-    except NotImplementedError:
-        raise
-    except Exception as exc:
-        raise CheckFailed(f"{what} raised {type(exc).__name__}: {exc}; expected {exc_type.__name__}") from None
-    raise CheckFailed(f"{what} returned normally; expected it to raise {exc_type.__name__}")
 
 
 def _state(alloc) -> tuple:
@@ -91,7 +79,7 @@ def check_allocate_many(cls):
         expect_equal(_ids(mine.allocate(n), what), ref.allocate(n), what)
         expect_equal(list(mine.refcounts), ref.refcounts, f"refcounts after {what}")
     before = _state(mine)
-    _expect_raises(OutOfBlocks, partial(mine.allocate, 2), "allocate(2) with 1 free block")
+    expect_raises(OutOfBlocks, partial(mine.allocate, 2), "allocate(2) with 1 free block")
     if _state(mine) != before:
         raise CheckFailed("allocate(2) with 1 free block changed free_block_ids or refcounts before raising; "
                           "check that the whole request fits first")
@@ -119,7 +107,7 @@ def check_free_many(cls):
     ]
     for ids, error, why in bad:
         before = _state(mine)
-        _expect_raises(error, partial(mine.free, list(ids)), f"free({ids}) ({why})")
+        expect_raises(error, partial(mine.free, list(ids)), f"free({ids}) ({why})")
         if _state(mine) != before:
             raise CheckFailed(f"free({ids}) ({why}) changed the pool before raising: validate the whole list first")
     mine.free([1])
@@ -164,5 +152,5 @@ def check_chunk_slots(fn):
         expect_equal(got, want, what)
     for blocks, start, n, b in [([7, 2], 6, 3, 4), ([7], 0, 5, 4), ([], 0, 1, 4)]:
         what = f"chunk_slots({blocks}, start={start}, num_tokens={n}, block_size={b}) (past the table's blocks)"
-        _expect_raises(IndexError, partial(fn, list(blocks), start, n, b), what)
+        expect_raises(IndexError, partial(fn, list(blocks), start, n, b), what)
     return f"{len(SLOT_CASES)} chunks, mid-block starts and boundaries crossed, IndexError past the table"

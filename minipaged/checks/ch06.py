@@ -22,7 +22,7 @@ from collections import OrderedDict, deque
 from functools import partial
 
 from minipaged.block_manager import BlockAllocator, OutOfBlocks
-from minipaged.checks import CheckFailed, check, expect_equal
+from minipaged.checks import CheckFailed, check, expect_equal, expect_raises
 
 # Staged hints: the first names the idea (stubs carry it), later ones come closer to code on request,
 # `hint("6.1", 2)`. None of them is the solution.
@@ -68,18 +68,6 @@ def transparent_hash(parent, token_ids, extra):
 def weak_hash(parent, token_ids, extra):
     """A deliberately bad hash: the sum of the tokens mod 5, chained. Many different blocks collide."""
     return ((parent or 0) * 7 + sum(token_ids) + len(extra)) % 5
-
-
-def _expect_raises(exc_type, fn, what: str) -> None:
-    try:
-        fn()
-    except exc_type:
-        return
-    except NotImplementedError:
-        raise
-    except Exception as exc:
-        raise CheckFailed(f"{what} raised {type(exc).__name__}: {exc}; expected {exc_type.__name__}") from None
-    raise CheckFailed(f"{what} returned normally; expected it to raise {exc_type.__name__}")
 
 
 # ---------------------------------------------------------------------------
@@ -245,7 +233,7 @@ def check_cow_append(cls):
             before = list(mine_data[last * B : last * B + B]) if last is not None else None
             if ref_alloc.num_free == 0 and (shared or ref[seq].num_tokens % B == 0):
                 state = (list(mine[seq].blocks), mine[seq].num_tokens, list(mine_alloc.refcounts), list(mine_data))
-                _expect_raises(OutOfBlocks, partial(mine[seq].append, value), what + " on a full pool")
+                expect_raises(OutOfBlocks, partial(mine[seq].append, value), what + " on a full pool")
                 if (list(mine[seq].blocks), mine[seq].num_tokens, list(mine_alloc.refcounts), list(mine_data)) != state:
                     raise CheckFailed(f"{what} on a full pool raised OutOfBlocks but changed the table, refcounts "
                                       "or the cache first")
@@ -288,13 +276,16 @@ class _RefPrefixPool:
             block_id = self.keyless_free.popleft()
         elif self.cached_free:
             block_id, _ = self.cached_free.popitem(last=False)
-            del self.block_of[self.key_of[block_id]]
-            self.key_of[block_id] = None
-            self.evicted.append(block_id)
+            self._evict(block_id)
         else:
             raise OutOfBlocks("every block is in use")
         self.refcounts[block_id] = 1
         return block_id
+
+    def _evict(self, block_id):
+        del self.block_of[self.key_of[block_id]]
+        self.key_of[block_id] = None
+        self.evicted.append(block_id)
 
     def free(self, block_id):
         self.refcounts[block_id] -= 1
@@ -349,7 +340,7 @@ def check_lru(cls):
             for _ in range(arg):
                 if not ref.keyless_free and not ref.cached_free:
                     before = _lru_state(mine)
-                    _expect_raises(OutOfBlocks, mine.allocate, "allocate() with every block held")
+                    expect_raises(OutOfBlocks, mine.allocate, "allocate() with every block held")
                     if _lru_state(mine) != before:
                         raise CheckFailed("allocate() with every block held raised OutOfBlocks but changed the state")
                     continue
