@@ -15,15 +15,14 @@ the script says so, and a higher ``--rate`` measures its capacity.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from minipaged.accounting import blocks_needed
-from minipaged.bench import fraction, positive_int, positive_rate
+from minipaged.bench import best_runs, fraction, positive_int, positive_rate
 from minipaged.clock import WallClock
 from minipaged.engine import Engine
-from minipaged.metrics import format_summary, summarize
+from minipaged.metrics import format_summary
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 from minipaged.scheduler import EngineConfig
 from minipaged.sequence import SamplingParams
@@ -82,21 +81,7 @@ def main(argv: list[str]) -> int:
         "continuous+paged": lambda: Engine(model, config, WallClock()),
         "static+reserved": lambda: static_engine(model, config, max_model_len, WallClock()),
     }
-    # Alternate the systems and keep each one's best run, so a burst of load from
-    # something else on the machine cannot decide the ratio.
-    runs = {}
-    for repeat in range(args.repeats):
-        for name, make in systems.items():
-            engine = make()
-            start = time.perf_counter()
-            seqs = engine.run(workload, progress=False)
-            elapsed = time.perf_counter() - start
-            summary = summarize(seqs)
-            summary["max_concurrent"] = engine.metrics.max_running
-            summary["preemptions"] = engine.metrics.num_preemptions
-            print(f"{name} run {repeat + 1}: {engine.metrics.num_steps} steps in {elapsed:.1f} s wall-clock")
-            if name not in runs or summary["tokens_per_s"] > runs[name]["tokens_per_s"]:
-                runs[name] = summary
+    runs = best_runs(systems, lambda engine: engine.run(workload, progress=False), args.repeats)
     static_batch = min(config.max_num_seqs, config.num_blocks // blocks_needed(max_model_len, config.block_size))
     print(f"static batch: {static_batch} reservations of max_model_len={max_model_len} tokens fit the pool\n")
     print(format_summary(runs, unit="ms"))

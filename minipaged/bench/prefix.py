@@ -16,14 +16,14 @@ p50 and p99 ratios (off / on: how many times shorter) and the hit rate.
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 import torch
 
+from minipaged.bench import best_runs
 from minipaged.clock import VirtualClock, WallClock
 from minipaged.engine import Engine
-from minipaged.metrics import format_summary, summarize
+from minipaged.metrics import format_summary
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 from minipaged.scheduler import EngineConfig
 from minipaged.workload import RequestSpec, poisson_arrivals
@@ -98,21 +98,14 @@ def main(argv: list[str]) -> int:
     for shot, prefix_len in SHOTS.items():
         workload, prompts = shared_prefix_workload(args.requests, args.rate, prefix_len, args.suffix_len,
                                                    args.output_len, vocab, args.seed)  # fmt: skip
-        runs, hit_rate = {}, 0.0
-        for repeat in range(args.repeats):
-            for name, caching in (("cache off", False), ("cache on", True)):
-                engine = Engine(model, config(caching), WallClock() if args.clock == "wall" else VirtualClock())
-                start = time.perf_counter()
-                seqs = engine.run(workload, progress=False, prompts=prompts)
-                elapsed = time.perf_counter() - start
-                summary = summarize(seqs)
-                summary["max_concurrent"] = engine.metrics.max_running
-                summary["preemptions"] = engine.metrics.num_preemptions
-                print(f"{shot} {name} run {repeat + 1}: {engine.metrics.num_steps} steps in {elapsed:.1f} s")
-                if name not in runs or summary["tokens_per_s"] > runs[name]["tokens_per_s"]:
-                    runs[name] = summary
-                if caching:
-                    hit_rate = engine.metrics.prefix_cache_hit_rate
+        systems = {
+            name: (lambda caching=caching: Engine(model, config(caching),
+                                                  WallClock() if args.clock == "wall" else VirtualClock()))
+            for name, caching in (("cache off", False), ("cache on", True))
+        }
+        runs = best_runs(systems, lambda engine, w=workload, p=prompts: engine.run(w, progress=False, prompts=p),
+                         args.repeats, label=f"{shot} ")
+        hit_rate = runs["cache on"]["hit_rate"]
         print(f"\n{shot}: shared prefix of {prefix_len} tokens")
         print(format_summary(runs, unit="ms"))
         for key, label in (("max_concurrent", "max concurrent seqs"), ("preemptions", "preemptions")):
