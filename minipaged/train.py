@@ -235,7 +235,7 @@ def main(argv=None) -> dict:
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)
     loss_fn = torch.compile(causal_lm_loss) if args.compile else causal_lm_loss
     tokens_per_step = args.batch_size * args.context
-    t0, last = time.perf_counter(), step
+    t0, last, mark = time.perf_counter(), step, elapsed  # the throughput since the last print
     while step < args.steps:
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
         batch = sample_batch(train, MIX, args.batch_size, args.context, gen)
@@ -253,10 +253,10 @@ def main(argv=None) -> dict:
         elapsed += now - t0
         t0 = now
         if step % 50 == 0:
-            rate = tokens_per_step * (step - last) / max(1e-9, elapsed - getattr(main, "_mark", 0.0))
+            rate = tokens_per_step * (step - last) / max(1e-9, elapsed - mark)
             print(f"step {step} loss {loss.item() / math.log(2):.3f} bits/byte  lr {learning_rate(step, args):.2e}  "
                   f"{rate:,.0f} tok/s  {elapsed / 60:.1f} min", flush=True)
-            main._mark, last = elapsed, step
+            mark, last = elapsed, step
         if step % args.eval_every == 0 or step == args.steps:
             model.eval()
             with autocast:

@@ -186,7 +186,7 @@ def test_course_model_writes_text_greedy_without_repeating_one_phrase():
 def test_readme_checkpoint_command_runs_on_a_saved_checkpoint(tmp_path):
     """The README's `python -m minipaged.serve ...` line, run on a byte-vocabulary checkpoint saved here."""
     readme = (ROOT / "README.md").read_text()
-    command = re.search(r"^python -m minipaged\.serve (\S+) (.+)$", readme, re.M)
+    command = re.search(r"^(?:\.venv/bin/)?python -m minipaged\.serve (?!-)(\S+) (.+)$", readme, re.M)
     assert command, "README.md must show `python -m minipaged.serve CHECKPOINT_DIR ...`"
     config = LlamaConfig(**{**SMALL.__dict__, "vocab_size": tokenizer.VOCAB_SIZE})
     model, directory = saved(tmp_path, config, seed=7)

@@ -240,17 +240,16 @@ def compare(name: str, model: LlamaForCausalLM, course: bool, vllm_python: Path)
             a, v = ours["batches"][b]["outputs"][r], theirs["batches"][b]["outputs"][r]
             same_step_first_blocks = kind.endswith("new prefix") and r > 0
             row = {
-                "batch": b, "kind": kind, "prompt_len": len(request["prompt_token_ids"]),
+                "batch": b, "kind": kind, "prompt_token_ids": request["prompt_token_ids"],
+                "max_tokens": request["max_tokens"], "token_ids": a["token_ids"],
                 "tokens_equal": a["token_ids"] == v["token_ids"], "minipaged_cached_tokens": a["num_cached_tokens"],
                 "vllm_cached_tokens": v["num_cached_tokens"], "designs_agree": not same_step_first_blocks,
             }  # fmt: skip
-            if course:
-                row["prompt"] = tokenizer.decode(request["prompt_token_ids"])
-                row["minipaged_text"] = tokenizer.decode(a["token_ids"])
             if not row["tokens_equal"]:
-                row["minipaged_tokens"], row["vllm_tokens"] = a["token_ids"], v["token_ids"]
+                row["vllm_token_ids"] = v["token_ids"]
             requests.append(row)
-    return {"model": name, "parameters": sum(p.numel() for p in model.parameters()), "limits": limits,
+    return {"model": name, "tokenizer": "bytes" if course else None,
+            "parameters": sum(p.numel() for p in model.parameters()), "limits": limits,
             "vllm_version": theirs["vllm_version"], "vllm_counters": theirs["counters"],
             "minipaged_counters": ours["counters"], "requests": requests}  # fmt: skip
 
@@ -260,7 +259,7 @@ def failures(result: dict) -> list[str]:
     found = []
     for model in result["models"]:
         for r in model["requests"]:
-            where = f"{model['model']}, batch {r['batch']} ({r['kind']}), prompt of {r['prompt_len']} tokens"
+            where = f"{model['model']}, batch {r['batch']} ({r['kind']}), prompt of {len(r['prompt_token_ids'])} tokens"
             if not r["tokens_equal"]:
                 found.append(f"{where}: greedy tokens differ")
             if r["designs_agree"] and r["minipaged_cached_tokens"] != r["vllm_cached_tokens"]:
