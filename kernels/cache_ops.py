@@ -10,6 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from minipaged._triton import check_device
 from minipaged.validation import check_kv_write
 
 from .paged_attention import HEAD_DIMS, _is_power_of_two
@@ -48,6 +49,7 @@ def _write_kv_kernel(
 def _check_write_inputs(key, value, k_cache, v_cache, slot_mapping) -> None:
     """The checks every write backend shares, then this kernel's own limits."""
     check_kv_write(key, value, k_cache, v_cache, slot_mapping)
+    check_device(key.device)
     block_size, _, head_dim = k_cache.shape[1:]
     if not _is_power_of_two(block_size):
         raise ValueError(f"block_size must be a power of two, got {block_size}")

@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minipaged._triton import interpreted
-from minipaged.validation import check_int, check_paged_attention
+from minipaged._triton import check_device, interpreted
+from minipaged.validation import check_int, check_paged_attention, check_scale
 
 # Head dims the kernel takes: tl.arange needs a power of two, tl.dot needs >= 16,
 # and above 256 one K tile no longer fits comfortably in registers/shared memory.
@@ -190,15 +190,20 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, parall
     return max(1, min(wanted, affordable, MAX_SPLITS))
 
 
-def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_splits, validate) -> int | None:
-    """The shared checks of every paged-attention backend, then this kernel's own limits.
+def check_supported(block_size: int, head_dim: int, dtype: torch.dtype) -> None:
+    """Raise unless the kernel can run this cache shape; the engine asks before it builds anything.
 
-    Returns ``max(seq_lens)`` when ``validate`` read it (one host-device sync), else None.
+    Args:
+        block_size: tokens per block: a power of two up to ``MAX_BLOCK_SIZE`` (``tl.arange`` needs one).
+        head_dim: one of ``HEAD_DIMS`` (a power of two >= 16 for ``tl.arange`` and ``tl.dot``).
+        dtype: of q and the cache: float32, float16 or bfloat16.
+
+    Raises:
+        ValueError: ``block_size`` or ``head_dim`` is outside the kernel's limits.
+        TypeError: ``dtype`` is not one the kernel takes.
     """
-    max_seq_len = check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, check_values=validate)
-    _, block_size, _, head_dim = k_cache.shape
-    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"q must be float32, float16 or bfloat16 for the kernel, got {q.dtype}")
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"dtype must be float32, float16 or bfloat16 for the kernel, got {dtype}")
     if not _is_power_of_two(block_size) or block_size > MAX_BLOCK_SIZE:
         raise ValueError(
             f"block_size must be a power of two up to {MAX_BLOCK_SIZE} (tl.arange needs one), got {block_size}"
@@ -207,6 +212,26 @@ def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_splits, valid
         raise ValueError(
             f"head_dim must be one of {HEAD_DIMS} (a power of two >= 16 for tl.arange and tl.dot), got {head_dim}"
         )
+
+
+def supports(block_size: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the kernel can run this ``block_size``, ``head_dim`` and ``dtype`` (see :func:`check_supported`)."""
+    try:
+        check_supported(block_size, head_dim, dtype)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_splits, validate) -> int | None:
+    """The shared checks of every paged-attention backend, then this kernel's own limits.
+
+    Returns ``max(seq_lens)`` when ``validate`` read it (one host-device sync), else None.
+    """
+    max_seq_len = check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, check_values=validate)
+    _, block_size, _, head_dim = k_cache.shape
+    check_supported(block_size, head_dim, q.dtype)
+    check_device(q.device)
     if num_splits is not None:
         check_int(num_splits, "num_splits", minimum=1)
         if num_splits > MAX_SPLITS:
@@ -234,10 +259,10 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
     max_len = _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_splits, validate)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
+    scale = check_scale(scale, head_dim)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_seqs == 0:
         return out
-    scale = head_dim**-0.5 if scale is None else float(scale)
     if num_splits is None:
         parallelism = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else CPU_PARALLELISM
         if max_len is None:

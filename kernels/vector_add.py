@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minipaged._triton import check_device
+
 
 @triton.jit
 def _vector_add_kernel(x_ptr, y_ptr, out_ptr, n_elements, BLOCK: tl.constexpr):
@@ -29,6 +31,7 @@ def vector_add(x: torch.Tensor, y: torch.Tensor, block: int = 256) -> torch.Tens
         raise ValueError(f"x and y must be on the same device, got {x.device} and {y.device}")
     if block <= 0 or block & (block - 1):
         raise ValueError(f"block must be a power of two (tl.arange needs one), got {block}")
+    check_device(x.device)
     x, y = x.contiguous(), y.contiguous()
     out = torch.empty_like(x)
     grid = (triton.cdiv(x.numel(), block),)

@@ -40,6 +40,28 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def check_device(device) -> None:
+    """Raise :class:`TritonUnavailable` with advice when compiled kernels cannot run on ``device``.
+
+    Outside the interpreter (``TRITON_INTERPRET=0``) Triton compiles for a GPU; given
+    CPU tensors it fails deep inside with "0 active drivers". Say what to do instead.
+    """
+    if interpreted() or str(device).startswith("cuda"):
+        return
+    where = "there is no CUDA device" if not _cuda_available() else f"the tensors are on {device}"
+    raise TritonUnavailable(
+        f"TRITON_INTERPRET=0 asks Triton to compile for a GPU, but {where}. Either move the tensors to a "
+        "CUDA device, or run the kernels in the CPU interpreter: unset TRITON_INTERPRET (minipaged then "
+        "picks the interpreter when there is no GPU) or set TRITON_INTERPRET=1, before importing minipaged."
+    )
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def unavailable(name: str):
     """A stand-in for a kernel wrapper that explains how to get Triton."""
 

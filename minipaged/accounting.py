@@ -326,8 +326,8 @@ class CapacityReport:
 
     @property
     def gain(self) -> float:
-        """How many times more sequences paging admits."""
-        return self.paged.num_seqs / self.fixed.num_seqs if self.fixed.num_seqs else math.inf
+        """How many times more sequences paging admits; ``math.nan`` when fixed reservation admits none."""
+        return self.paged.num_seqs / self.fixed.num_seqs if self.fixed.num_seqs else math.nan
 
     def table(self) -> str:
         def cell(v):
@@ -341,7 +341,12 @@ class CapacityReport:
     def __str__(self) -> str:
         head = (f"{self.model.name}, {self.budget_bytes / 2**30:g} GiB of KV, {self.dtype_bytes} B/number, "
                 f"max_len {self.max_len}, {self.preset.name} lengths, seed {self.seed}")
-        return f"{head}\n{self.table()}\npaging admits {self.gain:.2f}x the sequences"
+        if self.fixed.num_seqs:
+            verdict = f"paging admits {self.gain:.2f}x the sequences"
+        else:  # no ratio to a zero: say what each admits
+            verdict = (f"fixed reservation admits no sequence (one takes {self.max_len} slots); "
+                       f"paging admits {self.paged.num_seqs}")
+        return f"{head}\n{self.table()}\n{verdict}"
 
 
 def capacity(model: ModelSpec | str, budget_bytes: int, block_size: int, max_len: int,
@@ -363,6 +368,8 @@ def capacity(model: ModelSpec | str, budget_bytes: int, block_size: int, max_len
         preset: the length preset (see :func:`sample_lengths`).
         dtype: bytes per number (default: the model's own).
         seed: the seed of the sampled lengths.
+
+    A budget below one sequence is legal: that scheme admits 0 (see :attr:`CapacityReport.gain`).
     """
     spec = _spec(model)
     budget = check_int(budget_bytes, "budget_bytes")
@@ -372,7 +379,6 @@ def capacity(model: ModelSpec | str, budget_bytes: int, block_size: int, max_len
     b = spec.dtype_bytes if dtype is None else dtype_bytes(dtype)
     slot = kv_bytes_per_token(spec, b)
     row = BLOCK_TABLE_ENTRY_BYTES * blocks_needed(m, B)
-
     # Neither scheme can admit more sequences than this, so this many samples suffice.
     limit = budget // min(m * slot, B * slot + row)
     lengths = sample_lengths(preset, limit + 1, m, seed)
@@ -459,3 +465,67 @@ def saving_table(rows: Sequence[SavingRow]) -> str:
         [(r.preset, r.batch_size, f"{r.fixed_bytes / 2**30:.2f}", f"{r.paged_bytes / 2**30:.2f}",
           f"{100 * r.saving:.1f}%", f"{100 * r.expected_saving:.1f}%") for r in rows],
     )
+
+
+# ----------------------------------------------------------------------------
+# the vLLM paper's waste breakdown (its Figures 2 and 3), over a sequence's life
+# ----------------------------------------------------------------------------
+
+WASTE_PARTS = ("effective KV", "reserved", "internal fragmentation")
+
+
+def waste_breakdown(preset: str | WorkloadPreset, max_len: int, block_size: int = 16, num_seqs: int = 2000,
+                    seed: int = 0) -> dict[str, dict[str, float]]:
+    """Shares of the KV slots held over the requests' lives, split as in the vLLM paper's Figure 3.
+
+    Every request is followed through its decode steps: after its j-th output token it holds
+    ``h = prompt + j`` tokens of a final ``n``. A slot held at that step is
+
+    - *effective KV* if it holds one of the ``h`` tokens;
+    - *reserved* if it waits for one of the request's later tokens (``n − h`` of them);
+    - *internal fragmentation* if no token of the request will ever fill it.
+
+    Four schemes, the first three contiguous as in the paper's Figure 2:
+
+    - ``fixed max_len``: every request holds ``max_len`` slots (Orca "Max");
+    - ``fixed pow2``: it holds the next power of two at or above ``n``, at most ``max_len`` (Orca "Pow2");
+    - ``fixed oracle``: it holds exactly ``n`` (Orca "Oracle": the output length known in advance);
+    - ``paged B=…``: it holds ``A_B(h)`` slots, growing block by block; its only internal
+      fragmentation is the tail waste ``W_B(h)``, and it reserves nothing ahead.
+
+    External fragmentation needs a timeline of allocations and frees; it is not counted here
+    (chapter 02 measures it on a trace).
+
+    Args:
+        preset: the length preset (prompt and output lengths), as in :func:`sample_lengths`.
+        max_len: the longest sequence; a request whose prompt + output passes it stops there.
+        block_size: B, tokens per block, for the paged scheme.
+        num_seqs: how many requests to sample.
+        seed: the seed of ``np.random.default_rng``; prompts are drawn first, then outputs.
+
+    Returns:
+        scheme name -> {part name (:data:`WASTE_PARTS`) -> share of the slot-steps}; shares sum to 1.
+    """
+    preset = get_length_preset(preset)
+    m = check_int(max_len, "max_len", minimum=1)
+    B = check_int(block_size, "block_size", minimum=1)
+    rng = np.random.default_rng(check_int(seed, "seed"))
+    n_seqs = check_int(num_seqs, "num_seqs", minimum=1)
+    prompts = preset.prompt_len.sample(n_seqs, rng)
+    final = np.minimum(prompts + preset.output_len.sample(n_seqs, rng), m)
+    prompts = np.minimum(prompts, final)
+    totals = {name: dict.fromkeys(WASTE_PARTS, 0) for name in ("fixed max_len", "fixed pow2", "fixed oracle",
+                                                                f"paged B={B}")}
+    for p, n in zip(prompts.tolist(), final.tolist()):
+        # tokens held after each output token (a prompt cut off at max_len gets no output: one step)
+        held = np.arange(p + 1 if n > p else n, n + 1)
+        tokens, ahead = int(held.sum()), int((n - held).sum())
+        for name, capacity in (("fixed max_len", m), ("fixed pow2", min(1 << (n - 1).bit_length(), m)),
+                               ("fixed oracle", n)):
+            totals[name]["effective KV"] += tokens
+            totals[name]["reserved"] += ahead
+            totals[name]["internal fragmentation"] += (capacity - n) * len(held)
+        paged = totals[f"paged B={B}"]
+        paged["effective KV"] += tokens
+        paged["internal fragmentation"] += int(((held + B - 1) // B * B - held).sum())
+    return {name: {k: v / sum(parts.values()) for k, v in parts.items()} for name, parts in totals.items()}

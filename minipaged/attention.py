@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from minipaged.accounting import blocks_needed
 from minipaged.block_manager import BlockTable, block_tables_tensor
-from minipaged.validation import check_paged_attention
+from minipaged.validation import check_paged_attention, check_scale, check_tensor
 
 BACKENDS = ("loop", "torch", "triton")
 
@@ -53,6 +53,17 @@ def contiguous_attention(q, k, v, *, scale=None, causal=True):
     float32 (float64 for float64 inputs, the exact reference :mod:`minipaged.testing` uses);
     returns ``[q_len, num_heads, head_dim]`` in ``q.dtype``.
     """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(t, name)
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be 3-D [tokens, heads, head_dim], got shape {tuple(t.shape)}")
+    if v.shape != k.shape:
+        raise ValueError(f"v has shape {tuple(v.shape)}, but k has {tuple(k.shape)}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q has head_dim {q.shape[2]}, but k has head_dim {k.shape[2]}")
+    if not q.dtype.is_floating_point:
+        raise TypeError(f"q must be a floating-point tensor, got {q.dtype}")
+    scale = check_scale(scale, q.shape[2])
     q_len, kv_len = q.shape[0], k.shape[0]
     if q_len > kv_len:
         raise ValueError(f"q has {q_len} tokens but k only {kv_len}: the queries must be part of the context")
@@ -138,7 +149,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, 
     if backend == "triton":  # the kernel runs the same checks, plus its own limits
         return _kernel("paged_decode_attention")(q, k_cache, v_cache, block_tables, seq_lens, scale=scale)
     check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    scale = check_scale(scale, q.shape[-1])
     if q.shape[0] == 0:
         return torch.empty_like(q)
     if backend == "loop":
@@ -229,7 +240,7 @@ def paged_prefill_attention(
     _check_backend(backend)
     check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     starts = query_start_loc.tolist()
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    scale = check_scale(scale, q.shape[-1])
     if backend == "triton":
         return _prefill_as_decode(q, k_cache, v_cache, block_tables, seq_lens, starts, scale)
     block_size = k_cache.shape[1]

@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 import torch
 
 from minipaged.accounting import blocks_needed
-from minipaged.validation import check_int
+from minipaged.validation import check_fits_memory, check_int
+
+BOOKKEEPING_BYTES_PER_BLOCK = 64  # an upper bound of the allocator's Python bookkeeping per block
 
 
 class OutOfBlocks(RuntimeError):
@@ -53,10 +55,13 @@ class BlockAllocator:
     def __init__(self, num_blocks: int, block_size: int):
         num_blocks = check_int(num_blocks, "num_blocks", minimum=1)
         block_size = check_int(block_size, "block_size", minimum=1)
+        # Python ints in a deque plus a refcount list: ~50 bytes a block. Refuse a pool that could never fit.
+        check_fits_memory(num_blocks * BOOKKEEPING_BYTES_PER_BLOCK, f"BlockAllocator(num_blocks={num_blocks})")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self._refcounts = [0] * num_blocks
+        self._ever_allocated = bytearray(num_blocks)  # tells a double free from an id never handed out
         self._subscribers: list = []
 
     @property
@@ -77,6 +82,7 @@ class BlockAllocator:
             raise OutOfBlocks(f"no free block: all {self.num_blocks} blocks are in use")
         block_id = self.free_block_ids.popleft()
         self._refcounts[block_id] = 1
+        self._ever_allocated[block_id] = 1
         self.emit("allocate", block_id, seq_id)
         return block_id
 
@@ -97,7 +103,10 @@ class BlockAllocator:
     def _check_allocated(self, block_id, action: str) -> int:
         block_id = self._check_block_id(block_id, action)
         if self._refcounts[block_id] == 0:
-            what = "double free" if action == "free" else "not allocated"
+            if not self._ever_allocated[block_id]:
+                what = "never allocated"
+            else:
+                what = "double free" if action == "free" else "not allocated"
             raise BlockError(f"cannot {action} block {block_id}: it is free ({what})")
         return block_id
 
@@ -257,7 +266,7 @@ class BlockTable:
 
     @property
     def tail_waste(self) -> int:
-        """Reserved but unused slots in the last block: the only internal waste paging leaves."""
+        """Reserved but unused slots in the last block: tail waste, paging's only internal fragmentation."""
         return len(self.blocks) * self.block_size - self.num_tokens
 
     def as_tensor(self, width: int | None = None) -> torch.Tensor:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from minipaged.block_manager import BlockAllocator, BlockTable
-from minipaged.validation import check_int, check_kv_write
+from minipaged.validation import check_fits_memory, check_int, check_kv_write
 
 WRITE_BACKENDS = ("torch", "triton")
 
@@ -122,6 +122,11 @@ class PagedKVCache:
         head_dim = check_int(head_dim, "head_dim", minimum=1)
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+        num_blocks = check_int(num_blocks, "num_blocks", minimum=1)
+        block_size = check_int(block_size, "block_size", minimum=1)
+        pool_bytes = 2 * num_layers * num_blocks * block_size * num_kv_heads * head_dim * dtype.itemsize
+        check_fits_memory(pool_bytes, f"PagedKVCache(num_blocks={num_blocks}, block_size={block_size})'s K/V pools",
+                          device)  # fmt: skip
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim

@@ -6,7 +6,7 @@ free range that is long enough):
 
 - :class:`MaxReservation` reserves ``max_len`` slots at admission, so a
   sequence never has to move, but every slot past its current length is
-  internal waste.
+  reservation waste.
 - :class:`GrowInPlace` reserves exactly what a sequence holds and grows it by
   one slot at a time. When the slot after its end is taken, the sequence
   must relocate to a new range and copy its KV there; when no free range is
@@ -36,7 +36,7 @@ _FREE_RUN = re.compile(b"\x00+")
 class Extent:
     start: int
     reserved: int  # slots held, from start
-    num_tokens: int  # slots holding KV (the rest of the reservation is internal waste)
+    num_tokens: int  # slots holding KV (the rest of the reservation is reservation waste)
 
 
 class SlotArena:
@@ -108,7 +108,7 @@ class SlotArena:
 
 
 class MaxReservation(SlotArena):
-    """Reserve ``max_len`` slots per sequence up front: no moves, maximal internal waste."""
+    """Reserve ``max_len`` slots per sequence up front: no moves, maximal reservation waste."""
 
     name = "max_reservation"
 

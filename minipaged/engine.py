@@ -49,10 +49,11 @@ from tqdm.auto import tqdm
 from minipaged.attention import AttentionMetadata
 from minipaged.cache import PagedKVCache
 from minipaged.clock import VirtualClock
+from minipaged.generate import check_prompt
 from minipaged.metrics import Metrics
 from minipaged.scheduler import EngineConfig, Scheduler, SchedulerOutput
 from minipaged.sequence import SamplingParams, Sequence
-from minipaged.validation import check_int
+from minipaged.validation import check_real
 from minipaged.workload import RequestSpec, prompt_token_ids
 
 
@@ -95,9 +96,18 @@ class Engine:
     """
 
     def __init__(self, model, config: EngineConfig | None = None, clock=None):
+        if config is not None and not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
         self.model = model
         self.config = config or EngineConfig()
         mc = model.config
+        if self.config.backend == "triton":  # refuse now a backend that would fail at every step
+            from minipaged.kernels import check_supported  # chapter 04, reached by name only
+
+            try:
+                check_supported(self.config.block_size, mc.head_dim, model.dtype)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"EngineConfig(backend='triton') cannot run this engine: {exc}") from None
         self.cache = PagedKVCache(
             mc.num_hidden_layers,
             self.config.num_blocks,
@@ -138,13 +148,14 @@ class Engine:
             cache_salt: str or bytes mixed into the prefix cache's first block key, so that only
                 requests with the same salt share cached blocks (None: no salt).
         """
-        vocab = self.model.config.vocab_size
-        prompt_token_ids = [check_int(t, f"prompt_token_ids[{i}]") for i, t in enumerate(prompt_token_ids)]
-        if not all(t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt_token_ids must be token ids in [0, {vocab}), got {prompt_token_ids!r}")
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        params = sampling_params or SamplingParams()
+        prompt_token_ids = check_prompt(self.model.config, prompt_token_ids, params.max_tokens, "prompt_token_ids")
+        if arrival_time is not None:
+            arrival_time = check_real(arrival_time, "arrival_time")
         if cache_salt is not None and not isinstance(cache_salt, (str, bytes)):
             raise TypeError(f"cache_salt must be str, bytes or None, got {type(cache_salt).__name__} {cache_salt!r}")
-        params = sampling_params or SamplingParams()
         if request_id is None:
             while self._next_id in self.samples or self._next_id in self.requests:
                 self._next_id += 1
@@ -182,8 +193,26 @@ class Engine:
     # -- one step ---------------------------------------------------------
 
     def step(self) -> StepOutput:
-        """Schedule, run one forward pass, sample, and record the step (see the module docstring)."""
+        """Schedule, run one forward pass, sample, and record the step (see the module docstring).
+
+        All or nothing: if anything raises inside the step (the scheduler, a swap, the model, a
+        kernel, sampling, a ``KeyboardInterrupt``), the bookkeeping is put back as it was before
+        the step (block tables, reference counts, the free queue, prefix-cache keys, the queues,
+        the sequences, swap space, the clock and the metrics), a ``"rollback"`` event tells the
+        allocator's subscribers, and the exception propagates; the next ``step()`` works. Only K/V
+        in slots that no sequence counts as computed may differ: blocks that change hands in the
+        step (a victim's, a cached free one's) have their K/V saved first and put back.
+        """
+        undo = _StepUndo(self)
+        try:
+            return self._step(undo)
+        except BaseException:
+            undo.restore()
+            raise
+
+    def _step(self, undo: _StepUndo) -> StepOutput:
         out = self.scheduler.schedule()
+        undo.protect_kv(out)  # from here on K/V moves: swaps, copy-on-write, the forward pass
         result = StepOutput(step=len(self.metrics.history), time=self.clock.now())
         result.admitted = [s.seq_id for s in out.admitted]
         result.preempted = [s.seq_id for s in out.preempted]
@@ -291,10 +320,121 @@ class Engine:
             prompts: the prompts' token ids.
             sampling_params: the same for every prompt (:class:`SamplingParams` defaults if None).
         """
-        ids = [self.add_request(p, sampling_params) for p in prompts]
+        for i, p in enumerate(prompts):  # every prompt checked before any is queued, each error naming its prompt
+            check_prompt(self.model.config, p, (sampling_params or SamplingParams()).max_tokens, f"prompts[{i}]")
+        ids, next_id = [], self._next_id
+        try:  # all or none: a bad prompt in the middle leaves none of the earlier ones queued
+            for p in prompts:
+                ids.append(self.add_request(p, sampling_params))
+        except BaseException:
+            for i in ids:
+                seqs = self.samples.pop(i)
+                self.scheduler.abort(seqs[0])  # the other samples are not queued yet (they fork from it)
+                for seq in seqs:
+                    del self.requests[seq.seq_id]
+            self._next_id = next_id
+            raise
         while self.has_unfinished():
             self.step()
         return [s.output_token_ids for i in ids for s in self.samples[i]]
+
+
+def _copy_state(obj, skip: tuple = ()) -> dict:
+    """``obj``'s attributes, containers copied one level deep (and the lists a dict holds)."""
+    state = {}
+    for name, value in vars(obj).items():
+        if name in skip:
+            continue
+        if isinstance(value, dict):
+            value = type(value)((k, list(v) if isinstance(v, list) else v) for k, v in value.items())
+        elif isinstance(value, (list, deque, set, bytearray)):
+            value = type(value)(value)
+        state[name] = value
+    return state
+
+
+def _restore_state(obj, state: dict) -> None:
+    """Put back what :func:`_copy_state` saved, refilling containers in place (views may hold them)."""
+    for name, saved in state.items():
+        value = getattr(obj, name)
+        if value is saved or type(value) is not type(saved):
+            setattr(obj, name, saved)
+        elif isinstance(value, (list, bytearray)):
+            value[:] = saved
+        elif isinstance(value, (dict, set, deque)):
+            value.clear()
+            (value.extend if isinstance(value, deque) else value.update)(saved)
+        else:
+            setattr(obj, name, saved)
+
+
+class _StepUndo:
+    """What :meth:`Engine.step` changes, saved before it starts, so that a failed step can be undone.
+
+    Everything a step touches is bookkeeping of a fixed size (the pool's lists, the queues) or
+    grows by appending (tokens, token times, history), so saving it costs O(num_blocks + num_seqs).
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.saved_kv = None  # (block ids, their K/V) that the step may overwrite although they hold K/V
+        allocator, scheduler = engine.cache.allocator, engine.scheduler
+        self.allocator = _copy_state(allocator, skip=("_subscribers",))
+        self.scheduler = _copy_state(scheduler)
+        self.metrics = _copy_state(engine.metrics, skip=("history",))
+        self.num_records = len(engine.metrics.history)
+        self.clock = _copy_state(engine.clock)
+        self.engine_state = {"swap_space": dict(engine.swap_space), "requests": dict(engine.requests),
+                             "samples": dict(engine.samples)}  # fmt: skip
+        seqs = [*scheduler.running, *scheduler.waiting]
+        seqs += [child for s in seqs for child in s.pending_forks]
+        self.seqs = [(s, s.status, s.num_computed_tokens, s.num_tokens, len(s.token_times), s.finish_time,
+                      s.num_preemptions, list(s.pending_forks), s.block_table,
+                      None if s.generator is None else s.generator.get_state()) for s in seqs]  # fmt: skip
+        self.tables = [(t, _copy_state(t)) for t in {id(s.block_table): s.block_table for s in seqs
+                                                         if s.block_table is not None}.values()]  # fmt: skip
+
+    def protect_kv(self, out: SchedulerOutput) -> None:
+        """Save the K/V of blocks this step will write although they held K/V before it (a victim's, a cached one's).
+
+        Writes into a sequence's own blocks land in slots it does not count as computed, which
+        a rollback may leave as they are. A block that changed hands this step is different:
+        after a rollback its old holder (or the prefix cache) counts on its K/V again.
+        """
+        block_size = self.engine.config.block_size
+        owned = {id(table): set(state["blocks"]) for table, state in self.tables}
+        targets = set()
+        for seq, slots in zip(out.seqs, out.slot_mappings):
+            own = owned.get(id(seq.block_table), set())
+            targets |= {b for b in (slots // block_size).tolist() if b not in own}
+        targets |= {dst for _, dst in out.copies}
+        for seq in out.swap_in:
+            targets |= set(seq.block_table.blocks)
+        refcounts, entries = self.allocator["_refcounts"], self.allocator.get("entries")
+        held = sorted(b for b in targets if refcounts[b] > 0 or (entries is not None and entries[b] is not None))
+        if held:
+            self.saved_kv = (held, self.engine.cache.swap_out(held))
+
+    def restore(self) -> None:
+        engine = self.engine
+        allocator = engine.cache.allocator
+        if self.saved_kv is not None:
+            engine.cache.swap_in(*self.saved_kv)
+        _restore_state(allocator, self.allocator)
+        _restore_state(engine.scheduler, self.scheduler)
+        _restore_state(engine.metrics, self.metrics)
+        del engine.metrics.history[self.num_records :]
+        _restore_state(engine.clock, self.clock)
+        _restore_state(engine, self.engine_state)
+        for table, state in self.tables:
+            _restore_state(table, state)
+        for (seq, status, computed, num_tokens, num_times, finish, preemptions, forks, table, rng) in self.seqs:
+            seq.status, seq.num_computed_tokens, seq.finish_time = status, computed, finish
+            seq.num_preemptions, seq.pending_forks, seq.block_table = preemptions, forks, table
+            del seq.token_ids[num_tokens:], seq.token_times[num_times:]
+            if rng is not None:
+                seq.generator.set_state(rng)
+        allocator.emit("rollback")
 
 
 class Replay:
@@ -315,6 +455,10 @@ class Replay:
 
     def __init__(self, engine: Engine, workload: list[RequestSpec], seed: int = 0,
                  prompts: list[list[int]] | None = None):  # fmt: skip
+        for i, r in enumerate(workload):
+            if not isinstance(r, RequestSpec):
+                raise TypeError(f"workload[{i}] must be a RequestSpec, got {type(r).__name__}")
+            check_real(r.arrival_time, f"workload[{i}].arrival_time", minimum=0)  # NaN would never arrive
         if prompts is not None:
             if len(prompts) != len(workload):
                 raise ValueError(f"prompts must hold one prompt per request: {len(workload)}, got {len(prompts)}")

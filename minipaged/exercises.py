@@ -26,6 +26,7 @@ learner runs the notebook; the checks then print "not implemented yet".
 from __future__ import annotations
 
 import argparse
+import importlib
 import re
 import sys
 from pathlib import Path
@@ -49,6 +50,22 @@ class MarkerError(ValueError):
     pass
 
 
+def first_hint(task: str) -> str:
+    """The first staged hint of ``"Task N.M"`` from ``minipaged.checks.chNN.HINTS``, or ``""``.
+
+    A stub carries only this one; ``hint("N.M", level)`` gives the later ones on request.
+    """
+    match = re.fullmatch(r"Task (\d+)\.(\d+)", task)
+    if not match:
+        return ""
+    try:
+        module = importlib.import_module(f"minipaged.checks.ch{int(match[1]):02d}")
+    except ModuleNotFoundError:
+        return ""
+    hints = getattr(module, "HINTS", {}).get(f"{int(match[1])}.{match[2]}", [])
+    return hints[0] if hints else ""
+
+
 def stub_code(source: str, where: str) -> str:
     """Replace every marked solution block in one code cell by a stub."""
     out, inside = [], False
@@ -60,8 +77,9 @@ def stub_code(source: str, where: str) -> str:
             inside = True
             indent, task = begin["indent"], begin["task"] or "This exercise"
             message = f"{task} is not implemented yet."
-            if begin["hint"]:
-                message += f" Hint: {begin['hint']}"
+            stub_hint = begin["hint"] or first_hint(task)
+            if stub_hint:
+                message += f" Hint: {stub_hint}"
             out.append(f"{indent}# {task}: your code here")
             out.append(f"{indent}raise NotImplementedError({message!r})")
         elif _END.match(line):

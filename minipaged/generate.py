@@ -20,7 +20,7 @@ from minipaged.attention import AttentionMetadata
 from minipaged.block_manager import BlockTable, OutOfBlocks
 from minipaged.cache import PagedKVCache
 from minipaged.model import LlamaForCausalLM
-from minipaged.validation import check_int
+from minipaged.validation import check_int, check_token_ids
 
 
 def build_metadata(tables: list[BlockTable], num_new_tokens: list[int], device="cpu") -> AttentionMetadata:
@@ -50,6 +50,25 @@ def build_metadata(tables: list[BlockTable], num_new_tokens: list[int], device="
     return AttentionMetadata.pack(tables, num_new_tokens, slot_mapping, device)
 
 
+def check_prompt(config, prompt_token_ids, max_new_tokens: int, name: str) -> list[int]:
+    """A prompt as a list of ints, or an error naming ``name``: ids in the vocabulary, and room for the output.
+
+    Args:
+        config: the model's :class:`~minipaged.model.LlamaConfig` (``vocab_size``, ``max_position_embeddings``).
+        prompt_token_ids: the prompt's token ids (at least one).
+        max_new_tokens: the tokens to generate after it; prompt and output together must fit
+            ``max_position_embeddings`` (RoPE has no angle for a later position).
+        name: the argument's name in the caller, for the messages.
+    """
+    ids = check_token_ids(prompt_token_ids, name, config.vocab_size)
+    if len(ids) + max_new_tokens > config.max_position_embeddings:
+        raise ValueError(
+            f"{name} has {len(ids)} tokens and {max_new_tokens} more are asked for: {len(ids) + max_new_tokens} "
+            f"exceeds the model's max_position_embeddings={config.max_position_embeddings}"
+        )
+    return ids
+
+
 @torch.no_grad()
 def generate_contiguous(model: LlamaForCausalLM, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
     """Greedy decoding of one prompt with the contiguous cache: the reference output.
@@ -59,9 +78,8 @@ def generate_contiguous(model: LlamaForCausalLM, prompt_token_ids: list[int], ma
         prompt_token_ids: the prompt (at least one token).
         max_new_tokens: how many tokens to generate.
     """
-    if not prompt_token_ids:
-        raise ValueError("prompt_token_ids must hold at least one token")
     max_new_tokens = check_int(max_new_tokens, "max_new_tokens")
+    prompt_token_ids = check_prompt(model.config, prompt_token_ids, max_new_tokens, "prompt_token_ids")
     ids = torch.tensor(prompt_token_ids, device=model.device)
     logits, past = model.forward_contiguous(ids, torch.arange(len(ids), device=model.device))
     out = []
@@ -101,9 +119,13 @@ def generate_paged(
     tokens; after that, one token per step. So with chunking, prefill chunks and
     decode tokens share a batch, as in vLLM. Raises ``OutOfBlocks`` when the pool is too small.
     """
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt must hold at least one token")
     max_new_tokens = check_int(max_new_tokens, "max_new_tokens")
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+        raise TypeError(f"prompts must be a list of prompts (lists of token ids), got {type(prompts).__name__}")
+    if len(prompts) == 0:
+        raise ValueError("prompts must hold at least one prompt")
+    prompts = [check_prompt(model.config, p, max_new_tokens, f"prompts[{i}]") for i, p in enumerate(prompts)]
+    block_size = check_int(block_size, "block_size", minimum=1)
     if prefill_chunk_size is not None:
         prefill_chunk_size = check_int(prefill_chunk_size, "prefill_chunk_size", minimum=1)
     cfg = model.config

@@ -187,6 +187,12 @@ def format_summary(summaries: dict[str, dict], unit: str = "s") -> str:
         summaries: run name -> what :func:`summarize` returned.
         unit: latencies in seconds (``"s"``) or milliseconds (``"ms"``).
     """
+    if not isinstance(summaries, dict):
+        raise TypeError(f"summaries must be a dict of run name -> summary, got {type(summaries).__name__}")
+    if not summaries:
+        raise ValueError("summaries must hold at least one run (run name -> what summarize returned)")
+    if unit not in ("s", "ms"):
+        raise ValueError(f"unit must be 's' or 'ms', got {unit!r}")
     scale = 1000.0 if unit == "ms" else 1.0
     rows = [("throughput (tok/s)", "tokens_per_s", 1.0, ".1f"), ("requests/s", "requests_per_s", 1.0, ".2f")]
     for name in ("ttft", "tpot", "e2e"):

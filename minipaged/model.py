@@ -32,6 +32,7 @@ from torch import nn
 
 from minipaged.attention import AttentionMetadata, contiguous_attention, paged_attention, paged_prefill_attention
 from minipaged.cache import write_kv
+from minipaged.validation import check_int, check_real
 
 
 @dataclass
@@ -49,6 +50,13 @@ class LlamaConfig:
     tie_word_embeddings: bool = False  # lm_head.weight is model.embed_tokens.weight
 
     def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings"):  # fmt: skip
+            setattr(self, name, check_int(getattr(self, name), f"LlamaConfig.{name}", minimum=1))
+        self.rope_theta = check_real(self.rope_theta, "LlamaConfig.rope_theta", minimum=0)
+        self.rms_norm_eps = check_real(self.rms_norm_eps, "LlamaConfig.rms_norm_eps", minimum=0)
+        if self.rope_theta <= 1:
+            raise ValueError(f"LlamaConfig.rope_theta must be > 1, got {self.rope_theta!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "

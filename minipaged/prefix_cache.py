@@ -222,6 +222,7 @@ class PrefixCachingAllocator(BlockAllocator):
         else:
             raise OutOfBlocks(f"no free block: all {self.num_blocks} blocks are in use")
         self._refcounts[block_id] = 1
+        self._ever_allocated[block_id] = 1
         if evicted is not None:
             self.emit("evict", block_id, seq_id, key=evicted.key)
         self.emit("allocate", block_id, seq_id)

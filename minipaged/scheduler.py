@@ -52,7 +52,7 @@ import torch
 from minipaged.accounting import blocks_needed
 from minipaged.block_manager import BlockAllocator, BlockTable
 from minipaged.sequence import Sequence, SequenceStatus
-from minipaged.validation import check_int
+from minipaged.validation import check_bool, check_int
 
 
 @dataclass
@@ -77,6 +77,7 @@ class EngineConfig:
             raise TypeError(f"EngineConfig.watermark must be a number, got {type(self.watermark).__name__}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"EngineConfig.watermark must be in [0, 1), got {self.watermark!r}")
+        check_bool(self.chunked_prefill, "EngineConfig.chunked_prefill")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(
                 f"EngineConfig.preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"

@@ -61,8 +61,12 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if self.seed is not None:
             self.seed = check_int(self.seed, "seed", minimum=None)
+        if self.stop_token_ids is None:  # vLLM's default spelling of "none"
+            self.stop_token_ids = ()
         if isinstance(self.stop_token_ids, int):
             self.stop_token_ids = (self.stop_token_ids,)
+        if not isinstance(self.stop_token_ids, (list, tuple, set, frozenset)):
+            raise TypeError(f"stop_token_ids must be a tuple of token ids, got {type(self.stop_token_ids).__name__}")
         self.stop_token_ids = tuple(check_int(t, f"stop_token_ids[{i}]") for i, t in enumerate(self.stop_token_ids))
 
 

@@ -47,7 +47,7 @@ class PoolStats:
     tokens: int  # KV actually held
     reserved: int  # slots taken from the pool
     utilisation: float  # tokens / reserved
-    internal_waste: int  # reserved - tokens (paged: the tail of each last block)
+    unfilled_slots: int  # reserved - tokens: tail waste (paged), reservation waste (max_reservation), 0 (grow)
     external_fragmentation: float
     relocations: int
     slots_moved: int
@@ -117,7 +117,7 @@ class Replay:
             tokens=tokens,
             reserved=reserved,
             utilisation=round(tokens / reserved, 4) if reserved else 0.0,
-            internal_waste=reserved - tokens,
+            unfilled_slots=reserved - tokens,
             external_fragmentation=round(pool.external_fragmentation, 4),
             relocations=pool.relocations,
             slots_moved=pool.slots_moved,

@@ -8,6 +8,10 @@ Every message names the argument. Checks run before any state changes.
 
 from __future__ import annotations
 
+import math
+import numbers
+import os
+
 
 def check_int(value, name: str, minimum: int | None = 0) -> int:
     """``value`` as a Python int, or an error that names ``name``.
@@ -31,6 +35,100 @@ def check_int(value, name: str, minimum: int | None = 0) -> int:
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def check_real(value, name: str, minimum: float | None = None, finite: bool = True) -> float:
+    """``value`` as a Python float, or an error that names ``name``.
+
+    Args:
+        value: an int or a float (NumPy scalars included); ``bool`` and strings are refused.
+        name: the argument's name, as the caller's signature spells it.
+        minimum: the smallest value allowed (``None``: no bound).
+        finite: refuse ``inf`` as well (``nan`` is always refused: it compares false with everything).
+
+    Raises:
+        TypeError: ``value`` is not a real number.
+        ValueError: ``value`` is NaN, infinite (when ``finite``) or below ``minimum``.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if math.isnan(value) or (finite and math.isinf(value)):
+        raise ValueError(f"{name} must be a {'finite ' if finite else ''}number, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum:g}, got {value!r}")
+    return value
+
+
+def check_bool(value, name: str) -> bool:
+    """``value`` if it is a ``bool``, else a ``TypeError`` that names ``name`` (``"no"`` is not False)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_token_ids(token_ids, name: str, vocab_size: int) -> list[int]:
+    """``token_ids`` as a non-empty list of Python ints in ``[0, vocab_size)``, or an error that names ``name``.
+
+    Args:
+        token_ids: a list or tuple of ints (a 1-D integer tensor also works).
+        name: the argument's name, as the caller's signature spells it.
+        vocab_size: the model's vocabulary size.
+
+    Raises:
+        TypeError: ``token_ids`` is a string or not a sequence, or an id is not an int (``3.7``, ``nan``).
+        ValueError: ``token_ids`` is empty, or an id lies outside ``[0, vocab_size)``.
+    """
+    if isinstance(token_ids, (str, bytes, dict)) or not hasattr(token_ids, "__len__"):
+        raise TypeError(f"{name} must be a list of token ids (ints), got {type(token_ids).__name__} {token_ids!r:.60}")
+    if len(token_ids) == 0:
+        raise ValueError(f"{name} must hold at least one token")
+    ids = [check_int(t, f"{name}[{i}]") for i, t in enumerate(token_ids)]
+    for i, t in enumerate(ids):
+        if t >= vocab_size:
+            raise ValueError(f"{name}[{i}] = {t} is outside the token ids [0, {vocab_size}) of the vocabulary")
+    return ids
+
+
+def check_scale(scale, head_dim: int) -> float:
+    """The attention ``scale``: ``head_dim ** -0.5`` for None, else a finite number > 0."""
+    if scale is None:
+        return head_dim**-0.5
+    scale = check_real(scale, "scale")
+    if scale <= 0:
+        raise ValueError(f"scale must be > 0, got {scale!r}")
+    return scale
+
+
+def total_memory_bytes(device="cpu") -> int:
+    """The total memory of ``device``: a CUDA device's own memory, else the machine's physical RAM.
+
+    A fixed number (not what is free now), so a check against it gives the same answer
+    whatever else runs on the machine.
+    """
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits_memory(num_bytes: int, what: str, device="cpu") -> None:
+    """A ``ValueError`` before allocating ``num_bytes`` that ``device`` could never hold.
+
+    Args:
+        num_bytes: what the allocation would take.
+        what: the allocation and the arguments that size it, for the message.
+        device: where it would live.
+    """
+    total = total_memory_bytes(device)
+    if num_bytes > total:
+        kind = "GPU" if str(device).startswith("cuda") else "physical"
+        raise ValueError(
+            f"{what} would take {num_bytes / 2**30:,.1f} GiB, more than the {total / 2**30:,.1f} GiB "
+            f"of {kind} memory this machine has in total"
+        )
 
 
 # --------------------------------------------------------------------------- tensors
@@ -83,8 +181,9 @@ def check_kv_write(key, value, k_cache, v_cache, slot_mapping) -> None:
         TypeError: an argument is not a tensor, ``slot_mapping`` is not an integer tensor,
             or the dtypes of K/V and the caches differ.
         ValueError: a shape does not fit, or the tensors are on different devices.
-        IndexError: a slot outside ``[-1, num_blocks * block_size)``. Reading the two
-            bounds costs one host-device sync.
+        ValueError: also a slot that appears twice (``-1`` may repeat).
+        IndexError: a slot outside ``[-1, num_blocks * block_size)``. Reading the
+            bounds and the repeats costs one host-device sync.
     """
     import torch
 
@@ -111,9 +210,15 @@ def check_kv_write(key, value, k_cache, v_cache, slot_mapping) -> None:
     _check_devices("key", tensors)
     if num_tokens:
         pool_slots = k_cache.shape[0] * k_cache.shape[1]
-        lo, hi = torch.stack([slot_mapping.min(), slot_mapping.max()]).tolist()
+        # Two tokens writing one slot would race on a GPU (the last write wins here): refuse it.
+        ordered = slot_mapping.sort().values
+        repeats = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)
+        lo, hi, num_repeats = torch.stack([ordered[0], ordered[-1], repeats.sum()]).tolist()
         if lo < -1 or hi >= pool_slots:
             raise IndexError(f"slot_mapping must lie in [-1, {pool_slots}) (-1 = skip), got {lo} .. {hi}")
+        if num_repeats:
+            slot = int(ordered[1:][repeats][0])
+            raise ValueError(f"slot_mapping holds slot {slot} more than once: each slot takes one token per write")
 
 
 def check_paged_attention(

@@ -289,33 +289,37 @@ def test_expected_saving_matches_formula_for_a_constant_length():
     assert math.isclose(acc.expected_saving(const, 16, 2048), 1 - 880 / 2048)
 
 
-# ---------------------------------------------------------------- exercise checks
+
+def test_waste_breakdown_worked_by_hand():
+    # prompt 3, output 2, max_len 8, B = 4: the request holds 4 then 5 tokens of a final 5.
+    preset = wl.WorkloadPreset("const", prompt_len=wl.Constant(3), output_len=wl.Constant(2))
+    got = acc.waste_breakdown(preset, max_len=8, block_size=4, num_seqs=3)
+    assert got["fixed max_len"] == pytest.approx({"effective KV": 9 / 16, "reserved": 1 / 16,
+                                                  "internal fragmentation": 6 / 16})
+    assert got["fixed pow2"] == got["fixed max_len"]  # the next power of two above 5 is 8
+    assert got["fixed oracle"] == pytest.approx({"effective KV": 0.9, "reserved": 0.1, "internal fragmentation": 0})
+    assert got["paged B=4"] == pytest.approx({"effective KV": 0.75, "reserved": 0, "internal fragmentation": 0.25})
 
 
-def test_checks_pass_the_reference_and_catch_classic_mistakes(capsys):
-    from minipaged.checks import ch01
+@settings(max_examples=25, deadline=None)
+@given(max_len=st.integers(8, 600), block_size=st.sampled_from([1, 4, 16, 64]), seed=st.integers(0, 50))
+def test_waste_breakdown_shares_sum_to_one_and_paging_reserves_nothing(max_len, block_size, seed):
+    got = acc.waste_breakdown("chat", max_len, block_size, num_seqs=40, seed=seed)
+    for parts in got.values():
+        assert sum(parts.values()) == pytest.approx(1.0)
+        assert all(v >= 0 for v in parts.values())
+    paged = got[f"paged B={block_size}"]
+    assert paged["reserved"] == 0
+    assert got["fixed oracle"]["internal fragmentation"] == 0
+    # each contiguous scheme holds at least what the one before it holds: n <= pow2 (capped) <= max_len
+    eff = [got[k]["effective KV"] for k in ("fixed oracle", "fixed pow2", "fixed max_len")]
+    assert eff[0] >= eff[1] - 1e-12 and eff[1] >= eff[2] - 1e-12
+    if block_size == 1:
+        assert paged["effective KV"] == 1.0
 
-    assert ch01.check_kv_bytes_per_token(lambda L, h, d, b: 2 * L * h * d * b)
-    assert not ch01.check_kv_bytes_per_token(lambda L, h, d, b: L * h * d * b)  # forgot K *and* V
-    assert ch01.check_blocks_needed(acc.blocks_needed)
-    assert not ch01.check_blocks_needed(lambda n, b: n // b + 1)  # wrong at exact multiples and at 0
-    assert not ch01.check_blocks_needed(lambda n, b: n // b)  # forgets the partial block
-    assert ch01.check_tail_waste(acc.tail_waste)
-    assert not ch01.check_tail_waste(lambda n, b: b - n % b)  # a full last block wastes B?
-    assert ch01.check_utilisation(acc.utilisation)
-    assert not ch01.check_utilisation(lambda ls, b: sum(ls) / (b * acc.ceil_div(sum(ls), b)))  # rounds the total
-    assert not ch01.check_utilisation(lambda ls, b: 1.0)
-    out = capsys.readouterr().out
-    assert out.count("PASS") == 4 and out.count("FAIL") == 6
-    assert "tail_waste(0, 16) returned 16, expected 0" in out
 
-
-def test_checks_report_not_implemented(capsys):
-    from minipaged.checks import ch01
-
-    def todo(*args):
-        raise NotImplementedError("Task 1.4 is not implemented yet.")
-
-    result = ch01.check_utilisation(todo)
-    assert result.status == "NOT IMPLEMENTED YET"
-    assert "NOT IMPLEMENTED YET" in capsys.readouterr().out
+def test_waste_breakdown_rejects_bad_input():
+    with pytest.raises(ValueError, match="max_len"):
+        acc.waste_breakdown("chat", 0)
+    with pytest.raises(TypeError, match="block_size"):
+        acc.waste_breakdown("chat", 128, block_size=16.0)

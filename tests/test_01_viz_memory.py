@@ -98,3 +98,16 @@ def test_waste_plot_highlights_the_chosen_block_size():
 def test_explorer_rejects_unknown_presets_up_front():
     with pytest.raises(ValueError, match="preset"):
         vm.memory_explorer(presets=("chat", "nope"))
+
+
+def test_waste_breakdown_bars_are_the_shares():
+    breakdown = acc.waste_breakdown("chat", 1024, 16, num_seqs=100, seed=3)
+    fig = vm.plot_waste_breakdown(breakdown)
+    ax = fig.axes[0]
+    assert len(ax.patches) == len(breakdown) * len(acc.WASTE_PARTS)
+    for k, parts in enumerate(breakdown.values()):
+        bars = ax.patches[k * 3 : k * 3 + 3]
+        np.testing.assert_allclose([b.get_width() for b in bars], [100 * parts[p] for p in acc.WASTE_PARTS])
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "reserved" in labels and "tail waste (paging's internal fragmentation)" in labels
+    assert "%" in ax.get_xlabel()

@@ -112,7 +112,7 @@ def test_arena_extents_stay_disjoint_and_match_the_slot_map(operations):
             if hasattr(arena, "extents"):
                 check_arena(arena)
                 if isinstance(arena, GrowInPlace):
-                    assert arena.num_tokens == arena.reserved_slots, "grow-in-place holds no internal waste"
+                    assert arena.num_tokens == arena.reserved_slots, "grow-in-place holds no unfilled slot"
             else:
                 assert arena.reserved_slots - arena.num_tokens < arena.allocator.block_size * max(arena.num_seqs, 1)
                 assert arena.external_fragmentation == 0.0

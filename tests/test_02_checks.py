@@ -1,134 +1,144 @@
-"""The chapter 02 exercise checks pass the reference answers and catch the usual mistakes."""
+"""Exercise 02's checks by mutation: the reference PASSes, every known wrong answer FAILs."""
 
 from collections import deque
 
 import pytest
 
-from minipaged.accounting import blocks_needed
-from minipaged.block_manager import BlockError, OutOfBlocks
-from minipaged.checks import FAIL, PASS, TODO, ch02
+from minipaged.block_manager import BlockAllocator, BlockError, BlockTable, OutOfBlocks
+from minipaged.checks import FAIL, PASS, ch02
 
 pytestmark = pytest.mark.ch02
 
 
-class Allocator:
+class Pool:
+    """The reference answer to Tasks 2.1 and 2.2; subclasses below are the known wrong ones."""
+
     def __init__(self, num_blocks, block_size):
         self.block_size = block_size
         self.free_block_ids = deque(range(num_blocks))
         self.refcounts = [0] * num_blocks
 
-    @property
-    def num_free(self):
-        return len(self.free_block_ids)
+    def allocate(self, num_blocks):
+        if num_blocks > len(self.free_block_ids):
+            raise OutOfBlocks("short")
+        taken = [self.free_block_ids.popleft() for _ in range(num_blocks)]
+        for b in taken:
+            self.refcounts[b] = 1
+        return taken
 
-    def incref(self, block_id):
-        self.refcounts[block_id] += 1
+    def free(self, block_ids):
+        for b in block_ids:
+            if not 0 <= b < len(self.refcounts):
+                raise IndexError(b)
+        for b in set(block_ids):
+            if block_ids.count(b) > self.refcounts[b]:
+                raise BlockError(b)
+        self._drop(block_ids)
 
-    def allocate(self):
-        if not self.free_block_ids:
-            raise OutOfBlocks("pool is full")
-        block_id = self.free_block_ids.popleft()
-        self.refcounts[block_id] = 1
-        return block_id
-
-    def free(self, block_id):
-        if not 0 <= block_id < len(self.refcounts):
-            raise IndexError(f"block {block_id} is outside the pool")
-        if self.refcounts[block_id] == 0:
-            raise BlockError(f"block {block_id} is not allocated")
-        self.refcounts[block_id] -= 1
-        if self.refcounts[block_id] == 0:
-            self.free_block_ids.append(block_id)
-
-
-class Table:
-    def __init__(self, allocator):
-        self.allocator, self.blocks, self.num_tokens = allocator, [], 0
-
-    def needed(self, n):
-        return blocks_needed(self.num_tokens + n, self.allocator.block_size) - len(self.blocks)
-
-    def append_tokens(self, n):
-        if self.needed(n) > self.allocator.num_free:
-            raise OutOfBlocks("pool is full")
-        return self._grab(n)
-
-    def _grab(self, n):
-        B = self.allocator.block_size
-        self.blocks += [self.allocator.allocate() for _ in range(self.needed(n))]
-        slots = [self.blocks[p // B] * B + p % B for p in range(self.num_tokens, self.num_tokens + n)]
-        self.num_tokens += n
-        return slots
+    def _drop(self, block_ids):
+        for b in block_ids:
+            self.refcounts[b] -= 1
+            if self.refcounts[b] == 0:
+                self.free_block_ids.append(b)
 
 
-class FreesAtOnce(Allocator):  # ignores the refcount: a shared block is returned while still in use
-    def free(self, block_id):
-        if self.refcounts[block_id] == 0:
-            raise BlockError("double free")
-        self.refcounts[block_id] = 0
-        self.free_block_ids.append(block_id)
+class OneByOne(Pool):  # allocates until the pool runs dry, then raises: not all or nothing
+    def allocate(self, num_blocks):
+        taken = []
+        for _ in range(num_blocks):
+            if not self.free_block_ids:
+                raise OutOfBlocks("short")
+            taken.append(self.free_block_ids.popleft())
+            self.refcounts[taken[-1]] = 1
+        return taken
 
 
-class NoDoubleFreeCheck(Allocator):
-    def free(self, block_id):
-        self.refcounts[block_id] -= 1
-        if self.refcounts[block_id] <= 0:
-            self.free_block_ids.append(block_id)
+class FromTheRight(Pool):
+    def allocate(self, num_blocks):
+        if num_blocks > len(self.free_block_ids):
+            raise OutOfBlocks("short")
+        taken = [self.free_block_ids.pop() for _ in range(num_blocks)]
+        for b in taken:
+            self.refcounts[b] = 1
+        return taken
 
 
-class WrongError(Allocator):
-    def allocate(self):
-        return self.free_block_ids.popleft() if self.free_block_ids else None
+class NoRefcount(Pool):
+    def allocate(self, num_blocks):
+        return [self.free_block_ids.popleft() for _ in range(min(num_blocks, len(self.free_block_ids)))]
 
 
-class LifoAllocator(Allocator):
-    def allocate(self):
-        if not self.free_block_ids:
-            raise OutOfBlocks("pool is full")
-        block_id = self.free_block_ids.pop()
-        self.refcounts[block_id] = 1
-        return block_id
+class EachIdAlone(Pool):  # validates each id against the count before the list's earlier drops
+    def free(self, block_ids):
+        for b in block_ids:
+            if not 0 <= b < len(self.refcounts):
+                raise IndexError(b)
+            if self.refcounts[b] == 0:
+                raise BlockError(b)
+        self._drop(block_ids)
 
 
-class BadIdIsBlockError(Allocator):  # the old rule: an id outside the pool was a BlockError too
-    def free(self, block_id):
-        if not 0 <= block_id < len(self.refcounts):
-            raise BlockError(f"block {block_id} is outside the pool")
-        super().free(block_id)
+class ValidatesWhileDropping(Pool):
+    def free(self, block_ids):
+        for b in block_ids:
+            if not 0 <= b < len(self.refcounts):
+                raise IndexError(b)
+            if self.refcounts[b] == 0:
+                raise BlockError(b)
+            self._drop([b])
 
 
-class NotAtomic(Table):
-    def append_tokens(self, n):
-        return self._grab(n)
+class ReturnsSharedBlocks(Pool):
+    def _drop(self, block_ids):
+        for b in block_ids:
+            self.refcounts[b] = max(self.refcounts[b] - 1, 0)
+            if b not in self.free_block_ids:
+                self.free_block_ids.append(b)
 
 
-class OffByOneBlock(Table):
-    def needed(self, n):
-        return max(0, (self.num_tokens + n) // self.allocator.block_size + 1 - len(self.blocks))
+def slots(blocks, start, n, b):
+    if start + n > len(blocks) * b:
+        raise IndexError("past the table")
+    return [blocks[p // b] * b + p % b for p in range(start, start + n)]
 
 
-class Todo(Allocator):
-    def allocate(self):
-        raise NotImplementedError("Task 2.1 is not implemented yet.")
+def contiguous_from_first(blocks, start, n, b):
+    first = slots(blocks, start, 1, b)[0] if n else 0
+    return list(range(first, first + n))
+
+
+SLOT_MUTANTS = {
+    "runs on past the block": contiguous_from_first,
+    "ignores start": lambda blocks, start, n, b: slots(blocks, 0, n, b),
+    "chunk-relative blocks": lambda blocks, start, n, b: [blocks[i // b] * b + (start + i) % b for i in range(n)],
+    "no IndexError": lambda blocks, start, n, b: [blocks[min(p // b, len(blocks) - 1)] * b + p % b
+                                                  for p in range(start, start + n)] if blocks else [],
+    "chapter's BlockTable._slots": BlockTable._slots,
+}
 
 
 @pytest.mark.parametrize(
-    "check, answer, status",
-    [
-        (ch02.check_allocate, Allocator, PASS),
-        (ch02.check_free, Allocator, PASS),
-        (ch02.check_append, Table, PASS),
-        (ch02.check_free, FreesAtOnce, FAIL),
-        (ch02.check_free, NoDoubleFreeCheck, FAIL),
-        (ch02.check_free, BadIdIsBlockError, FAIL),
-        (ch02.check_allocate, WrongError, FAIL),
-        (ch02.check_allocate, LifoAllocator, FAIL),
-        (ch02.check_append, NotAtomic, FAIL),
-        (ch02.check_append, OffByOneBlock, FAIL),
-        (ch02.check_allocate, Todo, TODO),
-    ],
+    "check, mutants",
+    [(ch02.check_allocate_many, [OneByOne, FromTheRight, NoRefcount, BlockAllocator]),
+     (ch02.check_free_many, [EachIdAlone, ValidatesWhileDropping, ReturnsSharedBlocks, BlockAllocator])],
+    ids=["allocate_many", "free_many"],
 )
-def test_check_status(check, answer, status, capsys):
-    result = check(answer)
-    assert result.status == status, result
-    assert capsys.readouterr().out.count("\n") >= 1
+def test_allocator_reference_passes_and_mutants_fail(check, mutants, capsys):
+    assert check(Pool).status == PASS
+    for mutant in mutants:
+        assert check(mutant).status == FAIL, mutant.__name__
+    assert "Traceback" not in capsys.readouterr().out
+
+
+def test_chunk_slots_reference_passes_and_mutants_fail():
+    assert ch02.check_chunk_slots(slots).status == PASS
+    for name, mutant in SLOT_MUTANTS.items():
+        assert ch02.check_chunk_slots(mutant).status == FAIL, name
+
+
+def test_slots_that_run_past_a_block_are_named():
+    assert "run on past the end of block" in ch02.check_chunk_slots(contiguous_from_first).message
+
+
+def test_a_non_atomic_free_is_named():
+    assert "validate the whole list first" in ch02.check_free_many(ValidatesWhileDropping).message

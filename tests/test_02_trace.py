@@ -34,10 +34,10 @@ def test_every_request_finishes_or_is_rejected_and_the_pools_end_empty(seed, rat
     assert sim.allocator.num_free == sim.allocator.num_blocks
     for row in history:
         paged, maxres, grow = row["paged"], row["max_reservation"], row["grow_in_place"]
-        assert paged.internal_waste < block_size * max(paged.running, 1), "paged waste is only the tail blocks"
+        assert paged.unfilled_slots < block_size * max(paged.running, 1), "paged waste is only the tail blocks"
         assert paged.relocations == 0 and paged.external_fragmentation == 0.0
         assert maxres.running <= 512 // 128
-        assert grow.internal_waste == 0
+        assert grow.unfilled_slots == 0
         assert all(s.reserved <= 512 for s in row.values())
 
 

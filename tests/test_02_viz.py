@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from minipaged.block_manager import BlockAllocator, BlockTable
 from minipaged.viz.blockmap import BlockMapView, PoolSnapshot, render_block_map, render_pool
-from minipaged.viz.svg import PALETTE, SHARED_COLOR, seq_color
+from minipaged.viz.svg import PALETTE, SHARED_COLOR, TEXT_COLOR, seq_color, text_on
 from minipaged.viz.timeline import counter_events, default_series, history_series, render_timeline
 
 pytestmark = pytest.mark.ch02
@@ -199,11 +199,41 @@ def test_block_map_rows_are_labelled_and_coloured_per_sequence():
     for g in rows:
         color = seq_color(int(g.get("data-seq")))
         assert g.get("data-color") == color
-        label = next(t for t in g if t.tag == NS + "text")
-        assert label.text == f"seq {g.get('data-seq')}" and label.get("fill") == color
+        label = child_with_class(g, "label")
+        assert label.text == f"seq {g.get('data-seq')}"
+        assert child_with_class(g, "swatch").get("fill") == color
         for lb in find_class(g, "lblock", "g"):
             box = next(r for r in lb if r.tag == NS + "rect")
             assert box.get("stroke") == color
+            # the block-table entry is written in the logical block: the physical block it maps to
+            assert child_with_class(lb, "entry").text == lb.get("data-block")
+
+
+def _contrast(a: str, b: str) -> float:
+    def lum(h):
+        c = [int(h[i : i + 2], 16) / 255 for i in (1, 3, 5)]
+        c = [x / 12.92 if x <= 0.03928 else ((x + 0.055) / 1.055) ** 2.4 for x in c]
+        return 0.2126 * c[0] + 0.7152 * c[1] + 0.0722 * c[2]
+
+    hi, lo = sorted((lum(a), lum(b)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+def test_labels_on_a_coloured_fill_keep_a_readable_contrast():
+    # White on yellow was hard to read: every palette colour gets the text colour with the better contrast.
+    for color in PALETTE:
+        chosen = _contrast(text_on(color), color)
+        assert chosen == max(_contrast("#ffffff", color), _contrast(TEXT_COLOR, color))
+        assert chosen >= 4.0, color
+    assert text_on("#edc948") == TEXT_COLOR  # the palette's yellow takes dark text
+
+
+def test_block_map_has_a_legend_that_explains_rows_and_fill():
+    alloc, tables = example()
+    root = parse(render_block_map(PoolSnapshot.from_allocator(alloc, tables)))
+    notes = " ".join(t.text for t in find_class(root, "note"))
+    assert "block table" in notes and "physical block" in notes and "slots that hold tokens" in notes
+    assert not find_class(root, "link-end")  # no unexplained dots
 
 
 def test_block_map_logical_tail_block_is_partly_filled():

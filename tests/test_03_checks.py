@@ -1,65 +1,63 @@
-"""The chapter 03 exercise check passes correct paged attention and catches the usual mistakes."""
+"""Exercise 03's check by mutation: the reference PASSes, every known wrong answer FAILs with its reason."""
 
 import pytest
 import torch
 
-from minipaged.accounting import blocks_needed
-from minipaged.attention import paged_attention
-from minipaged.checks import FAIL, PASS, TODO
-from minipaged.checks.ch03 import check_paged_attention
+from minipaged.attention import _attend_blocks, _paged_decode_torch
+from minipaged.checks import FAIL, PASS, ch03
 
 pytestmark = pytest.mark.ch03
 
 
-def gather_times_zero(q, k_cache, v_cache, block_tables, seq_lens, scale=None):
-    """Masks the scores but then lets garbage V rows in with weight 0: NaN * 0 = NaN."""
-    num_seqs, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+def chunk_attention(q, k_cache, v_cache, block_table, start, scale=None, *, head_map="group", offset=True,
+                    in_place=False, fp32=False, multiply_mask=False):
+    """The reference, with switches that turn it into the known wrong answers."""
+    n, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
     scale = head_dim**-0.5 if scale is None else scale
-    out = []
-    for i in range(num_seqs):
-        n = int(seq_lens[i])
-        blocks = block_tables[i, : blocks_needed(n, block_size)].long()
-        k = k_cache[blocks].flatten(0, 1).repeat_interleave(num_heads // num_kv_heads, 1)
-        v = v_cache[blocks].flatten(0, 1).repeat_interleave(num_heads // num_kv_heads, 1)
-        scores = torch.einsum("hd,thd->ht", q[i], k) * scale
-        scores = torch.where(torch.arange(len(k)) < n, scores, float("-inf"))
-        out.append(torch.einsum("ht,thd->hd", scores.softmax(-1), v))
-    return torch.stack(out)
+    if in_place:
+        k_cache.nan_to_num_(0.0)
+        v_cache.nan_to_num_(0.0)
+    # multiply_mask: gather whole blocks (the last one's unwritten slots hold NaN) and zero V by multiplying
+    total = -(-(start + n) // block_size) * block_size if multiply_mask else start + n
+    pos = torch.arange(total)
+    rows = block_table.long()[pos // block_size]
+    k, v = k_cache[rows, pos % block_size].float(), v_cache[rows, pos % block_size].float()
+    group = num_heads // num_kv_heads
+    if head_map == "group":
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    else:  # query head h on KV head h % num_kv_heads
+        k, v = k.repeat(1, group, 1), v.repeat(1, group, 1)
+    logits = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    sees = pos[None, :] <= ((start if offset else 0) + torch.arange(n))[:, None]
+    if multiply_mask:
+        v = v * (pos < start + n)[:, None, None]
+    out = torch.einsum("hqk,khd->qhd", logits.masked_fill(~sees, float("-inf")).softmax(-1), v)
+    return out if fp32 else out.to(q.dtype)
 
 
-def heads_grouped_wrongly(q, k_cache, v_cache, block_tables, seq_lens, scale=None):
-    """Pairs query head h with KV head h % num_kv_heads instead of h // group."""
-    s, h, d = q.shape
-    q = q.view(s, -1, k_cache.shape[2], d).transpose(1, 2).reshape(s, h, d)
-    return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=scale)
+def variant(**switches):
+    return lambda *args, **kw: chunk_attention(*args, **kw, **switches)
 
 
-def ignores_scale(q, k_cache, v_cache, block_tables, seq_lens, scale=None):
-    return paged_attention(q, k_cache, v_cache, block_tables, seq_lens)
+MUTANTS = {
+    "nan_to_num_ on the shared cache": (variant(in_place=True), "changed k_cache or v_cache"),
+    "always float32": (variant(fp32=True), "return q.dtype"),
+    "wrong KV head": (variant(head_map="modulo"), "KV head h % num_kv_heads"),
+    "causal mask without start": (variant(offset=False), "sits at position start + i"),
+    "multiplies by a 0 weight": (variant(multiply_mask=True), "NaN"),
+    "chapter's decode attention": (_paged_decode_torch, ""),
+    "chapter's _attend_blocks": (_attend_blocks, ""),
+}
 
 
-def not_done(*args, **kwargs):
-    raise NotImplementedError("Task 3.1 is not implemented yet.")
+def test_reference_passes():
+    assert ch03.check_chunk_attention(chunk_attention).status == PASS
 
 
-@pytest.mark.parametrize("backend", ["loop", "torch"])
-def test_reference_passes(backend, capsys):
-    result = check_paged_attention(lambda *a, **k: paged_attention(*a, backend=backend, **k))
-    assert result.status == PASS
-    assert capsys.readouterr().out.startswith("✅ PASS")
-
-
-@pytest.mark.parametrize(
-    "fn, words",
-    [(gather_times_zero, "holds NaN"), (heads_grouped_wrongly, "differs"), (ignores_scale, "scale=0.5")],
-)
-def test_mistakes_fail_with_a_reason(fn, words, capsys):
-    result = check_paged_attention(fn)
-    assert result.status == FAIL
-    assert words in result.message
-    assert "hint:" in capsys.readouterr().out
-
-
-def test_stub_is_not_implemented():
-    assert check_paged_attention(not_done).status == TODO
+@pytest.mark.parametrize("name", MUTANTS)
+def test_mutant_fails_with_its_reason(name, capsys):
+    mutant, reason = MUTANTS[name]
+    result = ch03.check_chunk_attention(mutant)
+    assert result.status == FAIL and reason in result.message, result.message
+    assert "Traceback" not in capsys.readouterr().out

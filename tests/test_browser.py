@@ -430,6 +430,40 @@ def test_ch05_dashboard_steps_and_plays(lab, page):
     check_live_view(page, lab, CH05, DASHBOARD, "ch05.png")
 
 
+CH06 = "notebooks/06_prefix_sharing_cow.ipynb"
+
+PREFIX_STATE_JS = """(svg) => ({
+    step: Number(svg.getAttribute('data-step')),
+    shared: svg.querySelectorAll('g.cell-shared').length,
+    cached: svg.querySelectorAll('g.cell[data-cached]').length,
+    marks: [...svg.querySelectorAll('g.cell[data-mark]')].map(g => g.dataset.mark),
+})"""
+
+
+def test_ch06_prefix_dashboard_shows_sharing(lab, page):
+    """Chapter 06's engine dashboard steps like chapter 05's, and its pool shows the prefix cache at work."""
+    require_notebook(CH06, "EngineDashboard")
+    check_live_view(page, lab, CH06, DASHBOARD, "ch06.png")  # Step, Play, then Reset back to step 0
+
+    # Step the reset run by hand: shared and cached blocks, and hit / cow / evict marks, must all show.
+    svg = f"{DASHBOARD} svg.minipaged-blockmap"
+    step_button = page.locator(f"{DASHBOARD} .minipaged-step").first
+    state = svg_state(page, svg)
+    shared = cached = 0
+    marks: set[str] = set()
+    for _ in range(9):
+        step_button.click()
+        state = wait_for_change(page, svg, state, state["step"] + 1)
+        prefix = page.locator(svg).first.evaluate(PREFIX_STATE_JS)
+        shared, cached = max(shared, prefix["shared"]), max(cached, prefix["cached"])
+        marks |= set(prefix["marks"])
+    assert shared > 0, "no step showed a shared block (refcount > 1)"
+    assert cached > 0, "no step showed a block with a prefix-cache key"
+    assert marks >= {"hit", "cow", "evict"}, f"the pool marked only {sorted(marks)} in 9 steps"
+    screenshot(page, page.locator(DASHBOARD).first, "ch06-step9.png")
+    assert not no_tracebacks_in(page, DASHBOARD)
+
+
 # ---------------------------------------------------------------------------
 # Chapter 01's memory explorer: its controls redraw the figures
 # ---------------------------------------------------------------------------

@@ -48,9 +48,14 @@ def test_chapter_opens_with_goals_and_ends_with_a_summary(path):
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=ids)
+def test_chapter_links_the_glossary_from_its_opening(path):
+    first = nbformat.read(path, as_version=4).cells[0]
+    assert first.cell_type == "markdown" and "[glossary](../GLOSSARY.md)" in first.source, (
+        "end the first cell with: Terms in this chapter follow the course [glossary](../GLOSSARY.md).")
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=ids)
 def test_chapter_has_a_figure(path):
-    if path.name.startswith("00_"):
-        pytest.skip("chapter 00 only checks the environment")
     nb = nbformat.read(path, as_version=4)
     mimes = {m for c in nb.cells if c.cell_type == "code" for o in c.outputs for m in o.get("data", {})}
     assert mimes & {"image/png", "image/svg+xml", "text/html"}, "a picture says more than a table"

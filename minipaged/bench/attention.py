@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from minipaged.attention import paged_attention
+from minipaged.bench import positive_int
 from minipaged.testing import make_paged_case
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -116,14 +117,14 @@ def main(argv: list[str] | None = None) -> int:
         description="Time one CPU decode step of paged attention (torch and loop backends) against contiguous SDPA.",
     )
     parser.add_argument("--quick", action="store_true", help="two cases, few repeats (for the notebook)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs per method (default 9, quick 5)")
+    parser.add_argument("--repeats", type=positive_int, default=None, help="timed runs per method (default 9, quick 5)")
     parser.add_argument("--no-loop", action="store_true", help="skip the slow block-by-block reference")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
     args = parser.parse_args(argv)
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     cases = QUICK_CASES if args.quick else FULL_CASES
-    repeats = args.repeats or (5 if args.quick else 9)
+    repeats = args.repeats if args.repeats is not None else (5 if args.quick else 9)
     loop_repeats = 0 if args.no_loop else (1 if args.quick else max(1, repeats // 3))
     rows = [time_case(b, n, repeats, loop_repeats) for b, n in cases]
     print(format_table(rows))

@@ -20,30 +20,33 @@ import time
 import torch
 
 from minipaged.accounting import blocks_needed
+from minipaged.bench import fraction, positive_int, positive_rate
 from minipaged.clock import WallClock
 from minipaged.engine import Engine
 from minipaged.metrics import format_summary, summarize
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 from minipaged.scheduler import EngineConfig
+from minipaged.sequence import SamplingParams
 from minipaged.static_batching import static_engine
 from minipaged.workload import make_workload
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m minipaged.bench engine", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--rate", type=float, default=400.0, help="Poisson arrivals per second")
+    parser.add_argument("--requests", type=positive_int, default=200)
+    parser.add_argument("--rate", type=positive_rate, default=400.0, help="Poisson arrivals per second")
     parser.add_argument("--preset", default="tiny_chat", choices=["tiny_chat", "tiny_long_tail"],
                         help="length preset of minipaged.workload, scaled to the tiny model")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-blocks", type=int, default=96)
-    parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--watermark", type=float, default=0.01)
+    parser.add_argument("--block-size", type=positive_int, default=16)
+    parser.add_argument("--num-blocks", type=positive_int, default=96)
+    parser.add_argument("--max-num-seqs", type=positive_int, default=32)
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=512)
+    parser.add_argument("--watermark", type=fraction, default=0.01)
     parser.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     parser.add_argument("--backend", default="torch", choices=["torch", "triton"])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=2, help="runs per system, alternating; the fastest counts")
+    parser.add_argument("--repeats", type=positive_int, default=2,
+                        help="runs per system, alternating; the fastest counts")
     args = parser.parse_args(argv)
 
     torch.set_grad_enabled(False)
@@ -53,11 +56,20 @@ def main(argv: list[str]) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = LlamaForCausalLM(LlamaConfig(), seed=args.seed).to(device).eval()
     workload = make_workload(args.requests, args.rate, args.preset, seed=args.seed)
-    config = EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens, watermark=args.watermark,
-                          preemption_mode=args.preemption_mode, backend=args.backend,
-                          enable_prefix_caching=False)  # chapter 05 measures batching and paging alone
     max_model_len = max(r.prompt_len + r.output_len for r in workload)
+    try:  # a pool or budget too small for some request is a usage error, found before anything runs
+        config = EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                              max_num_batched_tokens=args.max_num_batched_tokens, watermark=args.watermark,
+                              preemption_mode=args.preemption_mode, backend=args.backend,
+                              enable_prefix_caching=False)  # chapter 05 measures batching and paging alone
+        probe = Engine(model, config)
+        for r in workload:
+            probe.add_request([0] * r.prompt_len, SamplingParams(max_tokens=r.output_len))
+    except ValueError as exc:
+        parser.error(f"the engine cannot serve this workload: {exc}")
+    if config.num_blocks < blocks_needed(max_model_len, config.block_size):
+        parser.error(f"--num-blocks {config.num_blocks} cannot hold one static reservation of "
+                     f"max_model_len={max_model_len} tokens: raise --num-blocks")
     kv_tokens = args.num_blocks * args.block_size
     print(f"workload: {args.requests} requests, {args.preset}, Poisson {args.rate:g}/s, seed {args.seed}; "
           f"device {device}")

@@ -30,6 +30,7 @@ import argparse
 import torch
 
 from minipaged.attention import paged_attention
+from minipaged.bench import positive_int
 from minipaged.testing import make_paged_case
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -129,7 +130,7 @@ def gpu_bench(dtype, block_size) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minipaged.bench kernel", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=positive_int, default=16)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         return cpu_check()

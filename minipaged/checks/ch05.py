@@ -1,97 +1,115 @@
-"""Checks for chapter 05 (continuous batching): admission and preemption against ``minipaged.scheduler``.
+"""Checks for exercise 05: the scheduler's decisions in the situations chapter 05 does not spell out.
 
-Each check first compares the learner's function with the reference on
-hand-picked cases, then plugs it into the real :class:`Scheduler` and replays
-a small workload that needs both, comparing the whole schedule step by step.
+Chapter 05 shows the yes/no admission of a whole chunk and the choice of one
+victim. The exercise asks for the *size* of a prefill chunk when the token
+budget, the pool and the watermark all limit it, for a sequence that may already
+hold a partly filled block; and for the whole list of victims when the sequence
+that needs blocks must not be preempted for itself unless nothing else frees
+enough. The references below are written out in full, so the check stands on
+its own.
 """
 
 from __future__ import annotations
 
-from unittest import mock
-
-from minipaged import scheduler as ref
-from minipaged.block_manager import BlockAllocator
+from minipaged.accounting import ceil_div
 from minipaged.checks import CheckFailed, check, expect_equal
-from minipaged.sequence import SamplingParams, Sequence
 
-# (num_free_blocks, num_needed_blocks, watermark_blocks, num_running, max_num_seqs)
-ADMIT_CASES = [
-    (10, 3, 1, 0, 4),  # plenty of room
-    (10, 9, 1, 0, 4),  # exactly the watermark left: allowed
-    (10, 10, 1, 0, 4),  # would eat the watermark
-    (10, 0, 0, 3, 4),  # needs no new block (e.g. a resumed chunk)
-    (0, 0, 0, 0, 4),  # a full pool but nothing needed
-    (5, 6, 0, 0, 4),  # more than is free
-    (50, 1, 0, 4, 4),  # every seat taken
-    (50, 1, 0, 5, 4),
-    (3, 3, 0, 0, 1),
+HINTS = {
+    "5.1": [
+        "three limits at once: the tokens left to prefill, the step's token budget, and the slots the pool can "
+        "give without eating the watermark; a partly filled block the sequence already holds has free slots too",
+        "slots available = (blocks already held + usable free blocks) · block_size − num_computed_tokens, where "
+        "usable free blocks = num_free_blocks − watermark_blocks, never below 0",
+        "the chunk is the smallest of the three limits, and never negative; blocks held = ceil(num_computed / B)",
+    ],
+    "5.2": [
+        "recompute preemption frees a victim's blocks; youngest first (largest arrival_time, ties to the later "
+        "one in the list), and never the requester while someone else can go",
+        "sort the others youngest first and take victims until num_free_blocks plus what they hold covers "
+        "num_blocks_needed",
+        "if all the others together are not enough, the requester preempts itself as well: append it last",
+    ],
+}
+
+# (num_tokens, num_computed_tokens, token_budget, num_free_blocks, watermark_blocks, block_size)
+CHUNK_CASES = [
+    (10, 0, 32, 10, 1, 4),  # the whole prompt fits
+    (10, 0, 6, 10, 1, 4),  # the token budget limits it
+    (40, 0, 64, 5, 1, 4),  # the pool limits it: 4 usable blocks, 16 tokens
+    (40, 6, 64, 2, 1, 4),  # holds 2 blocks with 2 free slots, plus 1 usable block
+    (40, 8, 64, 1, 1, 4),  # holds 2 full blocks, nothing usable: 0
+    (40, 7, 64, 1, 1, 4),  # nothing usable, but one free slot in the held block
+    (9, 9, 8, 5, 0, 4),  # nothing left to prefill
+    (30, 3, 100, 0, 2, 8),  # fewer free blocks than the watermark: only the held block's slots
+    (2**60 + 5, 2**60 + 1, 2**61, 3, 1, 16),  # 2**60-scale positions
+    (2**62, 0, 2**61 + 3, 2**57, 2, 16),
 ]
 
 
-def _replay(steps: int = 80) -> list[tuple]:
-    """A tight pool and staggered arrivals: admission, watermark and preemption all matter."""
-    cfg = ref.EngineConfig(num_blocks=9, block_size=2, max_num_seqs=3, max_num_batched_tokens=6, watermark=0.1)
-    sched = ref.Scheduler(cfg, BlockAllocator(cfg.num_blocks, cfg.block_size))
-    # (arrival, prompt length, max_tokens)
-    specs = [(0, 3, 9), (0, 5, 6), (1, 2, 9), (2, 4, 5), (3, 1, 10), (4, 6, 3), (6, 2, 8)]
-    seqs = [Sequence(f"r{i}", [1 + i] * p, SamplingParams(max_tokens=m), float(t)) for i, (t, p, m) in enumerate(specs)]
-    trace = []
-    for tick in range(steps):
-        for seq in seqs:
-            if seq.arrival_time == tick:
-                sched.add(seq)
-        out = sched.schedule()
-        scheduled = list(zip(out.seqs, out.num_new_tokens))
-        trace.append(([(s.seq_id, n) for s, n in scheduled], [s.seq_id for s in out.preempted]))
-        sampled = {s.seq_id: 0 for s, n in scheduled if s.num_computed_tokens + n == s.num_tokens}
-        sched.postprocess(out, sampled, float(tick))
-    return trace
+def _chunk(num_tokens, num_computed, budget, num_free, watermark, block_size) -> int:
+    held = ceil_div(num_computed, block_size)
+    room = (held + max(num_free - watermark, 0)) * block_size - num_computed
+    return max(0, min(num_tokens - num_computed, budget, room))
 
 
-def _compare_schedules(patch_name: str, fn) -> int:
-    expected = _replay()
-    with mock.patch.object(ref, patch_name, fn):
-        got = _replay()
-    for step, (g, e) in enumerate(zip(got, expected)):
-        if g != e:
-            raise CheckFailed(
-                f"plugged into the scheduler, step {step} ran {g[0]} and preempted {g[1]}; "
-                f"the reference ran {e[0]} and preempted {e[1]}"
-            )
-    return sum(len(p) for _, p in expected)
-
-
-@check(
-    "ch05.can_admit",
-    hint="two conditions: a free seat (num_running < max_num_seqs) and, after taking num_needed_blocks, "
-    "at least watermark_blocks still free",
-)
-def check_can_admit(fn):
-    for case in ADMIT_CASES:
+@check("ch05.prefill_chunk", hint=HINTS["5.1"][0])
+def check_prefill_chunk(fn):
+    for case in CHUNK_CASES:
         got = fn(*case)
-        if not isinstance(got, bool):
-            raise CheckFailed(f"can_admit{case} returned {got!r}; return True or False")
-        expect_equal(got, ref.can_admit(*case), f"can_admit{case}")
-    _compare_schedules("can_admit", fn)
-    return f"{len(ADMIT_CASES)} cases, and the same schedule as the reference in an 80-step replay"
+        if isinstance(got, bool) or not isinstance(got, int):
+            raise CheckFailed(f"prefill_chunk{case} returned {got!r}; return a number of tokens (an int)")
+        want = _chunk(*case)
+        n, c, budget, free, wm, b = case
+        if got != want and got == max(0, min(n - c, budget, max(free - wm, 0) * b)):
+            raise CheckFailed(f"prefill_chunk{case} returned {got}, expected {want}: the sequence already holds "
+                              f"{ceil_div(c, b)} block(s) with {ceil_div(c, b) * b - c} free slot(s)")
+        if got != want and got == 0 and want:
+            raise CheckFailed(f"prefill_chunk{case} returned 0, expected {want}: a chunk may be shorter than the "
+                              "rest of the prompt; take as many tokens as fit")
+        expect_equal(got, want, f"prefill_chunk{case}")
+    return f"{len(CHUNK_CASES)} cases: budget, pool, watermark and a partly filled block as the limit"
 
 
-@check(
-    "ch05.pick_victim",
-    hint="the youngest request is the one that arrived last (largest arrival_time); "
-    "on a tie, the one admitted last (later in the list)",
-)
-def check_pick_victim(fn):
-    cases = [[0.0], [0.0, 1.0, 2.0], [2.0, 0.0, 1.0], [1.0, 1.0], [0.0, 3.0, 3.0, 1.0], [5.0, 5.0, 5.0]]
-    for times in cases:
-        running = [Sequence(f"s{i}", [1], SamplingParams(), t) for i, t in enumerate(times)]
-        snapshot = list(running)
-        got = fn(running)
-        if running != snapshot:
-            raise CheckFailed(f"pick_victim changed the list it was given (arrivals {times}); only pick, don't remove")
-        want = ref.pick_victim(snapshot)
-        if got is not want:
-            name = got.seq_id if isinstance(got, Sequence) else repr(got)
-            raise CheckFailed(f"with arrivals {times} you picked {name}, expected {want.seq_id}")
-    preemptions = _compare_schedules("pick_victim", fn)
-    return f"{len(cases)} cases, and the same {preemptions} preemptions as the reference in an 80-step replay"
+def _victims(running, requester, num_blocks_needed, num_free_blocks) -> list[str]:
+    order = sorted(range(len(running)), key=lambda i: (running[i][1], i), reverse=True)
+    victims, free = [], num_free_blocks
+    for i in order:
+        if free >= num_blocks_needed:
+            break
+        seq_id, _, blocks = running[i]
+        if seq_id != requester:
+            victims.append(seq_id)
+            free += blocks
+    if free < num_blocks_needed:
+        victims.append(requester)
+    return victims
+
+
+# (running as (seq_id, arrival_time, num_blocks), requester, num_blocks_needed, num_free_blocks)
+VICTIM_CASES = [
+    ([("a", 0.0, 3), ("b", 1.0, 2), ("c", 2.0, 1)], "a", 1, 0),  # the youngest
+    ([("a", 0.0, 3), ("b", 1.0, 2), ("c", 2.0, 1)], "a", 3, 0),  # two victims, youngest first
+    ([("a", 0.0, 3), ("b", 1.0, 2), ("c", 2.0, 1)], "c", 1, 0),  # the requester is the youngest: skip it
+    ([("a", 0.0, 3), ("b", 1.0, 2), ("c", 2.0, 1)], "a", 2, 1),  # free blocks count too
+    ([("a", 0.0, 3), ("b", 1.0, 2)], "a", 1, 1),  # enough free already: nobody
+    ([("a", 1.0, 1), ("b", 1.0, 1), ("c", 0.0, 1)], "c", 1, 0),  # a tie: the later in the list
+    ([("a", 0.0, 1), ("b", 1.0, 1)], "b", 5, 0),  # not enough even with everyone: the requester goes too
+    ([("x", 3.0, 2)], "x", 1, 0),  # alone: preempts itself
+    ([("a", 5.0, 1), ("b", 0.0, 4), ("c", 9.0, 1), ("d", 2.0, 2)], "d", 3, 1),  # arrival order differs from list
+]
+
+
+@check("ch05.pick_victims", hint=HINTS["5.2"][0])
+def check_pick_victims(fn):
+    for running, requester, needed, free in VICTIM_CASES:
+        given = [tuple(r) for r in running]
+        what = f"pick_victims({running}, requester={requester!r}, num_blocks_needed={needed}, num_free_blocks={free})"
+        got = fn(given, requester, needed, free)
+        if given != running:
+            raise CheckFailed(f"{what} changed the list it was given; only pick, don't remove or sort in place")
+        want = _victims(running, requester, needed, free)
+        if isinstance(got, list) and requester in got and requester not in want:
+            raise CheckFailed(f"{what} returned {got}, expected {want}: the requester goes only after every "
+                              "other sequence, and only if they free too little")
+        expect_equal(got, want, what)
+    return f"{len(VICTIM_CASES)} cases: youngest first, ties, the requester spared, free blocks counted"

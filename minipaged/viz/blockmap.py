@@ -5,7 +5,12 @@ without a browser and give the same bytes for the same state:
 
 - :func:`render_block_map`: every sequence's *logical* blocks (one row per
   sequence) joined by coloured lines to the *physical* cells of the pool.
-- :func:`render_pool`: the pool grid alone (free, used, shared).
+- :func:`render_pool`: the pool grid alone (free, used, shared, cached).
+
+With prefix caching (chapter 06) a cell also shows whether its block holds a
+cached key (a free block that keeps its key is *cached*: reusable by a hit
+until it is evicted), and what happened to it in the last step: a prefix-cache
+``hit``, a copy-on-write (``cow``, on the fresh copy) or an ``evict``.
 
 The view also draws :func:`minipaged.viz.timeline.render_timeline` (utilisation
 and fragmentation step by step) under them.
@@ -30,11 +35,13 @@ In a notebook::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from html import escape
 
 from minipaged.viz.svg import (
+    CACHED_COLOR,
     FREE_COLOR,
+    MARK_COLORS,
     PALETTE,
     SHARED_COLOR,
     TEXT_COLOR,
@@ -42,6 +49,7 @@ from minipaged.viz.svg import (
     fmt,
     seq_color,
     svg_open,
+    text_on,
     tint,
 )
 from minipaged.viz.timeline import counter_events, default_series, history_series, render_timeline, split_series_name
@@ -59,7 +67,9 @@ class PoolSnapshot:
 
     ``tables`` maps a sequence id to its physical block ids in logical order;
     ``num_tokens`` maps it to how many tokens it holds. The order of
-    ``tables`` is the order of rows in the picture.
+    ``tables`` is the order of rows in the picture. ``cached`` holds the ids
+    of blocks that have a prefix-cache key, and ``marks`` maps a block id to
+    the last event that touched it in this step (one of :data:`MARKS`).
     """
 
     num_blocks: int
@@ -68,6 +78,8 @@ class PoolSnapshot:
     tables: dict = field(default_factory=dict)
     num_tokens: dict = field(default_factory=dict)
     step: int = 0
+    cached: frozenset = frozenset()
+    marks: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.num_blocks < 0 or self.block_size < 1:
@@ -82,13 +94,25 @@ class PoolSnapshot:
             for b in blocks:
                 if not 0 <= b < self.num_blocks:
                     raise ValueError(f"table of seq {s!r} points at block {b}, outside 0..{self.num_blocks - 1}")
+        object.__setattr__(self, "cached", frozenset(int(b) for b in self.cached))
+        object.__setattr__(self, "marks", {int(b): str(k) for b, k in self.marks.items()})
+        for b in (*self.cached, *self.marks):
+            if not 0 <= b < self.num_blocks:
+                raise ValueError(f"cached or marked block {b} is outside 0..{self.num_blocks - 1}")
+        for b, kind in self.marks.items():
+            if kind not in MARKS:
+                raise ValueError(f"mark of block {b} is {kind!r}; marks are {', '.join(MARKS)}")
 
     @classmethod
-    def from_allocator(cls, allocator, tables=(), step: int = 0) -> PoolSnapshot:
+    def from_allocator(cls, allocator, tables=(), step: int = 0, cached=None, marks=None) -> PoolSnapshot:
         """Copy the state of ``allocator`` and its ``tables``.
 
         ``tables`` is a mapping ``seq_id -> BlockTable`` (or ``-> list of block
         ids``), or an iterable of ``BlockTable`` objects with a ``seq_id``.
+        ``cached`` (block ids with a prefix-cache key) defaults to the blocks
+        whose entry in the allocator's ``entries`` is set (chapter 06's
+        prefix-caching allocator); ``marks`` maps block ids to this step's
+        event kind.
         """
         if hasattr(tables, "items"):
             items = list(tables.items())
@@ -105,7 +129,10 @@ class PoolSnapshot:
         refcounts = getattr(allocator, "refcounts", None)
         if refcounts is None:
             refcounts = [allocator.refcount(b) for b in range(allocator.num_blocks)]
-        return cls(allocator.num_blocks, block_size, tuple(refcounts), blocks, tokens, step)
+        if cached is None:  # chapter 06's allocator keeps one prefix-cache entry (or None) per block
+            cached = [b for b, entry in enumerate(getattr(allocator, "entries", ())) if entry is not None]
+        return cls(allocator.num_blocks, block_size, tuple(refcounts), blocks, tokens, step,
+                   frozenset(cached), dict(marks or {}))
 
     # -- derived quantities the pictures show --------------------------------
 
@@ -142,8 +169,13 @@ class PoolSnapshot:
         return sum(1 for r in self.refcounts if r > 1)
 
     @property
+    def num_cached_free(self) -> int:
+        """Free blocks that keep their key: K/V a hit can still reuse, evicted only when the pool runs dry."""
+        return sum(1 for b in self.cached if self.refcounts[b] == 0)
+
+    @property
     def tail_waste(self) -> int:
-        """Reserved but empty slots in the last block of every sequence (internal fragmentation)."""
+        """Reserved but empty slots in the last block of every sequence (tail waste)."""
         return sum(len(bl) * self.block_size - self.num_tokens[s] for s, bl in self.tables.items())
 
 
@@ -153,6 +185,8 @@ class PoolSnapshot:
 
 CELL = 34  # px, one pool cell
 GAP = 4
+# What happened to a block in the last step, and the letter its cell shows.
+MARKS = {"hit": "H", "cow": "C", "evict": "E"}
 
 
 def _grid_columns(num_blocks: int, columns: int | None) -> int:
@@ -176,7 +210,9 @@ def _pool_cells(snap: PoolSnapshot, cols: int, x0: float, y0: float, show_refcou
         x, y = _cell_xy(b, cols, x0, y0)
         ref = snap.refcounts[b]
         held_by = owners.get(b, [])
-        if ref == 0:
+        if ref == 0 and b in snap.cached:
+            state, bar, bg = "cached", CACHED_COLOR, tint(CACHED_COLOR, 0.6)
+        elif ref == 0:
             state, bar, bg = "free", FREE_COLOR, FREE_COLOR
         elif ref > 1 or len(held_by) > 1:
             state, bar = "shared", SHARED_COLOR
@@ -187,14 +223,24 @@ def _pool_cells(snap: PoolSnapshot, cols: int, x0: float, y0: float, show_refcou
         else:
             state, bar = "used", USED_COLOR
             bg = tint(bar, 0.5)
-        fill = fills[b] if held_by else (snap.block_size if ref > 0 else 0)
+        fill = fills[b] if held_by else (snap.block_size if ref > 0 or state == "cached" else 0)
         frac = fill / snap.block_size
         seqs = " ".join(escape(str(s)) for s in held_by)
-        stroke = ' stroke="#333" stroke-width="2"' if state == "shared" else ' stroke="#999" stroke-width="1"'
+        if state == "shared":
+            stroke = ' stroke="#333" stroke-width="2"'
+        elif state == "cached":
+            stroke = f' stroke="{CACHED_COLOR}" stroke-width="1.5" stroke-dasharray="3,2"'
+        else:
+            stroke = ' stroke="#999" stroke-width="1"'
+        key = b in snap.cached
+        mark = snap.marks.get(b)
+        extra = (' data-cached="1"' if key else "") + (f' data-mark="{mark}"' if mark else "")
+        classes = f"cell cell-{state}" + (f" mark-{mark}" if mark else "")
+        notes = (", cached key" if key else "") + (f", {mark} this step" if mark else "")
         out.append(
-            f'<g class="cell cell-{state}" data-block="{b}" data-refcount="{ref}" data-fill="{fill}"'
-            f' data-seqs="{seqs}" data-state="{state}">'
-            f"<title>block {b}: {state}, refcount {ref}, {fill}/{snap.block_size} slots"
+            f'<g class="{classes}" data-block="{b}" data-refcount="{ref}" data-fill="{fill}"'
+            f' data-seqs="{seqs}" data-state="{state}"{extra}>'
+            f"<title>block {b}: {state}, refcount {ref}, {fill}/{snap.block_size} slots{notes}"
             f"{' (seq ' + seqs + ')' if seqs else ''}</title>"
             f'<rect class="bg" x="{fmt(x)}" y="{fmt(y)}" width="{CELL}" height="{CELL}" rx="3" fill="{bg}"{stroke}/>'
         )
@@ -204,7 +250,7 @@ def _pool_cells(snap: PoolSnapshot, cols: int, x0: float, y0: float, show_refcou
                 f'<rect class="fill" x="{fmt(x)}" y="{fmt(y + CELL - h)}" width="{CELL}" height="{fmt(h)}"'
                 f' rx="3" fill="{bar}" fill-opacity="0.85" data-fraction="{fmt(frac)}"/>'
             )
-        text_fill = "#ffffff" if frac >= 0.5 else TEXT_COLOR
+        text_fill = text_on(bar) if frac >= 0.5 else TEXT_COLOR
         out.append(
             f'<text class="block-id" x="{fmt(x + CELL / 2)}" y="{fmt(y + CELL / 2 + 4)}" text-anchor="middle"'
             f' font-size="11" fill="{text_fill}">{b}</text>'
@@ -214,18 +260,61 @@ def _pool_cells(snap: PoolSnapshot, cols: int, x0: float, y0: float, show_refcou
                 f'<text class="refcount" x="{fmt(x + CELL - 3)}" y="{fmt(y + 10)}" text-anchor="end"'
                 f' font-size="9" font-weight="bold" fill="{text_fill if frac >= 0.9 else TEXT_COLOR}">×{ref}</text>'
             )
+        if mark:
+            out.append(
+                f'<circle class="mark" cx="{fmt(x + 7)}" cy="{fmt(y + 7)}" r="6" fill="{MARK_COLORS[mark]}"'
+                f' stroke="#ffffff" stroke-width="1"/>'
+                f'<text class="mark-letter" x="{fmt(x + 7)}" y="{fmt(y + 10)}" text-anchor="middle" font-size="8"'
+                f' font-weight="bold" fill="#ffffff">{MARKS[mark]}</text>'
+            )
+        if key and state != "cached":
+            out.append(
+                f'<text class="key" x="{fmt(x + 3)}" y="{fmt(y + CELL - 3)}" font-size="8" fill="{CACHED_COLOR}"'
+                ' font-weight="bold">#</text>'
+            )
         out.append("</g>")
     return out
 
 
-def _legend(x: float, y: float) -> list[str]:
+def _legend(x: float, y: float, prefix: bool = False, notes: tuple[str, ...] = ()) -> list[str]:
+    """The key under a picture: the cell states on one row at baseline ``y``, then one row per note."""
     items = [("free", FREE_COLOR), ("used (colour = sequence)", PALETTE[0]), ("shared (refcount > 1)", SHARED_COLOR)]
-    out, cx = [], x
+    if prefix:
+        items.append(("cached, free (# = has a key)", CACHED_COLOR))
+    out, cx = ['<g class="legend">'], x
     for label, color in items:
         out.append(f'<rect x="{fmt(cx)}" y="{fmt(y - 9)}" width="10" height="10" fill="{color}" stroke="#999"/>')
         out.append(f'<text x="{fmt(cx + 14)}" y="{fmt(y)}" font-size="10" fill="{TEXT_COLOR}">{escape(label)}</text>')
         cx += 14 + 6.2 * len(label) + 14
+    if prefix:
+        for kind, letter in MARKS.items():
+            out.append(f'<circle cx="{fmt(cx + 5)}" cy="{fmt(y - 4)}" r="5" fill="{MARK_COLORS[kind]}"/>'
+                       f'<text x="{fmt(cx + 5)}" y="{fmt(y - 1)}" text-anchor="middle" font-size="7" fill="#ffffff"'
+                       f' font-weight="bold">{letter}</text>'
+                       f'<text x="{fmt(cx + 13)}" y="{fmt(y)}" font-size="10" fill="{TEXT_COLOR}">{kind}</text>')
+            cx += 13 + 6.2 * len(kind) + 12
+    for i, note in enumerate(notes, 1):
+        out.append(f'<text class="note" x="{fmt(x)}" y="{fmt(y + LEGEND_LINE * i)}" font-size="10" fill="#555">'
+                   f"{escape(note)}</text>")
+    out.append("</g>")
     return out
+
+
+LEGEND_LINE = 14  # px between the legend's rows
+POOL_NOTES = ("The filled part of a cell is the share of its slots that hold tokens.",)
+MAP_NOTES = (
+    "Each row is a sequence's block table: the number in logical block i is the physical block it maps to,",
+    "and a line joins the two. The filled part of a block is the share of its slots that hold tokens.",
+)
+
+
+def _prefix_caption(snap: PoolSnapshot) -> str:
+    """The chapter 06 part of a caption: cached blocks and this step's marks (empty without prefix caching)."""
+    if not snap.cached and not snap.marks:
+        return ""
+    counts = {kind: sum(1 for k in snap.marks.values() if k == kind) for kind in MARKS}
+    return (f", {snap.num_shared} shared, {len(snap.cached)} cached ({snap.num_cached_free} free)"
+            + "".join(f", {n} {kind}" for kind, n in counts.items() if n))
 
 
 def render_pool(snapshot: PoolSnapshot, *, columns: int | None = None, show_refcount: str = "shared") -> str:
@@ -240,20 +329,31 @@ def render_pool(snapshot: PoolSnapshot, *, columns: int | None = None, show_refc
     cols = _grid_columns(snap.num_blocks, columns)
     rows = max(1, math.ceil(snap.num_blocks / cols))
     x0, y0 = 8, 24
-    width = max(x0 * 2 + cols * (CELL + GAP) - GAP, 420)
-    height = y0 + rows * (CELL + GAP) - GAP + 28
+    width = max(x0 * 2 + cols * (CELL + GAP) - GAP, 780 if snap.cached or snap.marks else 460)
+    height = y0 + rows * (CELL + GAP) - GAP + 28 + LEGEND_LINE * len(POOL_NOTES)
     head = (
         f"pool: {snap.num_used}/{snap.num_blocks} blocks used, {snap.num_shared} shared, "
-        f"block_size {snap.block_size}"
+        f"block_size {snap.block_size}{_prefix_caption(snap)}"
     )
     parts = [
         svg_open("minipaged-pool", width, height, snap.step, f' data-used="{snap.num_used}"'),
         f'<text class="caption" x="{x0}" y="15" font-size="12" fill="{TEXT_COLOR}">{escape(head)}</text>',
         *_pool_cells(snap, cols, x0, y0, show_refcount),
-        *_legend(x0, height - 8),
+        *_legend(x0, height - 8 - LEGEND_LINE * len(POOL_NOTES), bool(snap.cached or snap.marks), POOL_NOTES),
         "</svg>",
     ]
     return "".join(parts)
+
+
+def _hover_style(seq_ids) -> str:
+    """CSS that brings one sequence's links forward while the pointer is on its row (live views only)."""
+    rules = [".minipaged-blockmap .seq{cursor:default}"]
+    for seq_id in seq_ids:
+        sid = str(seq_id)
+        if sid.replace("-", "").replace("_", "").isalnum():  # ids that need no CSS escaping
+            rules.append(f'.minipaged-blockmap .seq[data-seq="{sid}"]:hover~.links .link[data-seq="{sid}"]'
+                         "{stroke-opacity:1;stroke-width:2.5}")
+    return "<style>" + "".join(rules) + "</style>"
 
 
 def render_block_map(
@@ -272,6 +372,7 @@ def render_block_map(
     if show_refcount not in ("shared", "always", "never"):
         raise ValueError(f"show_refcount must be 'shared', 'always' or 'never', got {show_refcount!r}")
     snap = snapshot
+    prefix = bool(snap.cached or snap.marks)
     cols = _grid_columns(snap.num_blocks, columns)
     pool_rows = max(1, math.ceil(snap.num_blocks / cols))
     seq_ids = list(snap.tables)
@@ -281,16 +382,16 @@ def render_block_map(
     # Logical cells shrink for long tables so the map keeps a readable width.
     pitch = min(25.0, max(9.0, 400 / max(longest, 1)))
     lcell, lgap, label_w, row_h = pitch - 3, 3, 78, 28
-    top = 40
+    top = 48
     logical_w = label_w + max(longest, 1) * (lcell + lgap)
     pool_x0 = logical_w + 70
     pool_w = cols * (CELL + GAP) - GAP
-    width = max(pool_x0 + max(pool_w, 270) + 10, 480)  # room for the pool caption
+    width = max(pool_x0 + max(pool_w, 270) + 10, 780 if prefix else 660)  # room for the caption and legend
     rows_h = max(len(shown), 1) * row_h + (row_h if hidden else 0)
-    height = top + max(rows_h, pool_rows * (CELL + GAP)) + 30
+    height = top + max(rows_h, pool_rows * (CELL + GAP)) + 30 + LEGEND_LINE * len(MAP_NOTES)
 
     caption = (f"step {snap.step}: {len(seq_ids)} sequences, {snap.num_used}/{snap.num_blocks} blocks used, "
-               f"tail waste {snap.tail_waste} slots")
+               f"tail waste {snap.tail_waste} slots{_prefix_caption(snap)}")
     parts = [
         svg_open(
             "minipaged-blockmap",
@@ -300,10 +401,15 @@ def render_block_map(
             f' data-used="{snap.num_used}" data-seqs="{len(seq_ids)}"',
         ),
         f'<text class="caption" x="8" y="16" font-size="12" fill="{TEXT_COLOR}">{escape(caption)}</text>',
-        '<text x="8" y="32" font-size="10" fill="#666">logical blocks (block table)</text>',
+        '<text x="8" y="32" font-size="10" fill="#666">block tables (logical → physical)</text>',
         f'<text x="{fmt(pool_x0)}" y="32" font-size="10" fill="#666">physical pool (block id, fill, ×refcount)</text>',
+        _hover_style(shown),
     ]
-    links, ends, logical = [], [], []
+    if longest and lcell >= 14:  # the logical indices, once, above the rows
+        parts.append('<g class="logical-index">' + "".join(
+            f'<text x="{fmt(label_w + i * (lcell + lgap) + lcell / 2)}" y="{top - 4}" text-anchor="middle"'
+            f' font-size="8" fill="#666">{i}</text>' for i in range(longest)) + "</g>")
+    links, logical = [], []
     for row, seq_id in enumerate(shown):
         color = seq_color(seq_id)
         y = top + row * row_h
@@ -311,8 +417,10 @@ def render_block_map(
         n_tok = snap.num_tokens[seq_id]
         logical.append(
             f'<g class="seq" data-seq="{sid}" data-color="{color}" data-tokens="{n_tok}">'
-            f'<text x="8" y="{fmt(y + 15)}" font-size="11" fill="{color}" font-weight="bold">seq {sid}</text>'
-            f'<text x="8" y="{fmt(y + 25)}" font-size="8" fill="#666">{n_tok} tok</text>'
+            f'<rect class="swatch" x="2" y="{fmt(y)}" width="4" height="{fmt(lcell)}" fill="{color}"/>'
+            f'<text class="label" x="10" y="{fmt(y + 13)}" font-size="11" fill="{TEXT_COLOR}" font-weight="bold">'
+            f"seq {sid}</text>"
+            f'<text x="10" y="{fmt(y + 24)}" font-size="8" fill="#555">{n_tok} tokens</text>'
         )
         for i, b in enumerate(snap.tables[seq_id]):
             x = label_w + i * (lcell + lgap)
@@ -330,23 +438,19 @@ def render_block_map(
                     f'<rect class="fill" x="{fmt(x)}" y="{fmt(y)}" width="{fmt(w)}" height="{fmt(lcell)}" rx="2"'
                     f' fill="{color}" data-fraction="{fmt(frac)}"/>'
                 )
-            if lcell >= 14:
+            if lcell >= 14:  # the table entry: which physical block this logical block is
                 logical.append(
-                    f'<text x="{fmt(x + lcell / 2)}" y="{fmt(y + 15)}" text-anchor="middle" font-size="9"'
-                    f' fill="{"#fff" if frac >= 0.5 else TEXT_COLOR}">{i}</text>'
+                    f'<text class="entry" x="{fmt(x + lcell / 2)}" y="{fmt(y + 15)}" text-anchor="middle"'
+                    f' font-size="9" fill="{text_on(color) if frac >= 0.5 else TEXT_COLOR}">{b}</text>'
                 )
             logical.append("</g>")
             cx, cy = _cell_xy(b, cols, pool_x0, top)
             x1, y1 = x + lcell / 2, y + lcell
-            x2, y2 = cx + 5, cy + CELL - 5  # the cell's lower-left corner, clear of its labels
+            x2, y2 = cx, cy + CELL / 2  # the middle of the cell's left edge
             links.append(
                 f'<path class="link" data-seq="{sid}" data-logical="{i}" data-block="{b}" stroke="{color}"'
                 f' d="M{fmt(x1)},{fmt(y1)} C{fmt(x1)},{fmt(y1 + 14)} {fmt(x2 - 60)},{fmt(y2)} {fmt(x2)},{fmt(y2)}"'
-                f' fill="none" stroke-width="1.2" stroke-opacity="0.6"/>'
-            )
-            ends.append(
-                f'<circle class="link-end" data-seq="{sid}" data-block="{b}" cx="{fmt(x2)}" cy="{fmt(y2)}" r="3"'
-                f' fill="{color}" stroke="#ffffff" stroke-width="1"/>'
+                f' fill="none" stroke-width="1" stroke-opacity="0.35"/>'
             )
         logical.append("</g>")
     if hidden:
@@ -356,11 +460,10 @@ def render_block_map(
             f"… and {len(hidden)} more sequences</text>"
         )
     parts += logical
-    # Links run beneath the pool cells; a dot in the sequence's colour marks where each one lands.
+    # Links run beneath the pool cells, faint so that they do not hide the table entries.
     parts.append('<g class="links">' + "".join(links) + "</g>")
     parts += _pool_cells(snap, cols, pool_x0, top, show_refcount)
-    parts.append('<g class="link-ends">' + "".join(ends) + "</g>")
-    parts += _legend(8, height - 8)
+    parts += _legend(8, height - 8 - LEGEND_LINE * len(MAP_NOTES), prefix, MAP_NOTES)
     parts.append("</svg>")
     return "".join(parts)
 
@@ -415,7 +518,7 @@ class BlockMapView:
     ):
         import ipywidgets as widgets
 
-        if hasattr(source, "step"):
+        if hasattr(source, "step") and not isinstance(source, type):  # a class is a factory
             self._factory, self.sim = None, source
         elif callable(source):
             self._factory, self.sim = source, source()
@@ -427,6 +530,7 @@ class BlockMapView:
         self.steps = 0
         self.finished = False
         self.events: list[tuple[int, str]] = []  # (step, kind) of notable allocator events
+        self.marks: dict[int, str] = {}  # block id -> hit / cow / evict in the last step
         self._in_step = False
         self._unsubscribe = None
 
@@ -471,7 +575,11 @@ class BlockMapView:
     # -- state -----------------------------------------------------------------
 
     def snapshot(self) -> PoolSnapshot:
-        return self._snapshot_fn(self.sim, self.steps)
+        return self.with_marks(self._snapshot_fn(self.sim, self.steps))
+
+    def with_marks(self, snap: PoolSnapshot) -> PoolSnapshot:
+        """``snap`` with this step's hit / cow / evict marks added."""
+        return replace(snap, marks={**snap.marks, **self.marks}) if self.marks else snap
 
     def _subscribe(self):
         if self._unsubscribe is not None:
@@ -483,8 +591,11 @@ class BlockMapView:
 
     def _on_event(self, event) -> None:
         kind = getattr(event, "kind", str(event))
-        if kind not in ("allocate", "free", "incref", "decref"):
-            self.events.append((self.steps, kind))  # preempt, cow, fork ... become timeline markers
+        block_id = getattr(event, "block_id", None)
+        if kind in MARKS and block_id is not None:
+            self.marks[block_id] = kind  # drawn on the block's cell until the next step
+        if kind not in ("allocate", "free", "incref", "decref", "hit"):
+            self.events.append((self.steps, kind))  # preempt, cow, evict, fork ... become timeline markers
         if not self._in_step:  # someone stepped the simulation outside the widget
             self.redraw()
 
@@ -495,6 +606,7 @@ class BlockMapView:
         if self.finished:
             return False
         self._in_step = True
+        self.marks = {}
         try:
             more = self.sim.step()
         except StopIteration:
@@ -522,7 +634,7 @@ class BlockMapView:
             self.sim.reset()
         else:
             raise RuntimeError("this simulation has no reset(); pass a function that builds one instead")
-        self.steps, self.finished, self.events = 0, False, []
+        self.steps, self.finished, self.events, self.marks = 0, False, [], {}
         self.step_button.disabled = False
         with self.play.hold_trait_notifications():
             self.play.value = 0

@@ -17,7 +17,7 @@ controls (Step, Play/Pause, speed, Reset) over a
 In a notebook::
 
     def make_engine():  # a fresh engine each time, so Reset can start over
-        return Engine(model, EngineConfig(num_blocks=14, block_size=4, max_num_seqs=6))
+        return Engine(model, EngineConfig(num_blocks=14, block_size=4, max_num_seqs=6, enable_prefix_caching=False))
 
     dash = EngineDashboard(make_engine, workload)  # workload: list of RequestSpec
     dash            # the live widget (mark the cell # NBVAL_IGNORE_OUTPUT)
@@ -323,7 +323,7 @@ class EngineDashboard(BlockMapView):
         cache, load = _timelines(history, snap.step, others)
         return {
             "queues": render_queues(snap),
-            "map": render_block_map(snap.pool, columns=self._columns),
+            "map": render_block_map(self.with_marks(snap.pool), columns=self._columns),
             "timeline": cache,
             "load": load,
         }

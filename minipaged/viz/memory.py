@@ -11,20 +11,18 @@ from collections.abc import Sequence
 from matplotlib.figure import Figure
 
 from minipaged import accounting as acc
+from minipaged.viz import style
+from minipaged.viz.svg import text_on
 from minipaged.workload import WorkloadPreset, get_length_preset
 
-# one colour per kind of memory, shared by every figure in the chapter
-COLORS = {
-    "effective KV": "#4c72b0",
-    "tail waste": "#dd8452",
-    "reservation waste": "#c44e52",
-    "block table": "#8172b3",
-    "unused": "#dddddd",
-}
+# the parts of a KV budget (``accounting.Breakdown.parts``), in the course palette
+COLORS = {name: style.color(name) for name in ("effective KV", "tail waste", "reservation waste", "block table",
+                                                "unused")}
 
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
+@style.styled
 def plot_waste_vs_block_size(preset: str | WorkloadPreset, max_len: int = 2048,
                              block_sizes: Sequence[int] = BLOCK_SIZES, num_seqs: int = 2000, seed: int = 0,
                              highlight: int | None = None) -> Figure:
@@ -44,8 +42,8 @@ def plot_waste_vs_block_size(preset: str | WorkloadPreset, max_len: int = 2048,
     fixed = 100 * (1 - acc.fixed_utilisation(lengths, max_len))
     fig = Figure(figsize=(6.4, 3.6), layout="constrained")
     ax = fig.add_subplot()
-    ax.plot(block_sizes, waste, "o-", color=COLORS["tail waste"], label="paged: tail waste")
-    ax.axhline(fixed, ls="--", color=COLORS["reservation waste"], label=f"fixed {max_len}: {fixed:.1f}%")
+    ax.plot(block_sizes, waste, **style.line("paged", "paged: tail waste"))
+    ax.axhline(fixed, ls="--", color=style.color("fixed"), label=f"fixed {max_len}: {fixed:.1f}%")
     if highlight is not None:
         waste_here = 100 * (1 - acc.utilisation(lengths, highlight))
         ax.axvline(highlight, ls=":", color="grey", label=f"B = {highlight}: {waste_here:.1f}%")
@@ -59,6 +57,7 @@ def plot_waste_vs_block_size(preset: str | WorkloadPreset, max_len: int = 2048,
     return fig
 
 
+@style.styled
 def plot_fixed_vs_paged(lengths: Sequence[int], max_len: int, block_size: int) -> Figure:
     """One row per sequence: slots held under fixed reservation (top) and paging (bottom)."""
     lengths = [int(n) for n in lengths]
@@ -85,6 +84,7 @@ def plot_fixed_vs_paged(lengths: Sequence[int], max_len: int, block_size: int) -
     return fig
 
 
+@style.styled
 def plot_capacity_breakdown(report: acc.CapacityReport) -> Figure:
     """Two stacked bars, each the whole budget, split into the parts of ``Breakdown``."""
     fig = Figure(figsize=(7.2, 2.6), layout="constrained")
@@ -101,6 +101,38 @@ def plot_capacity_breakdown(report: acc.CapacityReport) -> Figure:
     ax.set_xlabel(f"% of {report.budget_bytes / 2**30:g} GiB KV budget")
     ax.set_title(f"{report.model.name}, {report.preset.name} lengths (max_len {report.max_len})")
     ax.legend(ncols=5, fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    return fig
+
+
+@style.styled
+def plot_waste_breakdown(breakdown: dict[str, dict[str, float]], title: str = "") -> Figure:
+    """One stacked bar per scheme: effective KV, reserved and internal fragmentation, in % of the slots held.
+
+    Args:
+        breakdown: what :func:`minipaged.accounting.waste_breakdown` returned.
+        title: the axes title.
+    """
+    names = list(breakdown)
+    fig = Figure(figsize=(7.2, 0.55 * len(names) + 1.6), layout="constrained")
+    ax = fig.add_subplot()
+    seen = set()
+    for row, name in enumerate(names):
+        y, left = len(names) - 1 - row, 0.0
+        for part in acc.WASTE_PARTS:
+            share = 100 * breakdown[name][part]
+            key = "tail waste" if part == "internal fragmentation" and name.startswith("paged") else part
+            label = {"tail waste": "tail waste (paging's internal fragmentation)"}.get(key, key)
+            ax.barh(y, share, left=left, color=style.color(key), label=None if key in seen else label)
+            seen.add(key)
+            if share >= 6:
+                ax.text(left + share / 2, y, f"{share:.0f}%", ha="center", va="center", fontsize=9,
+                        color=text_on(style.color(key)))
+            left += share
+    ax.set_yticks(range(len(names)), list(reversed(names)))
+    ax.set_xlim(0, 100)
+    style.axes(ax, "share of the KV slots held, over the requests' lives (%)", "scheme", title=title or None)
+    ax.grid(axis="y", visible=False)
+    ax.legend(ncols=2, loc="upper center", bbox_to_anchor=(0.5, -0.3))
     return fig
 
 
@@ -133,7 +165,8 @@ def memory_explorer(model="Llama-3-8B", budget_bytes: int = 16 * 2**30, dtype=No
                 plot_capacity_breakdown(report))
         # set last, so a changed summary means the new figures have been sent
         summary.value = (f"<b>{report.model.name}</b>: fixed admits {report.fixed.num_seqs}, "
-                         f"paged admits {report.paged.num_seqs} sequences ({report.gain:.2f}x)")
+                         f"paged admits {report.paged.num_seqs} sequences"
+                         + (f" ({report.gain:.2f}x)" if report.fixed.num_seqs else ""))
 
     for w in (block, max_len, which):
         w.observe(redraw, names="value")

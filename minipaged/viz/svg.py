@@ -28,6 +28,9 @@ PALETTE = (
 FREE_COLOR = "#eeeeee"  # a free cell
 USED_COLOR = "#bab0ac"  # held, but by no table in the snapshot (a cached prefix, say)
 SHARED_COLOR = "#6b3fa0"  # held by more than one sequence (refcount > 1)
+CACHED_COLOR = "#2a9d8f"  # free, but keeps its prefix-cache key: a hit can still reuse it (chapter 06)
+# Marks for what happened to a block in the last step (chapter 06): a prefix-cache hit, a copy-on-write, an eviction.
+MARK_COLORS = {"hit": "#2ca02c", "cow": "#d62728", "evict": "#555555"}
 TEXT_COLOR = "#222222"
 FONT = "font-family:ui-monospace,Menlo,Consolas,monospace"
 
@@ -46,6 +49,19 @@ def tint(hex_color: str, amount: float = 0.72) -> str:
     r, g, b = (int(hex_color[i : i + 2], 16) for i in (1, 3, 5))
     r, g, b = (round(c + (255 - c) * amount) for c in (r, g, b))
     return f"#{r:02x}{g:02x}{b:02x}"
+
+
+def text_on(hex_color: str) -> str:
+    """White or near-black, whichever reads better on ``hex_color`` (by its WCAG relative luminance)."""
+
+    def channel(c: int) -> float:
+        c = c / 255
+        return c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4
+
+    r, g, b = (channel(int(hex_color[i : i + 2], 16)) for i in (1, 3, 5))
+    lum = 0.2126 * r + 0.7152 * g + 0.0722 * b
+    # contrast with white is 1.05 / (lum + 0.05), with #222 it is (lum + 0.05) / 0.066; pick the larger
+    return "#ffffff" if 1.05 / (lum + 0.05) >= (lum + 0.05) / 0.066 else TEXT_COLOR
 
 
 def fmt(x: float) -> str:

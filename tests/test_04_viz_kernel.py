@@ -1,0 +1,99 @@
+"""Chapter 04's picture of the grid and the tile loop: program_reads replays the kernel's index arithmetic."""
+
+import random
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minipaged.kernels import paged_decode_attention
+from minipaged.kernels.paged_attention import MIN_TILE
+from minipaged.testing import make_paged_case
+from minipaged.viz.kernel import program_reads, render_tile_loop
+
+pytestmark = pytest.mark.ch04
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+@st.composite
+def batches(draw):
+    block_size = draw(st.sampled_from([1, 2, 4, 8, 16]))
+    seq_lens = draw(st.lists(st.integers(1, 80), min_size=1, max_size=4))
+    width = max(_cdiv(n, block_size) for n in seq_lens) + draw(st.integers(0, 2))
+    pool = list(range(len(seq_lens) * width))
+    random.Random(draw(st.integers(0, 2**16))).shuffle(pool)
+    tables = [pool[i * width : (i + 1) * width] for i in range(len(seq_lens))]
+    tile = block_size * draw(st.sampled_from([1, 2, 4])) if draw(st.booleans()) else draw(st.integers(1, 40))
+    return tables, seq_lens, block_size, tile, draw(st.integers(1, 6))
+
+
+@settings(max_examples=200, deadline=None)
+@given(batches())
+def test_each_sequence_reads_its_own_blocks_in_order_split_into_whole_tiles(batch):
+    tables, seq_lens, block_size, tile, num_splits = batch
+    reads = program_reads(tables, seq_lens, block_size, tile, num_splits)
+    assert list(reads) == [(s, p) for s in range(len(seq_lens)) for p in range(num_splits)]
+    for seq, n in enumerate(seq_lens):
+        owned = tables[seq][: _cdiv(n, block_size)]
+        steps = [step for split in range(num_splits) for step in reads[seq, split]]
+        assert len(steps) == _cdiv(n, tile)  # one loop step per tile, over all splits together
+        assert all(len(reads[seq, split]) <= _cdiv(_cdiv(n, tile), num_splits) for split in range(num_splits))
+        flat = [b for step in steps for b in step]
+        if tile % block_size == 0:  # the kernel's case: a block never straddles two tiles
+            assert flat == owned
+        else:  # a straddling block is loaded by both of its tiles, nothing else repeats
+            assert [b for i, b in enumerate(flat) if i == 0 or b != flat[i - 1]] == owned
+        assert all(0 < len(step) <= _cdiv(tile, block_size) + 1 for step in steps)
+        non_empty = [bool(reads[seq, split]) for split in range(num_splits)]
+        assert non_empty == sorted(non_empty, reverse=True)  # only the last splits can be empty
+
+
+def test_matches_the_kernel_a_block_it_says_nobody_reads_can_hold_nan():
+    case = make_paged_case([150, 40, 100], block_size=16, num_heads=2, num_kv_heads=1, head_dim=16, spare_blocks=3)
+    reads = program_reads(case.block_tables, case.seq_lens, 16, MIN_TILE, num_splits=2)
+    read = {b for steps in reads.values() for step in steps for b in step}
+    assert torch.isnan(case.k_cache[sorted(set(range(case.k_cache.shape[0])) - read)]).all()
+    out = paged_decode_attention(*case.decode_args, num_splits=2)
+    assert torch.allclose(out, case.reference(), atol=1e-5)
+    poisoned = case.k_cache.clone()
+    poisoned[int(reads[2, 1][0][0])] = float("nan")  # a block the replay says split 1 of sequence 2 reads
+    out = paged_decode_attention(case.q, poisoned, case.v_cache, case.block_tables, case.seq_lens, num_splits=2)
+    assert out[2].isnan().all() and not out[:2].isnan().any()
+
+
+def test_bad_arguments_name_themselves():
+    tables, lens = [[0, 1], [2, 3]], [5, 8]
+    with pytest.raises(TypeError, match="block_size"):
+        program_reads(tables, lens, 4.0, 4)
+    with pytest.raises(ValueError, match="tile"):
+        program_reads(tables, lens, 4, 0)
+    with pytest.raises(ValueError, match="num_splits"):
+        program_reads(tables, lens, 4, 4, num_splits=0)
+    with pytest.raises(ValueError, match="seq_lens"):
+        program_reads(tables, [5], 4, 4)
+    with pytest.raises(ValueError, match="seq_lens"):
+        program_reads(tables, [0, 8], 4, 4)
+    with pytest.raises(IndexError, match=r"seq_lens\[1\] = 9"):
+        program_reads(tables, [5, 9], 4, 4)
+    with pytest.raises(IndexError, match="pool of 3 blocks"):
+        render_tile_loop(tables, lens, block_size=4, tile=4, num_blocks=3)
+    with pytest.raises(TypeError, match="num_kv_heads"):
+        render_tile_loop(tables, lens, block_size=4, tile=4, num_blocks=4, num_kv_heads=True)
+
+
+def test_render_draws_every_block_each_program_reads_and_the_empty_split():
+    tables, lens = torch.tensor([[7, 2, 5], [0, 3, 9]], dtype=torch.int32), torch.tensor([10, 3])
+    svg = render_tile_loop(tables, lens, block_size=4, tile=4, num_blocks=10, num_splits=2, num_kv_heads=3)
+    assert svg == render_tile_loop(tables, lens, block_size=4, tile=4, num_blocks=10, num_splits=2, num_kv_heads=3)
+    assert svg.startswith("<svg") and svg.endswith("</svg>")
+    assert 'data-programs="12"' in svg  # 2 seqs x 2 splits x 3 KV heads
+    assert svg.count("<title>step") == 4  # seq 0: 3 tiles in splits of 2 and 1; seq 1: 1 tile
+    assert "no tiles" in svg  # seq 1's second split
+    cells = re.findall(r'text-anchor="middle" fill="#222222">(\d+)</text>', svg)
+    assert cells[:4] == ["7", "2", "5", "0"]  # the steps' blocks, in program order, then the pool 0..9
+    assert cells[4:] == [str(b) for b in range(10)]

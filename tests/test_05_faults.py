@@ -1,0 +1,163 @@
+"""Issue 11 item 1: a step is all or nothing.
+
+A fault is injected at each stage of :meth:`Engine.step` (schedule, swap, forward,
+sample, postprocess, metrics), some after the stage has already changed part of the
+state. After each: the exception propagates, the bookkeeping equals what it was
+before the step, the next steps work, and greedy outputs equal contiguous generation.
+"""
+
+import os
+import random
+
+import pytest
+import torch
+
+import minipaged.engine as engine_module
+from minipaged.block_manager import BlockTable
+from minipaged.engine import Engine
+from minipaged.generate import generate_contiguous
+from minipaged.model import LlamaConfig, LlamaForCausalLM
+from minipaged.scheduler import EngineConfig
+from minipaged.sequence import SamplingParams, Sequence
+
+pytestmark = pytest.mark.ch05
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.set_num_threads(1)
+    return LlamaForCausalLM(LlamaConfig(), seed=0).eval()
+
+
+def snapshot(engine: Engine) -> dict:
+    """Every piece of bookkeeping a step may change, as plain values."""
+    alloc, sched = engine.cache.allocator, engine.scheduler
+    seqs = sorted(engine.requests.values(), key=lambda s: str(s.seq_id))
+    return {
+        "free_queue": alloc.free_queue() if hasattr(alloc, "free_queue") else list(alloc.free_block_ids),
+        "refcounts": alloc.refcounts,
+        "keys": [alloc.block_key(b) for b in range(alloc.num_blocks)] if hasattr(alloc, "block_key") else None,
+        "waiting": [s.seq_id for s in sched.waiting],
+        "running": [s.seq_id for s in sched.running],
+        "seqs": [(s.seq_id, s.status, s.num_computed_tokens, list(s.token_ids), list(s.token_times), s.finish_time,
+                  s.num_preemptions, [c.seq_id for c in s.pending_forks],
+                  None if s.block_table is None else (list(s.block_table.blocks), s.block_table.num_tokens))
+                 for s in seqs],
+        "swap_space": sorted(map(str, engine.swap_space)),
+        "clock": engine.clock.now(),
+        "metrics": {k: v for k, v in vars(engine.metrics).items()
+                    if k not in ("history", "_allocator") and not callable(v)},
+        "history": list(engine.metrics.history),
+    }
+
+
+class Boom(Exception):
+    pass
+
+
+def fault_points(engine, monkeypatch, stage, after_calls):
+    """Patch ``stage`` so that its call number ``after_calls`` raises (Boom, or KeyboardInterrupt in the forward)."""
+    calls = {"n": 0}
+
+    def trip():
+        calls["n"] += 1
+        if calls["n"] == after_calls:
+            raise KeyboardInterrupt if stage == "forward" else Boom(stage)
+
+    def wrap(obj, name):
+        original = getattr(obj, name)
+
+        def patched(*args, **kwargs):
+            if stage in ("postprocess_midway", "schedule_midway"):
+                result = original(*args, **kwargs)
+                trip()  # the state already changed part way
+                return result
+            trip()
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(obj, name, patched)
+
+    if stage == "schedule":
+        wrap(engine.scheduler, "schedule")
+    elif stage == "schedule_midway":  # after some tables already grew
+        wrap(BlockTable, "append_tokens")
+    elif stage == "swap" and engine.config.preemption_mode == "swap":  # inside the K/V copies
+        wrap(engine.cache, "swap_in")
+        wrap(engine.cache, "swap_out")
+    elif stage == "swap":
+        wrap(engine, "swap")
+    elif stage == "forward":
+        wrap(engine.model, "forward")
+    elif stage == "sample":
+        wrap(engine_module, "sample")
+    elif stage == "postprocess_midway":  # after one sequence already took its token
+        wrap(Sequence, "append_token")
+    elif stage == "metrics":
+        wrap(engine.metrics, "record_step")
+
+
+SEED = int(os.environ.get("FAULT_SEED", 0))
+MANY_CALLS = ("schedule_midway", "postprocess_midway")  # called once per sequence: fault at the 1st, 2nd or 3rd
+STAGES = ["schedule", "schedule_midway", "swap", "forward", "sample", "postprocess_midway", "metrics"]
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_fault_at_any_stage_leaves_the_engine_as_before_the_step(model, stage, mode, prefix_caching, monkeypatch):
+    rng = random.Random(f"{stage}-{mode}-{prefix_caching}-{SEED}")
+    # A small pool: preemption (and so swaps) happens; shared prompt starts make prefix hits.
+    config = EngineConfig(num_blocks=14, block_size=4, max_num_seqs=6, max_num_batched_tokens=16,
+                          preemption_mode=mode, enable_prefix_caching=prefix_caching)
+    engine = Engine(model, config)
+    base = [rng.randrange(512) for _ in range(8)]
+    prompts = [base[: rng.randint(2, 8)] + [rng.randrange(512) for _ in range(rng.randint(1, 10))] for _ in range(6)]
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=rng.randint(3, 9)))
+    faults = 0
+    for step in range(400):
+        if not engine.has_unfinished():
+            break
+        before = snapshot(engine)
+        with monkeypatch.context() as m:
+            if rng.random() < 0.4:  # a fault in some steps, so that the run still ends
+                fault_points(engine, m, stage, after_calls=rng.randint(1, 3) if stage in MANY_CALLS else 1)
+            try:
+                engine.step()
+            except (Boom, KeyboardInterrupt):
+                faults += 1
+                after = snapshot(engine)
+                for key in before:
+                    assert after[key] == before[key], (stage, step, key)
+    assert not engine.has_unfinished()
+    assert faults > 0
+    outputs = [engine.requests[i].output_token_ids for i in range(len(prompts))]
+    for p, rid in zip(prompts, range(len(prompts))):
+        n = engine.requests[rid].sampling_params.max_tokens
+        assert outputs[rid] == generate_contiguous(model, p, n), (stage, rid)
+    assert engine.cache.allocator.num_used == 0
+
+
+def test_keyboard_interrupt_in_the_forward_pass_then_the_engine_goes_on(model, monkeypatch):
+    engine = Engine(model, EngineConfig(num_blocks=16, block_size=4))
+    prompts = [[5, 6, 7, 8, 9], [1, 2, 3]]
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=6))
+    engine.step()
+    before = snapshot(engine)
+    events = []
+    engine.cache.allocator.subscribe(events.append)
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine.model, "forward", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    assert snapshot(engine) == before
+    assert events[-1].kind == "rollback"
+    monkeypatch.undo()
+    while engine.has_unfinished():
+        engine.step()
+    expected = [generate_contiguous(model, p, 6) for p in prompts]
+    assert [engine.requests[i].output_token_ids for i in range(2)] == expected
