@@ -146,7 +146,7 @@ def test_missing_tensor_wrong_shape_and_missing_file_are_refused(tmp_path):
         LlamaForCausalLM.from_pretrained(directory)
     edit_config(directory, intermediate_size=50)
     save_file(tensors, str(directory / WEIGHTS_NAME))
-    with pytest.raises(ValueError, match=r"gate_proj\.weight has shape \(48, 32\), but config\.json implies \(50, "):
+    with pytest.raises(ValueError, match=r"down_proj\.weight has shape \(32, 48\), but config\.json implies \(32, 50"):
         LlamaForCausalLM.from_pretrained(directory)
     (directory / WEIGHTS_NAME).unlink()
     with pytest.raises(FileNotFoundError, match="model.safetensors does not exist"):
@@ -171,13 +171,27 @@ def test_course_model_ships_with_its_card_in_float16():
     assert re.search(r"held-out bits per byte", card)
 
 
-def test_course_model_writes_text_greedy_without_repeating_one_phrase():
+def test_course_model_matches_its_card_s_held_out_bits_per_byte():
+    """The shipped weights are the ones the card describes: their held-out bits per byte, measured again."""
+    from minipaged import train
+
+    card = (COURSE_MODEL_DIR / "README.md").read_text()
+    claimed = float(re.search(r"held-out bits per byte \| \*\*([\d.]+)\*\*", card).group(1))
     model = load_course_model()
     assert model.config.vocab_size == tokenizer.VOCAB_SIZE
-    text = tokenizer.decode(generate_contiguous(model, tokenizer.encode("def read_config(path):\n"), 96))
-    assert text.isprintable() or "\n" in text
-    lines = [line for line in text.splitlines() if line.strip()]
-    assert len(lines) >= 2 and len(set(lines)) == len(lines), text
+    _, held = train.token_streams(train.read_corpus())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        measured = train.held_out_bits_per_byte(model, held, context=256)
+    assert measured["mix"] == pytest.approx(claimed, abs=0.05)
+    assert measured["mix"] < 2.0  # a uniform guess over bytes costs 8 bits
+
+
+def test_course_model_continues_python_with_python():
+    model = load_course_model()
+    prompt = tokenizer.encode("import os\nimport sys\n\n\ndef main():\n")
+    text = tokenizer.decode(generate_contiguous(model, prompt, 64))
+    assert "\ufffd" not in text and text.count("\n") >= 2
+    assert any(word in text for word in ("self", "return", "def ", "if ", "for ", "import"))
 
 
 # --------------------------------------------------------------------------- the README's command
