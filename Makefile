@@ -39,7 +39,7 @@ test: setup
 # Real vLLM serves the course's weights: greedy tokens and prefix-cache hits are compared with
 # minipaged's engine, and notebooks/results/vllm_check.json is written or re-verified.
 vllm-check: setup $(VLLM_STAMP)
-	$(PY) -m minipaged.bench vllm check
+	$(PY) -m minipaged.bench vllm check --vllm-python $(VLLM_VENV)/bin/python
 
 $(VLLM_STAMP): requirements-vllm.lock
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)

@@ -195,8 +195,8 @@ def throughput(name: str, vllm_python: Path) -> dict:
 def check_batches(course: bool) -> tuple[list[list[dict]], list[str]]:
     """The check's batches and what each tests: greedy prompts, then the shared-prefix workload.
 
-    Shared prefix (``SYSTEM_PROMPT`` is 3 full blocks and a part): request A alone
-    fills the cache; then B, C, D, E arrive together and each hits A's 3 full blocks;
+    Shared prefix: request A (``SYSTEM_PROMPT`` and a question) alone fills the cache;
+    then B, C, D, E arrive together and each hits A's full blocks as far as its tokens agree;
     then A again, whose whole prompt is cached but whose last block is recomputed
     (the last prompt token's logits are needed). Finally two requests that share a
     new prefix arrive in the same step: the case where the designs differ.
