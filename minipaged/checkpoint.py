@@ -1,0 +1,184 @@
+"""Hugging Face checkpoints in and out: ``config.json`` plus ``model.safetensors``.
+
+The tiny Llama already names its parameters as Hugging Face's ``LlamaForCausalLM``
+does, so a checkpoint is its state dict in a safetensors file and its
+:class:`~minipaged.model.LlamaConfig` in Hugging Face's ``config.json`` fields.
+That is all a small Llama-family checkpoint on disk needs to run through the
+paged engine, and all vLLM needs to serve the course model's weights.
+
+What the model does not compute is refused, naming the field and its value,
+rather than loaded into a model that would quietly compute something else:
+another architecture, ``rope_scaling`` (or a ``rope_parameters`` type other
+than ``"default"``), biases, an activation other than SiLU, and tensors the
+model does not have. :func:`load_course_model` loads the trained course model
+shipped with the package. Use the model's methods:
+:meth:`~minipaged.model.LlamaForCausalLM.from_pretrained` and
+:meth:`~minipaged.model.LlamaForCausalLM.save_pretrained`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from minipaged.model import LlamaConfig, LlamaForCausalLM
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+# The course model: a byte-level Llama trained by `python -m minipaged.train`, shipped with the
+# package in float16 with its model card (README.md).
+COURSE_MODEL_DIR = Path(__file__).resolve().parent / "data" / "course_model"
+
+# A supported field whose value must be exactly this (absent counts as the value).
+REQUIRED_VALUES = {
+    "model_type": "llama",
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "mlp_bias": False,
+    "rope_scaling": None,
+}
+
+
+class UnsupportedCheckpoint(ValueError):
+    """The checkpoint asks for something the tiny Llama does not compute."""
+
+
+def config_from_hf(hf: dict) -> LlamaConfig:
+    """The :class:`LlamaConfig` of a Hugging Face ``config.json`` dict, or ``UnsupportedCheckpoint``.
+
+    Args:
+        hf: the parsed ``config.json``. Read: ``vocab_size``, ``hidden_size``,
+            ``intermediate_size``, ``num_hidden_layers``, ``num_attention_heads``,
+            ``num_key_value_heads`` (GQA; default: no grouping), ``head_dim``
+            (default ``hidden_size / num_attention_heads``), ``rope_theta`` (or
+            ``rope_parameters["rope_theta"]``), ``rms_norm_eps``,
+            ``max_position_embeddings`` and ``tie_word_embeddings``.
+    """
+    architectures = hf.get("architectures") or ["LlamaForCausalLM"]
+    if architectures != ["LlamaForCausalLM"]:
+        raise UnsupportedCheckpoint(f"architectures must be ['LlamaForCausalLM'], got {architectures!r}")
+    for field, value in REQUIRED_VALUES.items():
+        if hf.get(field, value) != value:
+            what = hf[field].get("rope_type", hf[field].get("type")) if field == "rope_scaling" else hf[field]
+            raise UnsupportedCheckpoint(f"{field} must be {value!r}, got {what!r}: the tiny Llama does not compute it")
+    rope_theta = hf.get("rope_theta", 10000.0)
+    if hf.get("rope_parameters") is not None:  # transformers >= 5 moves rope_theta here
+        rope_type = hf["rope_parameters"].get("rope_type", "default")
+        if rope_type != "default":
+            raise UnsupportedCheckpoint(f"rope_parameters.rope_type must be 'default', got {rope_type!r}")
+        rope_theta = hf["rope_parameters"].get("rope_theta", rope_theta)
+    heads = hf["num_attention_heads"]
+    return LlamaConfig(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_hidden_layers=hf["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rope_theta=float(rope_theta),
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )
+
+
+def config_to_hf(config: LlamaConfig, dtype: torch.dtype) -> dict:
+    """The Hugging Face ``config.json`` dict of ``config``, for weights stored in ``dtype``."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "rope_theta": config.rope_theta,
+        "rope_scaling": None,
+        "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def save_pretrained(model: LlamaForCausalLM, directory, extra_config: dict | None = None) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` for ``model`` into ``directory`` (created if needed).
+
+    Args:
+        model: the model to save; its tensors are stored in their current dtype.
+        directory: the checkpoint directory.
+        extra_config: more ``config.json`` fields (for example ``eos_token_id``).
+
+    With tied embeddings ``lm_head.weight`` is not stored (it is ``model.embed_tokens.weight``),
+    as Hugging Face does. Returns the directory as a ``Path``.
+    """
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        del tensors["lm_head.weight"]
+    save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
+    config = config_to_hf(model.config, model.dtype) | (extra_config or {})
+    (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    return directory
+
+
+def load_pretrained(directory, dtype: torch.dtype = torch.float32, device="cpu") -> LlamaForCausalLM:
+    """The model stored in ``directory`` (``config.json`` + ``model.safetensors``), in eval mode.
+
+    Args:
+        directory: a Hugging Face checkpoint directory of a Llama-family model.
+        dtype: the dtype to compute in (the stored tensors are converted).
+        device: where the model goes.
+
+    Raises ``FileNotFoundError`` for a missing file, ``UnsupportedCheckpoint``
+    for a config field or a tensor the model does not support, and ``ValueError``
+    for a missing tensor or a tensor whose shape disagrees with the config.
+    """
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    for name in (CONFIG_NAME, WEIGHTS_NAME):
+        if not (directory / name).is_file():
+            raise FileNotFoundError(
+                f"{directory / name} does not exist: a checkpoint needs {CONFIG_NAME} and {WEIGHTS_NAME}"
+            )
+    config = config_from_hf(json.loads((directory / CONFIG_NAME).read_text()))
+    tensors = load_file(str(directory / WEIGHTS_NAME))
+    model = LlamaForCausalLM(config)
+    expected = model.state_dict()
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)  # some exports store the tied copy too
+        del expected["lm_head.weight"]
+    unknown = sorted(set(tensors) - set(expected))
+    if unknown:
+        raise UnsupportedCheckpoint(f"{WEIGHTS_NAME} has tensors the tiny Llama does not use: {unknown[:5]}")
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise ValueError(f"{WEIGHTS_NAME} lacks tensors: {missing[:5]}")
+    for name, t in tensors.items():
+        if t.shape != expected[name].shape:
+            want = tuple(expected[name].shape)
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, but config.json implies {want}")
+    model.load_state_dict(tensors, strict=False)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def load_course_model(dtype: torch.dtype = torch.float32, device="cpu") -> LlamaForCausalLM:
+    """The trained course model (``COURSE_MODEL_DIR``), whose token ids are bytes (:mod:`minipaged.tokenizer`).
+
+    Args:
+        dtype: the dtype to compute in (it is stored in float16).
+        device: where the model goes.
+    """
+    return load_pretrained(COURSE_MODEL_DIR, dtype=dtype, device=device)

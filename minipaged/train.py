@@ -1,0 +1,286 @@
+"""Train the course model: a small byte-level Llama on text every Python installation carries.
+
+    python -m minipaged.train --out runs/course            # train (or resume), then export
+    python -m minipaged.train --out runs/course --steps 20000   # change the schedule's length
+
+The corpus is read from the running Python, so nothing is downloaded:
+
+- ``code``: the standard library's own source (``*.py``, without tests, codec tables
+  and ``pydoc_data``), about 12 MB: what a learner recognises as Python;
+- ``docs``: the documentation topics of ``pydoc_data`` (what ``help("for")`` prints),
+  about 0.5 MB: the only English prose a Python installation carries;
+- ``zen``: the Zen of Python (``import this``), 0.9 kB: a text every learner knows.
+
+Batches draw windows from the sources with the weights ``MIX``. The docs are
+weighted far above their share of the bytes, so that the model writes English
+about Python as well as code. One file in twenty (by a hash of its name) is held
+out of ``code`` and ``docs``; the held-out bits per byte are measured on a fixed
+set of windows from those files. The Zen is not held out: it is there to be learnt.
+
+Training is seeded and resumable: the state is saved every ``--save-every``
+steps, rerunning the same command continues from it, and each step's batch
+depends only on the seed and the step number. The learning rate warms up, stays
+constant, and decays linearly over the last ``--decay`` fraction of the steps
+("warmup-stable-decay"), so ``--steps`` can be raised on resume before the
+decay has begun. At the end the model is exported with
+:meth:`~minipaged.model.LlamaForCausalLM.save_pretrained` in float16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import contextlib
+import functools
+import io
+import json
+import math
+import os
+import sys
+import sysconfig
+import time
+import zlib
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from minipaged import tokenizer
+from minipaged.model import LlamaConfig, LlamaForCausalLM
+
+MIX = {"code": 0.795, "docs": 0.2, "zen": 0.005}
+HELD_OUT_EVERY = 20  # one file (or topic) in twenty is held out
+SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "encodings", "pydoc_data", "__pycache__"}
+
+
+@functools.cache
+def read_corpus(stdlib: str | None = None) -> dict[str, list[tuple[str, str]]]:
+    """The training text, as ``{source: [(name, text), ...]}`` in a fixed order.
+
+    Args:
+        stdlib: the standard library's directory (default: the running Python's).
+    """
+    import pydoc_data.topics
+
+    with contextlib.redirect_stdout(io.StringIO()):  # importing `this` prints the Zen
+        import this
+
+    root = Path(stdlib or sysconfig.get_paths()["stdlib"])
+    code = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in SKIP_DIRS]  # pruned, not walked: site-packages can be huge
+        for file in files:
+            if file.endswith(".py"):
+                path = Path(folder, file)
+                code.append((path.relative_to(root).as_posix(), path.read_text(encoding="utf-8", errors="replace")))
+    code.sort()
+    docs = sorted(pydoc_data.topics.topics.items())
+    zen = [("this", codecs.decode(this.s, "rot13"))]
+    return {"code": code, "docs": docs, "zen": zen}
+
+
+def is_held_out(name: str) -> bool:
+    return zlib.crc32(name.encode()) % HELD_OUT_EVERY == 0
+
+
+def token_streams(corpus) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``(train, held_out)``: per source, its documents encoded and joined by ``EOS_ID`` (int16)."""
+    train, held = {}, {}
+    eos = torch.tensor([tokenizer.EOS_ID], dtype=torch.int16)
+    for source, documents in corpus.items():
+        parts = {True: [], False: []}
+        for name, text in documents:
+            out = source != "zen" and is_held_out(name)
+            data = bytearray(text.encode("utf-8"))  # tokenizer.encode, without a list of 10M ints
+            parts[out] += [torch.frombuffer(data, dtype=torch.uint8).to(torch.int16) if data else eos[:0], eos]
+        train[source] = torch.cat(parts[False])
+        if parts[True]:
+            held[source] = torch.cat(parts[True])
+    return train, held
+
+
+def sample_batch(streams, mix, batch_size: int, context: int, gen: torch.Generator) -> torch.Tensor:
+    """``[batch_size, context + 1]`` int64 windows; each window's source drawn with the weights ``mix``."""
+    names = list(mix)
+    picks = torch.multinomial(torch.tensor([mix[n] for n in names]), batch_size, replacement=True, generator=gen)
+    rows = []
+    for i in picks.tolist():
+        stream = streams[names[i]]
+        if len(stream) <= context + 1:  # a short source (the Zen) repeats
+            stream = stream.repeat(math.ceil((context + 2) / len(stream)))
+        start = int(torch.randint(len(stream) - context - 1, (1,), generator=gen))
+        rows.append(stream[start : start + context + 1])
+    return torch.stack(rows).long()
+
+
+def causal_lm_loss(model: LlamaForCausalLM, windows: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy (nats) of ``windows: [batch, context + 1]``, batched causal attention."""
+    inputs, targets = windows[:, :-1], windows[:, 1:]
+    batch, length = inputs.shape
+    positions = torch.arange(length).repeat(batch)
+
+    def attend(layer, q, k, v):  # [batch * length, heads, head_dim] -> the same, causal within each row
+        q, k, v = (t.view(batch, length, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2).reshape(batch * length, out.shape[1], out.shape[3])
+
+    hidden = model.model(inputs.reshape(-1), positions, model.rope_cos, model.rope_sin, attend)
+    logits = model.lm_head(hidden).float()
+    return F.cross_entropy(logits, targets.reshape(-1))
+
+
+@torch.no_grad()
+def held_out_bits_per_byte(model, held, context: int, windows: int = 48, seed: int = 1234) -> dict[str, float]:
+    """Bits per byte on ``windows`` fixed windows of each held-out source, and their ``MIX``-weighted mean."""
+    gen = torch.Generator().manual_seed(seed)
+    result = {}
+    for source, stream in held.items():
+        batch = sample_batch({source: stream}, {source: 1.0}, windows, context, gen)
+        losses = [causal_lm_loss(model, batch[i : i + 16]).item() for i in range(0, windows, 16)]
+        result[source] = sum(losses) / len(losses) / math.log(2)
+    weight = sum(MIX[s] for s in result)
+    result["mix"] = sum(MIX[s] * result[s] for s in held) / weight
+    return result
+
+
+def init_for_training(model: LlamaForCausalLM, seed: int) -> None:
+    """GPT-2 style initialisation: std 0.02, residual projections scaled by 1/sqrt(2 * layers)."""
+    gen = torch.Generator().manual_seed(seed)
+    residual_std = 0.02 / math.sqrt(2 * model.config.num_hidden_layers)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
+def learning_rate(step: int, args) -> float:
+    """Warmup-stable-decay: linear warmup, constant, linear decay to 10% over the last ``args.decay``."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    decay_start = int(args.steps * (1 - args.decay))
+    if step < decay_start:
+        return args.lr
+    return args.lr * (1 - 0.9 * (step - decay_start) / max(1, args.steps - decay_start))
+
+
+def model_config(args) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=tokenizer.VOCAB_SIZE,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.hidden // args.heads,
+        max_position_embeddings=2048,
+    )
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m minipaged.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="directory for the training state, log and export")
+    p.add_argument("--steps", type=int, default=4000, help="total optimizer steps")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--context", type=int, default=256, help="bytes per training window")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--decay", type=float, default=0.25, help="fraction of the steps over which the lr decays")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--intermediate", type=int, default=688)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="bfloat16 autocast")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="torch.compile the loss (about 2x faster on a CPU after a few minutes of compiling)")
+    p.add_argument("--eval-every", type=int, default=500)
+    p.add_argument("--save-every", type=int, default=100)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    state_path, log_path = args.out / "train_state.pt", args.out / "log.jsonl"
+
+    train, held = token_streams(read_corpus())
+    model = LlamaForCausalLM(model_config(args))
+    init_for_training(model, args.seed)
+    decay, no_decay = [], []
+    for p in model.parameters():
+        (decay if p.dim() == 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+    step, elapsed = 0, 0.0
+    if state_path.exists():
+        state = torch.load(state_path, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, elapsed = state["step"], state["elapsed"]
+        print(f"resumed at step {step} ({elapsed / 60:.1f} min trained)", flush=True)
+
+    def save():
+        tmp = state_path.with_suffix(".tmp")
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                    "elapsed": elapsed, "args": vars(args) | {"out": str(args.out)}}, tmp)
+        tmp.replace(state_path)
+
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)
+    loss_fn = torch.compile(causal_lm_loss) if args.compile else causal_lm_loss
+    tokens_per_step = args.batch_size * args.context
+    t0, last, mark = time.perf_counter(), step, elapsed  # the throughput since the last print
+    while step < args.steps:
+        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+        batch = sample_batch(train, MIX, args.batch_size, args.context, gen)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, args)
+        model.train()
+        with autocast:
+            loss = loss_fn(model, batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        now = time.perf_counter()
+        elapsed += now - t0
+        t0 = now
+        if step % 50 == 0:
+            rate = tokens_per_step * (step - last) / max(1e-9, elapsed - mark)
+            print(f"step {step} loss {loss.item() / math.log(2):.3f} bits/byte  lr {learning_rate(step, args):.2e}  "
+                  f"{rate:,.0f} tok/s  {elapsed / 60:.1f} min", flush=True)
+            mark, last = elapsed, step
+        if step % args.eval_every == 0 or step == args.steps:
+            model.eval()
+            with autocast:
+                bpb = held_out_bits_per_byte(model, held, args.context)
+            record = {"step": step, "minutes": round(elapsed / 60, 2), "tokens": step * tokens_per_step,
+                      **{f"held_out_bpb_{k}": round(v, 4) for k, v in bpb.items()}}
+            with log_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            print("eval", record, flush=True)
+            t0 = time.perf_counter()  # evaluation time is not training time
+        if step % args.save_every == 0 or step == args.steps:
+            save()
+    model.eval()
+    with autocast:
+        bpb = held_out_bits_per_byte(model, held, args.context)
+    summary = {"step": step, "minutes": round(elapsed / 60, 1), "tokens": step * tokens_per_step,
+               "parameters": sum(p.numel() for p in model.parameters()), "held_out_bits_per_byte": bpb,
+               "mix": MIX, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+               "python": sys.version.split()[0], "torch": torch.__version__}
+    model.half().save_pretrained(args.out / "export", extra_config={"eos_token_id": tokenizer.EOS_ID})
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
