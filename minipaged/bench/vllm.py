@@ -136,11 +136,11 @@ def run_minipaged(model: LlamaForCausalLM, batches: list[list[dict]], num_blocks
     for batch in batches:
         t = time.perf_counter()
         ids = [engine.add_request(r["prompt_token_ids"], SamplingParams(max_tokens=r["max_tokens"])) for r in batch]
+        done = {}  # request_id -> output tokens, as step() hands each finished request over
         while engine.has_unfinished():
-            engine.step()
+            done.update((out.request_id, out.seqs[0].output_token_ids) for out in engine.step().outputs)
         seconds = time.perf_counter() - t
-        outputs = [{"token_ids": engine.requests[i].output_token_ids, "num_cached_tokens": hits.get(i, 0) * BLOCK_SIZE}
-                   for i in ids]  # fmt: skip
+        outputs = [{"token_ids": done[i], "num_cached_tokens": hits.get(i, 0) * BLOCK_SIZE} for i in ids]
         result["batches"].append({"seconds": seconds, "outputs": outputs})
     stats = engine.metrics.prefix_cache
     result["counters"] = {"queries": stats.queries, "hits": stats.hits}
