@@ -200,6 +200,8 @@ class Engine:
         for seq in seqs:
             self.requests[seq.seq_id] = seq
         self.samples[request_id] = seqs
+        if request_id == self._next_id:  # an automatic id is never handed out again, even once forgotten
+            self._next_id += 1
         return request_id
 
     def abort(self, request_id) -> None:

@@ -101,3 +101,11 @@ def test_a_failed_step_puts_back_the_record_the_window_dropped(model, monkeypatc
 def test_keep_finished_must_be_a_bool():
     with pytest.raises(TypeError, match="keep_finished"):
         EngineConfig(keep_finished="yes")
+
+
+def test_automatic_request_ids_are_not_reused_after_the_engine_forgets():
+    engine = Engine(LlamaForCausalLM(LlamaConfig(), seed=0), EngineConfig(num_blocks=32, block_size=4))
+    first = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+    assert first and not engine.requests  # finished and forgotten
+    ids = [engine.add_request([4, 5, 6], SamplingParams(max_tokens=2)) for _ in range(2)]
+    assert ids == [1, 2]
