@@ -21,12 +21,17 @@ def positive_int(text: str) -> int:
     return value
 
 
-def positive_rate(text: str) -> float:
-    """An argparse ``type``: a number > 0 (``inf`` allowed: every arrival at once), never NaN."""
+def _number(text: str) -> float:
+    """``text`` as a float, or a usage error that quotes it."""
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def positive_rate(text: str) -> float:
+    """An argparse ``type``: a number > 0 (``inf`` allowed: every arrival at once), never NaN."""
+    value = _number(text)
     if math.isnan(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be a number > 0 (inf: all at once), got {text}")
     return value
@@ -34,10 +39,7 @@ def positive_rate(text: str) -> float:
 
 def fraction(text: str) -> float:
     """An argparse ``type``: a number in [0, 1)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    value = _number(text)
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
     return value
