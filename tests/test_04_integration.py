@@ -1,5 +1,7 @@
 """Chapter 04 kernels behind ``backend="triton"``: the chapter-03 reference paths and the tiny model agree."""
 
+import re
+
 import pytest
 import torch
 
@@ -54,3 +56,19 @@ def test_the_engine_on_triton_gives_the_torch_backends_greedy_tokens(head_dim, h
         outputs[backend] = Engine(model, engine_config).generate(prompts, params)
     assert outputs["triton"] == outputs["torch"]
     assert outputs["torch"] == [generate_contiguous(model, p, 5) for p in prompts]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the benchmark times kernels instead")
+def test_the_kernel_benchmark_on_a_cpu_checks_counts_and_prints_the_gpu_command(capsys):
+    from minipaged.bench import kernel as bench
+
+    assert bench.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "against contiguous attention" in out and "(ok)" in out
+    # The interpreter's byte counts equal the counts from the grid, for both ways to prefill.
+    counts = out.split("K/V bytes loaded in the interpreter")[1].split("\n")[0]
+    kernel, from_grid, as_decode, as_decode_grid = [int(n) for n in re.findall(r"\b(\d+)\b(?![,\]])", counts)][-4:]
+    assert kernel == from_grid and as_decode == as_decode_grid and kernel < as_decode
+    assert bench.GPU_COMMAND in out and "tests/test_04_gpu.py" in bench.GPU_COMMAND
+    with pytest.raises(SystemExit):
+        bench.main(["--block-size", "0"])
