@@ -14,12 +14,13 @@ Design, in the order the chapter builds it:
    program loads each K/V tile once and serves the whole group with ``tl.dot``.
    ``tl.dot`` needs every dimension ≥ 16, so the group is padded to ``GROUP_PAD``
    rows (padding rows hold zeros and are never stored).
-2. **Walk the sequence tile by tile.** A tile is :func:`tile_size` tokens (at least
-   ``MIN_TILE``, a power of two), independent of how the cache is paged: each token's
-   physical block comes from the block table (``block_tables[seq, token // block_size]``),
-   so with 16-token blocks one tile reads four blocks, and a block size that is not a
-   power of two (12, 48) is only different arithmetic. Bigger tiles keep more bytes in
-   flight per loop step, which a bandwidth-bound kernel needs.
+2. **Walk the sequence tile by tile.** A tile is ``KV_TILE`` tokens, independent of how
+   the cache is paged: each token's physical block comes from the block table
+   (``block_tables[seq, token // block_size]``), so with 16-token blocks one tile reads
+   four blocks, with 256-token blocks a quarter of one, and a block size that is not a
+   power of two (12, 48) is only different arithmetic. A tile of 64 keeps enough bytes in
+   flight per loop step for a bandwidth-bound kernel, and small enough a K/V tile (64 KB
+   at head_dim 256, fp16) for any head size.
    Head dims that are not powers of two (80, 96) are padded the same way:
    ``HEAD_DIM_PAD`` lanes, the ones past ``head_dim`` masked off.
 3. **Online softmax in fp32.** A running max ``m``, running denominator ``l`` and
@@ -54,9 +55,9 @@ MAX_BLOCK_SIZE = 256
 # extra reduction pass costs more than the parallelism gains.
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
-# Tokens per loop step at least: 64 tokens of K and V (32 KB at head_dim 128, fp16) per
-# step, and tl.dot's K dimension (the tile) stays >= 16 for any block size.
-MIN_TILE = 64
+# Tokens per loop step, whatever the block size: 64 tokens of K and V (32 KB at head_dim
+# 128, fp16) per step, and tl.dot's K dimension (the tile) stays >= 16.
+KV_TILE = 64
 # Stands in for the SM count when there is no GPU, so the heuristic is deterministic on a CPU.
 CPU_PARALLELISM = 8
 
@@ -76,7 +77,7 @@ def _paged_decode_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,  # HEAD_DIM rounded up to a power of two for tl.arange
     BLOCK_SIZE: tl.constexpr,  # any size: only ever divided by, never a tl.arange length
-    TILE: tl.constexpr,  # tokens per loop step: a power of two >= MIN_TILE and >= BLOCK_SIZE
+    TILE: tl.constexpr,  # tokens per loop step (KV_TILE), a power of two independent of BLOCK_SIZE
     NUM_SPLITS: tl.constexpr,
     DOT_FP32: tl.constexpr,  # cast tiles to fp32 before tl.dot: fp32 inputs, or the interpreter (its bf16 dot is wrong)
 ):
@@ -187,11 +188,6 @@ def _merge_splits_kernel(
     out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l * weight, axis=0)
     out_ptrs = out_ptr + seq * stride_os + head * stride_oh + dims * stride_od
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
-
-
-def tile_size(block_size: int) -> int:
-    """Tokens per loop step: ``MIN_TILE``, or the block size rounded up to a power of two if larger."""
-    return max(MIN_TILE, triton.next_power_of_2(block_size))
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, parallelism: int) -> int:
@@ -307,7 +303,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
-        TILE=tile_size(block_size),
+        TILE=KV_TILE,
         NUM_SPLITS=num_splits,
         DOT_FP32=interpreted() or q.dtype == torch.float32,
     )

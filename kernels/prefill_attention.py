@@ -63,7 +63,7 @@ def query_tile(group: int) -> tuple[int, int]:
 @triton.jit
 def _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
     """The last sequence ``i`` with ``query_start_loc[i] // BLOCK_Q + i <= tile`` (a binary search)."""
-    lo = 0
+    lo: tl.int32 = 0  # a loop-carried int32 on the GPU from the start
     hi = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2

@@ -63,7 +63,7 @@ BLOCK_SIZES = [1, 3, 12, 16, 48, 128, 256]
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_every_block_size(block_size):
-    # Below MIN_TILE (64) one loop step covers several blocks, each with its own table lookup;
+    # Below KV_TILE (64) one loop step covers several blocks, above it part of one, each with its own table lookup;
     # a block size that is not a power of two leaves tiles that straddle blocks.
     case = make_case([1, 45, 130], block_size=block_size, num_heads=2, num_kv_heads=1, head_dim=16, spare_blocks=1)
     assert_matches_reference(case, paged_decode_attention(*case.decode_args, num_splits=2))

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minipaged.kernels import paged_decode_attention
-from minipaged.kernels.paged_attention import MIN_TILE
+from minipaged.kernels.paged_attention import KV_TILE
 from minipaged.testing import make_paged_case
 from minipaged.viz.kernel import program_reads, render_tile_loop
 
@@ -55,7 +55,7 @@ def test_each_sequence_reads_its_own_blocks_in_order_split_into_whole_tiles(batc
 
 def test_matches_the_kernel_a_block_it_says_nobody_reads_can_hold_nan():
     case = make_paged_case([150, 40, 100], block_size=16, num_heads=2, num_kv_heads=1, head_dim=16, spare_blocks=3)
-    reads = program_reads(case.block_tables, case.seq_lens, 16, MIN_TILE, num_splits=2)
+    reads = program_reads(case.block_tables, case.seq_lens, 16, KV_TILE, num_splits=2)
     read = {b for steps in reads.values() for step in steps for b in step}
     assert torch.isnan(case.k_cache[sorted(set(range(case.k_cache.shape[0])) - read)]).all()
     out = paged_decode_attention(*case.decode_args, num_splits=2)

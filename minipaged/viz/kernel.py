@@ -43,7 +43,7 @@ def program_reads(block_tables, seq_lens, block_size: int, tile: int, num_splits
         seq_lens: each sequence's context length in tokens (>= 1).
         block_size: tokens per block.
         tile: tokens per loop step; ``block_size`` reads one block per step, the production
-            kernel's ``max(block_size, MIN_TILE)`` several.
+            kernel's ``KV_TILE`` (64) several, or part of one.
         num_splits: split-KV ranges per sequence. A sequence of ``T`` tiles gives each split
             ``ceil(T / num_splits)`` whole tiles, so the last splits may get none.
 
