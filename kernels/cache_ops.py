@@ -13,7 +13,7 @@ import triton.language as tl
 from minipaged._triton import check_device
 from minipaged.validation import check_kv_write
 
-from .paged_attention import HEAD_DIMS, _is_power_of_two
+from .paged_attention import check_layout
 
 
 @triton.jit
@@ -26,7 +26,8 @@ def _write_kv_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEADS_PAD: tl.constexpr,  # NUM_KV_HEADS rounded up to a power of two for tl.arange
     HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,  # HEAD_DIM rounded up to a power of two; the lanes past HEAD_DIM are masked
+    BLOCK_SIZE: tl.constexpr,  # any size: the slot is split by division, not by a tl.arange
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)  # int64: slot * strides can pass 2**31
@@ -34,8 +35,8 @@ def _write_kv_kernel(
         block_id = slot // BLOCK_SIZE
         offset = slot % BLOCK_SIZE
         heads = tl.arange(0, HEADS_PAD)
-        dims = tl.arange(0, HEAD_DIM)
-        mask = (heads < NUM_KV_HEADS)[:, None]
+        dims = tl.arange(0, HEAD_DIM_PAD)
+        mask = (heads < NUM_KV_HEADS)[:, None] & (dims < HEAD_DIM)[None, :]
         k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :] * stride_kd, mask=mask)
         v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :] * stride_vd, mask=mask)
         k_dst = k_cache_ptr + block_id * stride_kcb + offset * stride_kct
@@ -51,10 +52,7 @@ def _check_write_inputs(key, value, k_cache, v_cache, slot_mapping) -> None:
     check_kv_write(key, value, k_cache, v_cache, slot_mapping)
     check_device(key.device)
     block_size, _, head_dim = k_cache.shape[1:]
-    if not _is_power_of_two(block_size):
-        raise ValueError(f"block_size must be a power of two, got {block_size}")
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+    check_layout(block_size, head_dim)
 
 
 def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
@@ -62,8 +60,8 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
 
     ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]``; ``slot_mapping[i]``
     is token ``i``'s slot ``block_id * block_size + offset``, and ``-1`` skips the token. The
-    inputs are checked like :func:`minipaged.cache.write_kv`'s, plus the kernel's limits
-    (power-of-two ``block_size``, ``head_dim`` in ``HEAD_DIMS``).
+    inputs are checked like :func:`minipaged.cache.write_kv`'s, plus the kernels' layout limits
+    (``block_size`` up to 256, ``head_dim`` a multiple of 8 from 16 to 256).
     """
     _check_write_inputs(key, value, k_cache, v_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = key.shape
@@ -75,6 +73,7 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
         NUM_KV_HEADS=num_kv_heads,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=k_cache.shape[1],
     )
 

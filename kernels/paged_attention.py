@@ -14,11 +14,15 @@ Design, in the order the chapter builds it:
    program loads each K/V tile once and serves the whole group with ``tl.dot``.
    ``tl.dot`` needs every dimension ≥ 16, so the group is padded to ``GROUP_PAD``
    rows (padding rows hold zeros and are never stored).
-2. **Walk the sequence tile by tile.** A tile is ``TILE = max(block_size, MIN_TILE)``
-   tokens, independent of how the cache is paged: each token's physical block comes
-   from the block table (``block_tables[seq, token // block_size]``), so with 16-token
-   blocks one tile reads four blocks. Bigger tiles keep more bytes in flight per loop
-   step, which a bandwidth-bound kernel needs.
+2. **Walk the sequence tile by tile.** A tile is ``KV_TILE`` tokens, independent of how
+   the cache is paged: each token's physical block comes from the block table
+   (``block_tables[seq, token // block_size]``), so with 16-token blocks one tile reads
+   four blocks, with 256-token blocks a quarter of one, and a block size that is not a
+   power of two (12, 48) is only different arithmetic. A tile of 64 keeps enough bytes in
+   flight per loop step for a bandwidth-bound kernel, and small enough a K/V tile (64 KB
+   at head_dim 256, fp16) for any head size.
+   Head dims that are not powers of two (80, 96) are padded the same way:
+   ``HEAD_DIM_PAD`` lanes, the ones past ``head_dim`` masked off.
 3. **Online softmax in fp32.** A running max ``m``, running denominator ``l`` and
    unnormalised output ``acc`` are rescaled whenever a tile raises the max, so the
    softmax never needs all scores at once.
@@ -37,17 +41,23 @@ import triton.language as tl
 from minipaged._triton import check_device, interpreted
 from minipaged.validation import check_int, check_paged_attention, check_scale
 
-# Head dims the kernel takes: tl.arange needs a power of two, tl.dot needs >= 16,
-# and above 256 one K tile no longer fits comfortably in registers/shared memory.
-HEAD_DIMS = (16, 32, 64, 128, 256)
+# Head dims the kernels take: every multiple of 8 from 16 to 256 (Llama 64/128, Phi-2 80,
+# Phi-3-mini 96, 112, 120, 192 ...). tl.arange needs a power of two, so a row is loaded
+# HEAD_DIM_PAD = next_power_of_2(head_dim) wide with the lanes past head_dim masked off:
+# they load 0, add 0 to every dot product, and are never stored. Multiples of 8 keep
+# each fp16 row 16-byte aligned; tl.dot needs >= 16; above 256 one K tile no longer
+# fits comfortably in registers/shared memory.
+HEAD_DIMS = tuple(range(16, 257, 8))
+# Any block size up to this: a token's block is found by integer division through the
+# block table, so the block size never sizes a tl.arange.
 MAX_BLOCK_SIZE = 256
 # Split-KV heuristic: a split should stream at least this many tokens, or the
 # extra reduction pass costs more than the parallelism gains.
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
-# Tokens per loop step at least: 64 tokens of K and V (32 KB at head_dim 128, fp16) per
-# step, and tl.dot's K dimension (the tile) stays >= 16 for any block size.
-MIN_TILE = 64
+# Tokens per loop step, whatever the block size: 64 tokens of K and V (32 KB at head_dim
+# 128, fp16) per step, and tl.dot's K dimension (the tile) stays >= 16.
+KV_TILE = 64
 # Stands in for the SM count when there is no GPU, so the heuristic is deterministic on a CPU.
 CPU_PARALLELISM = 8
 
@@ -65,8 +75,9 @@ def _paged_decode_kernel(
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two >= 16 (tl.dot's M)
     HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    TILE: tl.constexpr,  # tokens per loop step: max(BLOCK_SIZE, MIN_TILE), a multiple of BLOCK_SIZE
+    HEAD_DIM_PAD: tl.constexpr,  # HEAD_DIM rounded up to a power of two for tl.arange
+    BLOCK_SIZE: tl.constexpr,  # any size: only ever divided by, never a tl.arange length
+    TILE: tl.constexpr,  # tokens per loop step (KV_TILE), a power of two independent of BLOCK_SIZE
     NUM_SPLITS: tl.constexpr,
     DOT_FP32: tl.constexpr,  # cast tiles to fp32 before tl.dot: fp32 inputs, or the interpreter (its bf16 dot is wrong)
 ):
@@ -77,11 +88,12 @@ def _paged_decode_kernel(
     rows = tl.arange(0, GROUP_PAD)  # query heads of this group, padded
     row_ok = rows < GROUP
     heads = kv_head * GROUP + rows
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM  # the padding lanes load 0 and are never stored
 
     q = tl.load(
         q_ptr + seq * stride_qs + heads[:, None] * stride_qh + dims[None, :] * stride_qd,
-        mask=row_ok[:, None], other=0.0,
+        mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
     )
     if DOT_FP32:
         q = q.to(tl.float32)
@@ -94,7 +106,7 @@ def _paged_decode_kernel(
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # running max of the scores
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)  # running sum of exp(score - m_i)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)  # running sum of exp(score - m_i) * v
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)  # running sum of exp(score - m_i) * v
 
     block_table = block_tables_ptr + seq * stride_bts
     offs = tl.arange(0, TILE)
@@ -107,15 +119,16 @@ def _paged_decode_kernel(
         # block all load the same entry; repeated addresses are served from cache.)
         block_ids = tl.load(block_table + (tokens // BLOCK_SIZE) * stride_btb, mask=valid, other=0).to(tl.int64)
         in_block = tokens % BLOCK_SIZE
+        kv_mask = valid[:, None] & dim_ok[None, :]
         k = tl.load(
             k_cache_ptr + block_ids[:, None] * stride_kb + in_block[:, None] * stride_kt
             + kv_head * stride_kh + dims[None, :] * stride_kd,
-            mask=valid[:, None], other=0.0,
+            mask=kv_mask, other=0.0,
         )
         v = tl.load(
             v_cache_ptr + block_ids[:, None] * stride_vb + in_block[:, None] * stride_vt
             + kv_head * stride_vh + dims[None, :] * stride_vd,
-            mask=valid[:, None], other=0.0,
+            mask=kv_mask, other=0.0,
         )
         if DOT_FP32:
             k = k.to(tl.float32)
@@ -135,7 +148,7 @@ def _paged_decode_kernel(
         out = acc / l_i[:, None]
         tl.store(
             out_ptr + seq * stride_os + heads[:, None] * stride_oh + dims[None, :] * stride_od,
-            out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None],
+            out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :],
         )
     else:
         # Workspace is contiguous [num_seqs, num_heads, NUM_SPLITS(, HEAD_DIM)]. An empty
@@ -143,7 +156,7 @@ def _paged_decode_kernel(
         part = (seq * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
         tl.store(part_m_ptr + part, m_i, mask=row_ok)
         tl.store(part_l_ptr + part, l_i, mask=row_ok)
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None] & dim_ok[None, :])
 
 
 @triton.jit
@@ -153,27 +166,28 @@ def _merge_splits_kernel(
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,  # NUM_SPLITS rounded up to a power of two for tl.arange
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,  # HEAD_DIM rounded up to a power of two for tl.arange
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
     part = (seq * tl.num_programs(1) + head) * NUM_SPLITS + splits
     ok = splits < NUM_SPLITS
 
     m = tl.load(part_m_ptr + part, mask=ok, other=float("-inf"))
     l = tl.load(part_l_ptr + part, mask=ok, other=0.0)
-    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
+    acc = tl.load(
+        part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None] & dim_ok[None, :], other=0.0
+    )
 
     # Bring every split to the common max, exactly as the online softmax does per tile.
     m_max = tl.max(m, axis=0)
     weight = tl.exp(m - m_max)  # 0 for padding and for empty splits (m = -inf)
     out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l * weight, axis=0)
-    tl.store(out_ptr + seq * stride_os + head * stride_oh + dims * stride_od, out.to(out_ptr.dtype.element_ty))
-
-
-def _is_power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
+    out_ptrs = out_ptr + seq * stride_os + head * stride_oh + dims * stride_od
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, parallelism: int) -> int:
@@ -194,8 +208,8 @@ def check_supported(block_size: int, head_dim: int, dtype: torch.dtype) -> None:
     """Raise unless the kernel can run this cache shape; the engine asks before it builds anything.
 
     Args:
-        block_size: tokens per block: a power of two up to ``MAX_BLOCK_SIZE`` (``tl.arange`` needs one).
-        head_dim: one of ``HEAD_DIMS`` (a power of two >= 16 for ``tl.arange`` and ``tl.dot``).
+        block_size: tokens per block: any int from 1 to ``MAX_BLOCK_SIZE``.
+        head_dim: one of ``HEAD_DIMS``: a multiple of 8 from 16 to 256.
         dtype: of q and the cache: float32, float16 or bfloat16.
 
     Raises:
@@ -204,14 +218,15 @@ def check_supported(block_size: int, head_dim: int, dtype: torch.dtype) -> None:
     """
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"dtype must be float32, float16 or bfloat16 for the kernel, got {dtype}")
-    if not _is_power_of_two(block_size) or block_size > MAX_BLOCK_SIZE:
-        raise ValueError(
-            f"block_size must be a power of two up to {MAX_BLOCK_SIZE} (tl.arange needs one), got {block_size}"
-        )
+    check_layout(block_size, head_dim)
+
+
+def check_layout(block_size: int, head_dim: int) -> None:
+    """Raise ``ValueError`` unless every kernel (attention and write) takes this cache layout."""
+    if not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"block_size must be in 1..{MAX_BLOCK_SIZE} for the kernels, got {block_size}")
     if head_dim not in HEAD_DIMS:
-        raise ValueError(
-            f"head_dim must be one of {HEAD_DIMS} (a power of two >= 16 for tl.arange and tl.dot), got {head_dim}"
-        )
+        raise ValueError(f"head_dim must be a multiple of 8 from 16 to 256 for the kernels, got {head_dim}")
 
 
 def supports(block_size: int, head_dim: int, dtype: torch.dtype) -> bool:
@@ -244,8 +259,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
 
     The inputs are :func:`minipaged.attention.paged_attention`'s (see the module docstring)
     and are checked by the same :func:`minipaged.validation.check_paged_attention`, plus
-    the kernel's limits: fp32/fp16/bf16, a power-of-two ``block_size`` up to
-    ``MAX_BLOCK_SIZE``, ``head_dim`` in ``HEAD_DIMS``.
+    the kernel's limits (:func:`check_supported`): fp32/fp16/bf16, ``block_size`` up to
+    ``MAX_BLOCK_SIZE``, ``head_dim`` a multiple of 8 from 16 to 256.
 
     Returns ``[num_seqs, num_heads, head_dim]`` in ``q.dtype``. ``scale`` defaults to
     ``head_dim ** -0.5``. ``num_splits=None`` picks unsplit or split-KV with
@@ -286,15 +301,17 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
-        TILE=max(MIN_TILE, block_size),
+        TILE=KV_TILE,
         NUM_SPLITS=num_splits,
         DOT_FP32=interpreted() or q.dtype == torch.float32,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
             part_m, part_l, part_acc, out, *out.stride(),
-            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         )
     return out
 

@@ -238,11 +238,13 @@ def paged_prefill_attention(
     this chunk up to itself. Returns ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
     """
     _check_backend(backend)
+    if backend == "triton":  # one launch for the whole batch; the kernel runs the same checks, plus its own limits
+        return _kernel("paged_prefill_attention")(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=scale
+        )
     check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     starts = query_start_loc.tolist()
     scale = check_scale(scale, q.shape[-1])
-    if backend == "triton":
-        return _prefill_as_decode(q, k_cache, v_cache, block_tables, seq_lens, starts, scale)
     block_size = k_cache.shape[1]
     num_kv_heads, head_dim = k_cache.shape[2:]
     out = torch.empty_like(q)
@@ -268,23 +270,6 @@ def paged_prefill_attention(
         v = v_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:seq_len]
         out[a:b] = contiguous_attention(q[a:b], k, v, scale=scale)
     return out
-
-
-def _prefill_as_decode(q, k_cache, v_cache, block_tables, seq_lens, starts, scale):
-    """Prefill with the decode kernel: query ``j`` of a chunk is a decode query whose context ends at itself.
-
-    Each query token becomes its own "sequence" that shares its parent's block
-    table row and has ``seq_len - q_len + j + 1`` tokens, so the kernel's
-    length mask is exactly the causal mask. Nothing is copied but table rows.
-    """
-    rows, lens = [], []
-    for i, seq_len in enumerate(seq_lens.tolist()):
-        q_len = starts[i + 1] - starts[i]
-        rows += [i] * q_len
-        lens += range(seq_len - q_len + 1, seq_len + 1)
-    rows = torch.tensor(rows, device=q.device)
-    lens = torch.tensor(lens, dtype=torch.int32, device=q.device)
-    return _kernel("paged_decode_attention")(q, k_cache, v_cache, block_tables[rows], lens, scale=scale)
 
 
 # --------------------------------------------------------------------------- one batch, as the model sees it

@@ -136,7 +136,7 @@ def check_fits_memory(num_bytes: int, what: str, device="cpu") -> None:
 # One validator per input kind, shared by the PyTorch paths (minipaged.cache,
 # minipaged.attention) and the Triton wrappers (minipaged.kernels), so the same bad
 # input raises the same error on every backend. A backend adds only its own limits
-# (the kernels' power-of-two block size, supported head dims, num_splits). torch is
+# (the kernels' block-size and head-size limits, num_splits). torch is
 # imported inside the functions: chapter 01 uses check_int without needing torch.
 
 

@@ -16,13 +16,17 @@ pytestmark = pytest.mark.ch04
 
 
 @pytest.mark.parametrize("block_size, head_dim, dtype, ok", [
-    (16, 32, torch.float32, True), (1, 16, torch.bfloat16, True), (3, 32, torch.float32, False),
-    (512, 32, torch.float32, False), (16, 24, torch.float32, False), (16, 32, torch.float64, False),
+    (16, 32, torch.float32, True), (1, 16, torch.bfloat16, True), (3, 32, torch.float32, True),
+    (48, 80, torch.float16, True), (12, 96, torch.float32, True), (256, 256, torch.float16, True),
+    (16, 24, torch.float32, True), (16, 120, torch.float32, True), (16, 192, torch.float32, True),
+    (0, 32, torch.float32, False), (257, 32, torch.float32, False), (512, 32, torch.float32, False),
+    (16, 8, torch.float32, False), (16, 20, torch.float32, False), (16, 264, torch.float32, False),
+    (16, 32, torch.float64, False),
 ])  # fmt: skip
 def test_supports_is_the_kernels_own_limits(block_size, head_dim, dtype, ok):
     assert supports(block_size, head_dim, dtype) is ok
     if not ok:
-        name = "dtype" if dtype == torch.float64 else "block_size" if head_dim in (16, 32) else "head_dim"
+        name = "dtype" if dtype == torch.float64 else "block_size" if head_dim == 32 else "head_dim"
         with pytest.raises((TypeError, ValueError), match=name):
             check_supported(block_size, head_dim, dtype)
 

@@ -1,7 +1,8 @@
-"""Chapter 04: the Triton paged decode kernel and the cache-write kernel against PyTorch.
+"""Chapter 04: the Triton paged decode kernel and the cache-write kernel against a float64 reference.
 
 On a CPU every kernel runs in Triton's interpreter, which costs a few ms per
 program step, so the shapes are small; the same tests run unchanged on a GPU.
+The prefill kernel's tests are in test_04_prefill.py.
 """
 
 import os
@@ -15,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minipaged.attention import contiguous_attention
-from minipaged.kernels import paged_decode_attention, write_kv
+from minipaged.kernels import paged_decode_attention, paged_prefill_attention, write_kv
 from minipaged.kernels.paged_attention import MIN_TOKENS_PER_SPLIT, choose_num_splits
 from minipaged.testing import PagedCase, make_paged_case
 
@@ -56,17 +57,40 @@ def test_decode_matches_reference(dtype, num_heads, num_kv_heads, num_splits):
     assert_matches_reference(case, out, dtype)
 
 
-@pytest.mark.parametrize("block_size", [4, 8, 32, 128])
-def test_block_sizes_including_smaller_than_a_dot_tile(block_size):
-    # Below MIN_TILE (64) one loop step covers several blocks, each with its own table lookup.
-    case = make_case([1, 45, 130], block_size=block_size, num_heads=2, num_kv_heads=1, head_dim=16)
-    assert_matches_reference(case, paged_decode_attention(*case.decode_args, num_splits=1))
+# The issue's block sizes: one token, odd, not a power of two (12, 48), the default, and up to the limit.
+BLOCK_SIZES = [1, 3, 12, 16, 48, 128, 256]
 
 
-@pytest.mark.parametrize("head_dim", [16, 64, 128])
-def test_head_dims(head_dim):
-    case = make_case([5, 33], head_dim=head_dim, num_heads=8, num_kv_heads=1)  # group of 8: GQA as in Llama-3
-    assert_matches_reference(case, paged_decode_attention(*case.decode_args))
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_every_block_size(block_size):
+    # Below KV_TILE (64) one loop step covers several blocks, above it part of one, each with its own table lookup;
+    # a block size that is not a power of two leaves tiles that straddle blocks.
+    case = make_case([1, 45, 130], block_size=block_size, num_heads=2, num_kv_heads=1, head_dim=16, spare_blocks=1)
+    assert_matches_reference(case, paged_decode_attention(*case.decode_args, num_splits=2))
+
+
+GROUPS = [1, 4, 5, 8]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Every head size against every block size; the group and the dtype rotate along, so each
+# of them meets several head sizes and block sizes without the whole product.
+SHAPES = [
+    (head_dim, block_size, GROUPS[i % 4], DTYPES[i % 3])
+    for i, (head_dim, block_size) in enumerate((h, b) for h in (32, 64, 80, 96, 128) for b in (1, 3, 16, 48))
+]
+
+
+def shape_id(shape):
+    head_dim, block_size, group, dtype = shape
+    return f"d{head_dim}-bs{block_size}-g{group}-{str(dtype)[6:]}"
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=map(shape_id, SHAPES))
+def test_head_sizes_block_sizes_and_groups(shape):
+    """Padded head dims (80, 96: 128 lanes, the last ones masked) through the decode and merge kernels."""
+    head_dim, block_size, group, dtype = shape
+    case = make_case([1, 40, 70], head_dim=head_dim, block_size=block_size, num_heads=2 * group, num_kv_heads=2,
+                     dtype=dtype, spare_blocks=1)
+    assert_matches_reference(case, paged_decode_attention(*case.decode_args, num_splits=2), dtype)
 
 
 def test_custom_scale_and_more_splits_than_tiles():
@@ -82,13 +106,16 @@ KERNEL_SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check
 @KERNEL_SETTINGS
 @given(
     seq_lens=st.lists(st.integers(1, 200), min_size=1, max_size=3),
-    block_size=st.sampled_from([4, 8, 16, 32]),
-    heads=st.sampled_from([(2, 2), (4, 1), (8, 2)]),
+    block_size=st.integers(1, 40),
+    heads=st.sampled_from([(2, 2), (4, 1), (8, 2), (5, 1), (6, 2)]),
+    head_dim=st.sampled_from([16, 24, 40, 48]),
     num_splits=st.integers(1, 5),
     seed=st.integers(0, 2**16),
 )
-def test_any_lengths_tables_and_splits_match_the_reference(seq_lens, block_size, heads, num_splits, seed):
-    case = make_case(seq_lens, num_heads=heads[0], num_kv_heads=heads[1], head_dim=16, block_size=block_size, seed=seed)
+def test_any_shapes_lengths_tables_and_splits_match_the_reference(seq_lens, block_size, heads, head_dim, num_splits,
+                                                                  seed):
+    case = make_case(seq_lens, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim, block_size=block_size,
+                     seed=seed)
     assert_matches_reference(case, paged_decode_attention(*case.decode_args, num_splits=num_splits))
 
 
@@ -122,7 +149,7 @@ def test_non_contiguous_views():
 
 
 def test_offsets_past_2_to_the_31():
-    """A pool with more than 2**31 elements, where only the last blocks are touched.
+    """A pool with more than 2**31 elements, where only the last blocks are touched (decode, prefill, write).
 
     ``torch.empty`` leaves the pool untouched, so the OS commits only the pages we
     write: the test costs a few MB of real memory although the pool spans 4 GiB of
@@ -155,6 +182,11 @@ def test_offsets_past_2_to_the_31():
     starts = torch.arange(3, dtype=torch.int32, device=DEVICE)
     case = PagedCase(q, k_cache, v_cache, block_tables, seq_lens, starts, keys, values)
     assert_matches_reference(case, paged_decode_attention(*case.decode_args, num_splits=1), torch.float16)
+    # The prefill kernel, on a chunk of 5 (mid-block) and a decode row, through the same far blocks.
+    q = torch.randn(6, 2, head_dim, generator=gen).half().to(DEVICE)
+    starts = torch.tensor([0, 5, 6], dtype=torch.int32, device=DEVICE)
+    case = PagedCase(q, k_cache, v_cache, block_tables, seq_lens, starts, keys, values)
+    assert_matches_reference(case, paged_prefill_attention(*case.prefill_args), torch.float16)
 
     key = torch.randn(2, num_kv_heads, head_dim, generator=gen).half().to(DEVICE)
     slots = torch.tensor([(num_blocks - 1) * block_size + 5, -1], device=DEVICE)
@@ -167,21 +199,35 @@ def test_offsets_past_2_to_the_31():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32], ids=["i64", "i32"])
-def test_write_kv_scatters_and_skips_minus_one(dtype, slot_dtype):
+@pytest.mark.parametrize("block_size, head_dim", [(4, 16), (3, 80), (12, 96), (1, 24)])
+def test_write_kv_scatters_and_skips_minus_one(dtype, slot_dtype, block_size, head_dim):
     gen = torch.Generator().manual_seed(2)
-    num_blocks, block_size, num_kv_heads, head_dim = 6, 4, 3, 16  # 3 heads: padded to 4 inside
+    num_blocks, num_kv_heads = 10, 3  # 3 heads padded to 4 inside; 80, 96 and 24 lanes padded to 128 and 32
     k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
     v_cache = torch.zeros_like(k_cache)
     key = torch.randn(5, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
     value = torch.randn(5, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
-    slots = torch.tensor([0, 7, -1, 23, 9], dtype=slot_dtype, device=DEVICE)
+    slots = torch.tensor([0, 7, -1, num_blocks * block_size - 1, 5], dtype=slot_dtype, device=DEVICE)
     write_kv(key, value, k_cache, v_cache, slots)
 
     expected_k, expected_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     keep = slots >= 0
     expected_k.view(-1, num_kv_heads, head_dim)[slots[keep].long()] = key[keep]
     expected_v.view(-1, num_kv_heads, head_dim)[slots[keep].long()] = value[keep]
+    # Exactly the written slots changed: the padding lanes past head_dim wrote nothing next door.
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_write_kv_every_block_size(block_size):
+    gen = torch.Generator().manual_seed(block_size)
+    k_cache = torch.zeros(3, block_size, 2, 16, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([0, block_size - 1, 2 * block_size, 3 * block_size - 1], device=DEVICE).unique()
+    key = torch.randn(len(slots), 2, 16, generator=gen).to(DEVICE)
+    write_kv(key, -key, k_cache, v_cache, slots)
+    expected = torch.zeros(3 * block_size, 2, 16, device=DEVICE).index_copy_(0, slots, key)
+    assert torch.equal(k_cache.flatten(0, 1), expected) and torch.equal(v_cache.flatten(0, 1), -expected)
 
 
 @KERNEL_SETTINGS
@@ -252,10 +298,13 @@ def _all(a, fn):
     "change, error, match",
     [
         (lambda a: _all(a, torch.Tensor.double), TypeError, "float32, float16 or bfloat16"),
-        (lambda a: a.update(k_cache=a["k_cache"][:, :6], v_cache=a["v_cache"][:, :6]), ValueError, "power of two"),
-        (lambda a: _all(a, lambda t: t[..., :12]), ValueError, "head_dim must be one of"),
+        (lambda a: a.update(k_cache=a["k_cache"].repeat(1, 33, 1, 1), v_cache=a["v_cache"].repeat(1, 33, 1, 1)),
+         ValueError, "block_size must be in 1..256"),
+        (lambda a: _all(a, lambda t: t[..., :12]), ValueError, "head_dim must be a multiple of 8 from 16 to 256"),
+        (lambda a: _all(a, lambda t: t[..., :8]), ValueError, "head_dim must be a multiple of 8 from 16 to 256"),
+        (lambda a: _all(a, lambda t: torch.cat([t] * 17, dim=-1)[..., :264]), ValueError, "head_dim must be a"),
     ],
-    ids=["float64", "block-size", "head-dim"],
+    ids=["float64", "block-size-264", "head-dim-12", "head-dim-8", "head-dim-264"],
 )
 def test_decode_rejects_bad_input(change, error, match):
     with pytest.raises(error, match=match):
@@ -280,11 +329,11 @@ def test_decode_rejects_mixed_devices():
 def test_write_kv_rejects_what_the_kernel_cannot_take():
     key = torch.ones(2, 2, 16, device=DEVICE)
     slots = torch.tensor([0, 1], device=DEVICE)
-    k_cache = torch.zeros(4, 6, 2, 16, device=DEVICE)
-    with pytest.raises(ValueError, match="block_size must be a power of two"):
+    k_cache = torch.zeros(4, 257, 2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="block_size must be in 1..256"):
         write_kv(key, key, k_cache, k_cache.clone(), slots)
     k_cache = torch.zeros(4, 8, 2, 12, device=DEVICE)
-    with pytest.raises(ValueError, match="head_dim must be one of"):
+    with pytest.raises(ValueError, match="head_dim must be a multiple of 8"):
         write_kv(key[..., :12], key[..., :12], k_cache, k_cache.clone(), slots)
     assert not k_cache.any(), "nothing may be written when the input is rejected"
 

@@ -9,9 +9,10 @@ launched: every input here is rejected before that.
 import pytest
 import torch
 
-from minipaged.attention import paged_attention
+from minipaged.attention import BACKENDS, paged_attention, paged_prefill_attention
 from minipaged.cache import write_kv
 from minipaged.kernels import paged_decode_attention
+from minipaged.kernels import paged_prefill_attention as triton_prefill
 from minipaged.kernels import write_kv as triton_write_kv
 from minipaged.testing import make_paged_case
 
@@ -66,6 +67,31 @@ def test_attention_backends_raise_the_same_error(change, error):
             call()
         messages[backend] = str(info.value)
     assert len(set(messages.values())) == 1, messages  # one validator, one message
+
+
+BAD_PREFILL_INPUTS = {
+    **BAD_ATTENTION_INPUTS,
+    "query_start_loc not from 0": (_set("query_start_loc", lambda a: a["query_start_loc"] + 1), ValueError),
+    "a chunk longer than its sequence": (
+        _set("query_start_loc", lambda a: torch.tensor([0, 6, 7], dtype=torch.int32)), ValueError),
+    "float query_start_loc": (_set("query_start_loc", lambda a: a["query_start_loc"].float()), TypeError),
+}
+
+
+@pytest.mark.parametrize("change, error", BAD_PREFILL_INPUTS.values(), ids=BAD_PREFILL_INPUTS.keys())
+def test_prefill_backends_raise_the_same_error(change, error):
+    args = attention_args()
+    args["query_start_loc"] = torch.tensor([0, 4, 7], dtype=torch.int32)  # chunks of 4 and 3 tokens
+    args["q"] = torch.cat([args["q"]] * 4)[:7]
+    change(args)
+    calls = {backend: lambda b=backend: paged_prefill_attention(**args, backend=b) for backend in BACKENDS}
+    calls["kernel"] = lambda: triton_prefill(**args)
+    messages = {}
+    for backend, call in calls.items():
+        with pytest.raises(error) as info:
+            call()
+        messages[backend] = str(info.value)
+    assert len(set(messages.values())) == 1, messages
 
 
 def test_entries_past_a_sequence_are_never_checked():

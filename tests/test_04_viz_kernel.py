@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minipaged.kernels import paged_decode_attention
-from minipaged.kernels.paged_attention import MIN_TILE
+from minipaged.kernels.paged_attention import KV_TILE
 from minipaged.testing import make_paged_case
 from minipaged.viz.kernel import program_reads, render_tile_loop
 
@@ -55,7 +55,7 @@ def test_each_sequence_reads_its_own_blocks_in_order_split_into_whole_tiles(batc
 
 def test_matches_the_kernel_a_block_it_says_nobody_reads_can_hold_nan():
     case = make_paged_case([150, 40, 100], block_size=16, num_heads=2, num_kv_heads=1, head_dim=16, spare_blocks=3)
-    reads = program_reads(case.block_tables, case.seq_lens, 16, MIN_TILE, num_splits=2)
+    reads = program_reads(case.block_tables, case.seq_lens, 16, KV_TILE, num_splits=2)
     read = {b for steps in reads.values() for step in steps for b in step}
     assert torch.isnan(case.k_cache[sorted(set(range(case.k_cache.shape[0])) - read)]).all()
     out = paged_decode_attention(*case.decode_args, num_splits=2)
@@ -97,3 +97,43 @@ def test_render_draws_every_block_each_program_reads_and_the_empty_split():
     cells = re.findall(r'text-anchor="middle" fill="#222222">(\d+)</text>', svg)
     assert cells[:4] == ["7", "2", "5", "0"]  # the steps' blocks, in program order, then the pool 0..9
     assert cells[4:] == [str(b) for b in range(10)]
+
+
+# ---- prefill: which program reads which keys -----------------------------------------------
+
+
+@settings(max_examples=100, deadline=None)
+@given(seq_len=st.integers(1, 120), data=st.data(), group=st.sampled_from([1, 4, 5, 8, 64]))
+def test_prefill_spans_cover_every_query_once_and_match_the_kernels_count(seq_len, data, group):
+    from minipaged.kernels.prefill_attention import prefill_kv_tokens, query_tile
+    from minipaged.viz.kernel import prefill_spans
+
+    q_len = data.draw(st.integers(1, seq_len))
+    block_q, _ = query_tile(group)
+    spans = prefill_spans(seq_len, q_len, block_q)
+    for programs in spans.values():
+        assert [j for queries, _ in programs for j in queries] == list(range(q_len))  # each query once, in order
+        for queries, keys in programs:  # a program reads up to its last query's position, and no further
+            assert keys == seq_len - q_len + queries[-1] + 1
+    totals = tuple(sum(keys for _, keys in spans[name]) for name in ("as_decode", "prefill"))
+    assert totals == prefill_kv_tokens([seq_len], [q_len], group)
+
+
+def test_render_prefill_reads_is_deterministic_and_states_the_totals():
+    from minipaged.viz.kernel import render_prefill_reads
+
+    svg = render_prefill_reads(40, 27, block_q=8, block_size=8)
+    assert svg == render_prefill_reads(40, 27, block_q=8, block_size=8)
+    assert 'data-as-decode="729"' in svg and 'data-prefill="127"' in svg  # 14+..+40 and 21+29+37+40
+    assert svg.count("read once</title>") == 4  # one frame per query tile
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(seq_len=5, q_len=6, block_q=2), ValueError), (dict(seq_len=5, q_len=0, block_q=2), ValueError),
+    (dict(seq_len=5, q_len=2, block_q=1.5), TypeError),
+])  # fmt: skip
+def test_prefill_spans_rejects_bad_sizes(kwargs, error):
+    from minipaged.viz.kernel import prefill_spans
+
+    with pytest.raises(error):
+        prefill_spans(**kwargs)

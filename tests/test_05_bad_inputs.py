@@ -65,8 +65,8 @@ def test_generate_checks_every_prompt_before_queueing_any(model):
 
 
 def test_an_engine_whose_backend_cannot_run_is_refused_at_construction(model):
-    with pytest.raises(ValueError, match=r"backend='triton'.*block_size must be a power of two"):
-        Engine(model, EngineConfig(backend="triton", block_size=3))
+    with pytest.raises(ValueError, match=r"backend='triton'.*block_size must be in 1..256"):
+        Engine(model, EngineConfig(backend="triton", block_size=257))
     with pytest.raises(TypeError, match="config must be an EngineConfig"):
         Engine(model, {"block_size": 4})
 

@@ -1,4 +1,4 @@
-"""Which program of a paged decode kernel reads which blocks: the grid and the tile loop, drawn (chapter 04).
+"""Which program of a paged attention kernel reads which blocks: the grid and the tile loop, drawn (chapter 04).
 
 A decode kernel's grid has one program per ``(sequence, KV head, split)``. Each program walks
 its share of the sequence in tiles of ``tile`` tokens, and each tile loads the physical
@@ -8,6 +8,11 @@ index arithmetic on the host, with the same formulas as
 :func:`render_tile_loop` draws it as an SVG: one row per program, one frame per loop step,
 and the pool underneath. Every KV head's program reads the same blocks (its own head's rows
 of them), so a row stands for ``num_kv_heads`` programs.
+
+For prefill, :func:`prefill_spans` replays the two ways to run a chunk's queries, one decode
+program per query or one prefill program per query tile (the formulas of
+``minipaged.kernels.prefill_attention``), and :func:`render_prefill_reads` draws the keys each
+program reads, side by side.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ def program_reads(block_tables, seq_lens, block_size: int, tile: int, num_splits
         seq_lens: each sequence's context length in tokens (>= 1).
         block_size: tokens per block.
         tile: tokens per loop step; ``block_size`` reads one block per step, the production
-            kernel's ``max(block_size, MIN_TILE)`` several.
+            kernel's ``KV_TILE`` (64) several, or part of one.
         num_splits: split-KV ranges per sequence. A sequence of ``T`` tiles gives each split
             ``ceil(T / num_splits)`` whole tiles, so the last splits may get none.
 
@@ -164,4 +169,112 @@ def render_tile_loop(
     return "".join(parts)
 
 
-__all__ = ["program_reads", "render_tile_loop"]
+def prefill_spans(seq_len: int, q_len: int, block_q: int) -> dict:
+    """The keys each program reads for one sequence's chunk, both ways.
+
+    Args:
+        seq_len: the context length after the chunk (>= 1).
+        q_len: the chunk's queries, the last ``q_len`` positions (``1 <= q_len <= seq_len``).
+        block_q: queries per program of the prefill kernel.
+
+    Returns:
+        ``{"as_decode": [(queries, keys)], "prefill": [(queries, keys)]}``: per program, the
+        range of chunk queries it serves and the number of keys it reads (always a prefix
+        ``0 .. keys - 1`` of the context). As decode, query ``j`` is its own program over
+        ``context_len + j + 1`` keys; the prefill kernel's tile ``t`` serves queries
+        ``t * block_q ..`` and reads up to its last query's position.
+
+    Raises:
+        TypeError, ValueError: a size that is not an int in range.
+    """
+    seq_len = check_int(seq_len, "seq_len", minimum=1)
+    q_len = check_int(q_len, "q_len", minimum=1)
+    block_q = check_int(block_q, "block_q", minimum=1)
+    if q_len > seq_len:
+        raise ValueError(f"q_len must be in 1..seq_len={seq_len}, got {q_len}")
+    context_len = seq_len - q_len
+    as_decode = [(range(j, j + 1), context_len + j + 1) for j in range(q_len)]
+    prefill = [
+        (range(t * block_q, min(q_len, (t + 1) * block_q)), min(seq_len, context_len + (t + 1) * block_q))
+        for t in range(_cdiv(q_len, block_q))
+    ]
+    return {"as_decode": as_decode, "prefill": prefill}
+
+
+def render_prefill_reads(seq_len: int, q_len: int, *, block_q: int, block_size: int, title: str | None = None) -> str:
+    """An SVG of the keys each program reads for one chunk: one decode program per query, against query tiles.
+
+    Both panels share the axes: one row per query of the chunk, one column per key position,
+    block boundaries as vertical lines. Left, each query is its own program and reads its own
+    prefix. Right, one program per tile of ``block_q`` queries reads its keys **once** for
+    all of them (the frame); inside it the causal mask hides the keys after each query (light).
+
+    Args:
+        seq_len, q_len, block_q: as for :func:`prefill_spans`.
+        block_size: tokens per block, for the boundaries.
+        title: a line above the picture (default: the sizes).
+
+    Returns:
+        A deterministic ``<svg class="minipaged-prefill-reads">`` string.
+    """
+    block_size = check_int(block_size, "block_size", minimum=1)
+    spans = prefill_spans(seq_len, q_len, block_q)
+    context_len = seq_len - q_len
+    cell = max(4.0, min(12.0, 420 / seq_len))  # px per key
+    row = max(4.0, min(12.0, 320 / q_len))  # px per query
+    panel = seq_len * cell
+    left, top, gap = 70.0, 64.0, 60.0
+    width = left + 2 * panel + gap + 20
+    height = top + q_len * row + 84
+    decode_color, prefill_color = seq_color(0), seq_color(1)
+    totals = {name: sum(keys for _, keys in programs) for name, programs in spans.items()}
+    title = title or (f"a chunk of {q_len} queries after {context_len} tokens · block_size {block_size} · "
+                      f"BLOCK_Q {block_q}")
+    parts = [
+        svg_open("minipaged-prefill-reads", width, height, 0,
+                 f' data-as-decode="{totals["as_decode"]}" data-prefill="{totals["prefill"]}"'),
+        f'<text x="10" y="20" font-size="14" fill="{TEXT_COLOR}">{title}</text>',
+    ]
+    for k, (name, label) in enumerate([("as_decode", f"prefill as decode: {q_len} programs"),
+                                       ("prefill", f"prefill kernel: {len(spans['prefill'])} programs")]):
+        x0 = left + k * (panel + gap)
+        parts.append(f'<text x="{fmt(x0)}" y="{fmt(top - 26)}" font-size="13" fill="{TEXT_COLOR}">{label}</text>')
+        parts.append(f'<text x="{fmt(x0)}" y="{fmt(top - 8)}" font-size="11" fill="#666666">'
+                     f"key position → ({totals[name]} key reads per KV head)</text>")
+        color = decode_color if name == "as_decode" else prefill_color
+        for queries, keys in spans[name]:
+            y, h = top + queries.start * row, len(queries) * row - 1
+            if name == "prefill":  # what the program loads: the frame, masked keys light
+                parts.append(f'<rect x="{fmt(x0)}" y="{fmt(y)}" width="{fmt(keys * cell)}" height="{fmt(h)}" '
+                             f'fill="{tint(color, 0.85)}"/>')
+            for j in queries:  # each query's visible keys, solid
+                visible = (context_len + j + 1) * cell
+                parts.append(f'<rect x="{fmt(x0)}" y="{fmt(top + j * row)}" width="{fmt(visible)}" '
+                             f'height="{fmt(row - 1)}" fill="{tint(color, 0.25)}"/>')
+            if name == "prefill":
+                parts.append(f'<rect x="{fmt(x0)}" y="{fmt(y)}" width="{fmt(keys * cell)}" height="{fmt(h)}" '
+                             f'fill="none" stroke="{color}" stroke-width="1.5"><title>queries {queries.start}..'
+                             f"{queries.stop - 1}: {keys} keys, read once</title></rect>")
+        for b in range(0, seq_len + 1, block_size):  # block boundaries
+            x = x0 + b * cell
+            parts.append(f'<line x1="{fmt(x)}" y1="{fmt(top)}" x2="{fmt(x)}" y2="{fmt(top + q_len * row)}" '
+                         'stroke="#999999" stroke-width="0.5"/>')
+        x = x0 + context_len * cell  # where the chunk starts
+        parts.append(f'<line x1="{fmt(x)}" y1="{fmt(top - 4)}" x2="{fmt(x)}" y2="{fmt(top + q_len * row + 4)}" '
+                     'stroke="#222222" stroke-width="1" stroke-dasharray="3,2"/>')
+    parts.append(f'<text x="10" y="{fmt(top + 10)}" font-size="11" fill="{TEXT_COLOR}">query 0</text>')
+    parts.append(f'<text x="10" y="{fmt(top + q_len * row)}" font-size="11" fill="{TEXT_COLOR}">'
+                 f"query {q_len - 1}</text>")
+    legend_y = top + q_len * row + 28
+    legend = [
+        "solid: the keys a query sees (causal: up to its own position); left, each row is a program of its own",
+        "frame: the keys one prefill program loads, once for all its queries (light: masked for some of them)",
+        "dashed: the chunk's first position; grey: block boundaries (each key's block comes from the block table)",
+    ]
+    for i, line in enumerate(legend):
+        parts.append(f'<text x="10" y="{fmt(legend_y + 18 * i)}" font-size="12" fill="{TEXT_COLOR}">{line}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+__all__ = ["prefill_spans", "program_reads", "render_prefill_reads", "render_tile_loop"]
