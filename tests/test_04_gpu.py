@@ -1,10 +1,11 @@
-"""Chapter 04 on a GPU: the kernels compiled (not interpreted) at real sizes, and decode bandwidth.
+"""Chapter 04 on a GPU: the kernels compiled (not interpreted) at real sizes.
 
 Everything here skips on a machine without CUDA, saying so: the interpreter suite
 (test_04_kernels.py, test_04_prefill.py) covers the same logic on small shapes. On a
 GPU these compile one kernel per (head_dim, block_size, group) they meet, so the
 shapes are a sample, not the product. ``python -m minipaged.bench kernel`` prints the
-command that runs this file together with the benchmarks.
+command that runs this file together with the benchmarks. Bandwidth is the benchmark's to
+report (a fraction of the copy bandwidth measured in the same run), not a timed test's.
 """
 
 import pytest
@@ -17,7 +18,7 @@ pytestmark = [
     pytest.mark.ch04,
     pytest.mark.skipif(
         not torch.cuda.is_available() or interpreted(),
-        reason="GPU-only: compiled kernels and bandwidth need a CUDA device (the interpreter tests cover the logic)",
+        reason="GPU-only: compiled kernels need a CUDA device (the interpreter tests cover the logic)",
     ),
 ]
 
@@ -58,12 +59,3 @@ def test_compiled_long_context_split_kv():
     case = _case([32768, 5], None, 128, 16, 4, torch.float16)
     assert _error(case, paged_decode_attention(*case.decode_args)) <= TOLERANCE[torch.float16]
 
-
-def test_decode_bandwidth_is_a_real_fraction_of_copy_bandwidth():
-    """A floor that catches a broken kernel (no split, scalar loads), not the 85% goal the benchmark reports."""
-    from minipaged.bench.kernel import copy_bandwidth, measure
-
-    copy_gbps = copy_bandwidth("cuda")
-    ms, nbytes = measure("triton", 1, 32768, 16, torch.float16)
-    fraction = nbytes / ms * 1e-6 / copy_gbps
-    assert fraction >= 0.5, f"long-context decode reaches {fraction:.0%} of copy bandwidth"
