@@ -88,7 +88,8 @@ class StepOutput:
     time: float
     scheduled: dict = field(default_factory=dict)  # seq_id -> tokens computed this step
     new_tokens: dict = field(default_factory=dict)  # seq_id -> token sampled this step
-    accepted: dict = field(default_factory=dict)  # seq_id -> draft tokens accepted this step, before its new token
+    drafts: dict = field(default_factory=dict)  # seq_id -> draft tokens it verified this step (speculative decoding)
+    accepted: dict = field(default_factory=dict)  # seq_id -> the drafts it accepted, which come before its new token
     admitted: list = field(default_factory=list)
     preempted: list = field(default_factory=list)
     finished: list = field(default_factory=list)
@@ -302,6 +303,7 @@ class Engine:
         finished = self.scheduler.postprocess(out, sampled, result.time, accepted)
         result.scheduled = {s.seq_id: n for s, n in zip(out.seqs, out.num_new_tokens)}
         result.new_tokens = sampled
+        result.drafts = dict(out.spec_token_ids)
         result.accepted = accepted
         result.finished = [s.seq_id for s in finished]
         self.metrics.record_step(result.time, self.scheduler.running, len(self.scheduler.waiting),

@@ -295,7 +295,9 @@ def test_the_engine_counts_what_step_outputs_report(model):
     drafts = accepted = verifications = tokens = 0
     while engine.has_unfinished():
         out = engine.step()
+        assert out.drafts.keys() == out.accepted.keys()
         for sid, kept in out.accepted.items():
+            assert out.scheduled[sid] == 1 + len(out.drafts[sid]) and out.drafts[sid][: len(kept)] == kept
             drafts += out.scheduled[sid] - 1
             accepted += len(kept)
             verifications += 1
