@@ -480,3 +480,15 @@ def test_random_workloads_match_contiguous_and_keep_the_pool_consistent(seed, k,
     for i, (prompt, n) in enumerate(requests):
         if f"r{i}" not in aborted:
             assert engine.requests[f"r{i}"].output_token_ids == reference(model, prompt, n), f"r{i}"
+
+
+def test_bench_spec_refuses_a_bad_lookup_range_and_builds_prompts_of_the_asked_length():
+    from minipaged.bench import spec as bench_spec
+
+    with pytest.raises(SystemExit) as exc:
+        bench_spec.main(["--lookup", "3", "2"])
+    assert exc.value.code == 2
+    for make in (bench_spec.repetitive_prompts, bench_spec.code_prompts):
+        prompts = make(3, 50, seed=1)
+        assert len(prompts) == 3 and all(len(p) == 50 for p in prompts)
+        assert prompts == make(3, 50, seed=1)  # seeded
