@@ -175,7 +175,10 @@ def transfer_kv(seq: Sequence, src: PagedKVCache, dst: PagedKVCache) -> BlockTab
     blocks into them, and returns the new table. The source table is not touched: the caller
     frees it (``release()``) when the transfer is over, and points ``seq.block_table`` at the
     new one. All or nothing: if ``dst`` is short of blocks, :class:`~minipaged.block_manager.OutOfBlocks`
-    is raised and nothing changed; if the copy itself fails, the new blocks are given back.
+    is raised and nothing changed; if the copy itself fails, the new blocks are given back (every
+    reference count is as before; the free queue's order may differ, and a cached block evicted
+    to make room stays evicted). The K/V goes through host memory, so the two pools may live on
+    different devices.
 
     Args:
         seq: a sequence whose ``block_table`` is a live table of ``src`` holding its computed tokens.

@@ -265,6 +265,8 @@ def test_take_and_add_prefilled_check_everything_first(model):
     e.step()  # r: prompt + first token; n2: a first chunk only
     with pytest.raises(ValueError, match="2 samples"):
         e.take_prefilled("n2")
+    running = list(e.scheduler.running)
+    assert "n2" in e.samples and len(running) == 2  # the refusals changed nothing
     seq = e.take_prefilled("r")
     assert "r" not in e.requests and seq not in e.scheduler.running and seq.block_table.num_tokens == 6
 
@@ -278,6 +280,7 @@ def test_take_and_add_prefilled_check_everything_first(model):
     d.step()
     with pytest.raises(ValueError, match="no free seat"):
         d.add_prefilled(seq)
+    assert seq not in d.scheduler.running and "r" not in d.requests and "r" not in d.samples
     d.step()
     assert not d.has_unfinished()
     d.add_prefilled(seq)
