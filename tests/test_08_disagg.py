@@ -445,7 +445,7 @@ def test_bench_prints_its_ratios(capsys):
 
     assert main(["--requests", "3", "--rates", "inf", "--bandwidths", "25e9", "--sweep-rate", "inf"]) == 0
     out = capsys.readouterr().out
-    assert "throughput disaggregated / 2 x mixed" in out and "25 GB/s: transfer" in out
+    assert "throughput disaggregated / 2 x mixed" in out and "25 GB/s: transfer" in out and "never at once" in out
     with pytest.raises(SystemExit):
         main(["--rates", "0"])
 
