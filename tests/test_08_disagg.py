@@ -505,3 +505,23 @@ def test_decode_engine_waits_for_a_transfer_instead_of_spinning(model, seed):
     assert_all_free(d)
     for rid, (prompt, n) in requests.items():
         assert done[rid].output_token_ids == generate_contiguous(model, prompt, n)
+
+
+def test_blocks_the_decode_pool_has_cached_are_shared_not_moved(model):
+    prefix = list(range(40, 52))  # 3 full blocks of 4
+    d = DisaggregatedEngine(model, small(20), small(20), KVLink(bandwidth=1e9))
+    d.add_request(prefix + [1, 2], SamplingParams(max_tokens=3), request_id="first")
+    drain(d)
+    d.add_request(prefix + [9, 8, 7, 6, 5], SamplingParams(max_tokens=4), request_id="second")
+    done = drain(d)
+    first, second = d.transfers
+    assert (first.num_hit_blocks, first.num_blocks) == (0, 4)
+    assert (second.num_hit_blocks, second.num_blocks) == (3, 2)  # 17 tokens: 5 blocks, 3 of them cached there
+    assert second.num_bytes == 2 * 4 * KVLink().bytes_per_token
+    assert d.decode.metrics.prefix_cache.hits == 12
+    assert done["second"].output_token_ids == generate_contiguous(model, prefix + [9, 8, 7, 6, 5], 4)
+    assert_all_free(d)
+    # Without caching in the decode engine every block moves.
+    d = DisaggregatedEngine(model, small(20), small(20, enable_prefix_caching=False))
+    d.generate([prefix + [1, 2], prefix + [9, 8, 7, 6, 5]], SamplingParams(max_tokens=3))
+    assert [t.num_hit_blocks for t in d.transfers] == [0, 0] and d.transfers[1].num_blocks == 5
