@@ -20,8 +20,9 @@ while the other is the bottleneck). :func:`compare_disaggregation` measures both
    (:meth:`Engine.take_prefilled <minipaged.engine.Engine.take_prefilled>`) and waits for the decode engine.
 3. When the decode engine has a free seat and room (its own FCFS rule, after the requests it
    preempted itself), the **KV transfer** starts (:func:`transfer_kv`): blocks are allocated in
-   the decode pool, every layer's K and V of the request's blocks are copied into them, and the
-   request gets a new block table over them. Its source blocks stay held until the transfer ends.
+   the decode pool (after the ones its prefix cache already holds, which are shared), every
+   layer's K and V of the request's other blocks are copied into them, and the request gets a new
+   block table over them. Its source blocks stay held until the transfer ends.
 4. The transfer takes ``bytes / bandwidth`` over one link (:class:`KVLink`, one transfer at a
    time). When it ends, the source blocks are freed in the prefill pool and the request joins the
    decode engine's running batch (:meth:`Engine.add_prefilled <minipaged.engine.Engine.add_prefilled>`):
