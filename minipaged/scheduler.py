@@ -54,6 +54,8 @@ from minipaged.block_manager import BlockAllocator, BlockTable
 from minipaged.sequence import Sequence, SequenceStatus
 from minipaged.validation import check_bool, check_int
 
+SCHEDULING_POLICIES = ("fcfs", "shortest_prompt_first")
+
 
 @dataclass
 class EngineConfig:
@@ -68,6 +70,9 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # or "swap": park the victim's K/V in CPU memory instead
     backend: str = "torch"  # attention backend of the model forward: "torch" or "triton"
     enable_prefix_caching: bool = True  # share cached full blocks between requests (chapter 06), as vLLM does
+    # The order in which waiting requests are admitted: "fcfs" (arrival order) or "shortest_prompt_first"
+    # (preempted sequences still first, then the shortest prompt; chapter 07's admission-order ablation).
+    scheduling_policy: str = "fcfs"
     prefix_caching_hash_fn: Callable[[bytes], bytes] | None = None  # the block-key hash; None: SHA-256
     # False: step() hands finished requests over and the engine forgets them, and metrics keep the latest
     # HISTORY_WINDOW step records (memory stays bounded). True: engine.requests and the history keep everything.
@@ -92,6 +97,11 @@ class EngineConfig:
             )
         if self.prefix_caching_hash_fn is not None and not callable(self.prefix_caching_hash_fn):
             raise TypeError("EngineConfig.prefix_caching_hash_fn must be callable (bytes -> bytes) or None")
+        if not isinstance(self.scheduling_policy, str):
+            raise TypeError(f"EngineConfig.scheduling_policy must be a str, got {type(self.scheduling_policy).__name__}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"EngineConfig.scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                             f"got {self.scheduling_policy!r}")
         if self.backend not in ("torch", "triton"):
             raise ValueError(f"EngineConfig.backend must be 'torch' or 'triton', got {self.backend!r}")
 
@@ -254,6 +264,10 @@ class Scheduler:
                 budget -= n
 
         # 2. Admission, FCFS. Not in a step that had to preempt: the pool is already short.
+        if self.config.scheduling_policy == "shortest_prompt_first":  # preempted ones keep the front, then shortest
+            order = sorted(self.waiting, key=lambda s: (s.status is not SequenceStatus.PREEMPTED, s.num_prompt_tokens))
+            self.waiting.clear()
+            self.waiting.extend(order)
         while self.waiting and budget > 0 and not out.preempted:
             seq = self.waiting[0]
             saved = seq.num_computed_tokens  # > 0 only for a swapped-out sequence: its K/V comes back first
