@@ -98,7 +98,9 @@ class EngineConfig:
         if self.prefix_caching_hash_fn is not None and not callable(self.prefix_caching_hash_fn):
             raise TypeError("EngineConfig.prefix_caching_hash_fn must be callable (bytes -> bytes) or None")
         if not isinstance(self.scheduling_policy, str):
-            raise TypeError(f"EngineConfig.scheduling_policy must be a str, got {type(self.scheduling_policy).__name__}")
+            raise TypeError(
+                f"EngineConfig.scheduling_policy must be a str, got {type(self.scheduling_policy).__name__}"
+            )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"EngineConfig.scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                              f"got {self.scheduling_policy!r}")
