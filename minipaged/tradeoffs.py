@@ -41,7 +41,7 @@ from minipaged.accounting import BLOCK_TABLE_ENTRY_BYTES, blocks_needed, tail_wa
 from minipaged.block_manager import BlockAllocator, BlockTable
 from minipaged.clock import StepCost, VirtualClock
 from minipaged.engine import Engine
-from minipaged.metrics import request_latencies, summarize
+from minipaged.metrics import percentiles, request_latencies, summarize
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 from minipaged.prefix_cache import PrefixCachingAllocator
 from minipaged.scheduler import EngineConfig
@@ -60,7 +60,7 @@ REGIMES = {p.name: p for p in (SHAREGPT_LIKE, ALPACA_LIKE)}
 TINY_REGIMES = {
     p.name: p
     for p in (
-        WorkloadPreset("tiny_sharegpt_like", LogNormal(25, 1.0, 2, 192), LogNormal(55, 0.9, 2, 192)),
+        WorkloadPreset("tiny_sharegpt_like", LogNormal(25, 1.0, 2, 128), LogNormal(55, 0.9, 2, 112)),
         WorkloadPreset("tiny_alpaca_like", LogNormal(4, 0.6, 2, 32), LogNormal(11, 0.7, 2, 64)),
     )
 }
@@ -310,7 +310,7 @@ def prefix_hit_rate(prompts: list[list[int]], block_size: int, num_blocks: int |
 # ----------------------------------------------------------------------------
 
 POOL_TOKENS = 2048  # KV slots of every engine run: num_blocks = POOL_TOKENS // block_size
-BASE_CONFIG = EngineConfig(num_blocks=POOL_TOKENS // 16, block_size=16, max_num_seqs=64, max_num_batched_tokens=512,
+BASE_CONFIG = EngineConfig(num_blocks=POOL_TOKENS // 16, block_size=16, max_num_seqs=64, max_num_batched_tokens=256,
                            keep_finished=True)  # fmt: skip
 # The engine's model. On the virtual clock a step costs what StepCost says, whatever the model, and
 # outputs run to max_tokens: the schedule, and so every number, is the same for any model; a
@@ -375,14 +375,19 @@ def run_engine(model, config: EngineConfig, workload: list[RequestSpec], prompts
 
     Returns:
         :func:`~minipaged.metrics.summarize`'s numbers plus ``normalized_latency`` (mean E2E / output
-        tokens, the vLLM paper's measure), ``preemptions``, ``mean_running``, ``max_running``,
+        tokens, the vLLM paper's measure), ``ttft_long_p99`` (TTFT p99 of the quarter of requests with
+        the longest prompts), ``preemptions``, ``mean_running``, ``max_running``,
         ``kv_usage`` and ``token_occupancy`` (means over the steps), ``hit_rate`` and ``swapped_blocks``.
     """
     engine = Engine(model, replace(config, keep_finished=True), clock or VirtualClock(StepCost()))
     seqs = engine.run(workload, progress=False, prompts=prompts)
     summary = summarize(seqs)
-    e2e = request_latencies(seqs)["e2e"]
+    latencies = request_latencies(seqs)
+    e2e = latencies["e2e"]
     summary["normalized_latency"] = float(np.mean([t / s.num_output_tokens for t, s in zip(e2e, seqs)]))
+    # The tail of admission order: TTFT p99 of the quarter of requests with the longest prompts.
+    longest = sorted(range(len(seqs)), key=lambda i: seqs[i].num_prompt_tokens)[-max(1, len(seqs) // 4):]
+    summary["ttft_long_p99"] = percentiles([latencies["ttft"][i] for i in longest])[99]
     m, history = engine.metrics, engine.metrics.history
     summary.update(
         preemptions=m.num_preemptions,
@@ -441,13 +446,13 @@ def contiguous_block_size(workload: list[RequestSpec]) -> int:
 
 
 ABLATIONS = (
-    Ablation("baseline", "-", "B=16, watermark 1%, budget 512, chunked, recompute, prefix caching, FCFS", ()),
+    Ablation("baseline", "-", "B=16, watermark 1%, budget 256, chunked, recompute, prefix caching, FCFS", ()),
     Ablation("watermark 0", "watermark", "no headroom kept at admission", (("watermark", 0.0),)),
     Ablation("watermark 10%", "watermark", "10% of blocks kept free at admission", (("watermark", 0.1),)),
     Ablation("watermark 30%", "watermark", "30% of blocks kept free at admission", (("watermark", 0.3),)),
     Ablation("budget 64", "max_num_batched_tokens", "64 tokens per step", (("max_num_batched_tokens", 64),)),
     Ablation("budget 128", "max_num_batched_tokens", "128 tokens per step", (("max_num_batched_tokens", 128),)),
-    Ablation("budget 2048", "max_num_batched_tokens", "2048 tokens per step", (("max_num_batched_tokens", 2048),)),
+    Ablation("budget 512", "max_num_batched_tokens", "512 tokens per step", (("max_num_batched_tokens", 512),)),
     Ablation("no chunked prefill", "chunked_prefill", "a prompt is prefilled whole or waits",
              (("chunked_prefill", False),)),
     Ablation("swap", "preemption_mode", "victims' K/V copied to CPU and back", (("preemption_mode", "swap"),)),
@@ -477,7 +482,8 @@ def ablation_runs(model, workload: list[RequestSpec], prompts: list | None = Non
 
 ABLATION_COLUMNS = (("tok/s", "tokens_per_s", 1.0, ".0f"), ("TTFT p50 ms", "ttft_p50", 1e3, ".0f"),
                     ("TTFT p99 ms", "ttft_p99", 1e3, ".0f"), ("TPOT p50 ms", "tpot_p50", 1e3, ".1f"),
-                    ("TPOT p99 ms", "tpot_p99", 1e3, ".1f"), ("preempt", "preemptions", 1, "d"),
+                    ("TPOT p99 ms", "tpot_p99", 1e3, ".1f"), ("long TTFT p99 ms", "ttft_long_p99", 1e3, ".0f"),
+                    ("preempt", "preemptions", 1, "d"),
                     ("running", "mean_running", 1.0, ".1f"), ("hit rate", "hit_rate", 100.0, ".0f"))
 
 
@@ -493,3 +499,67 @@ def ablation_table(runs: dict[str, dict], baseline: str = "baseline") -> list[tu
 
 
 ABLATION_HEADERS = ("setting", *(c[0] for c in ABLATION_COLUMNS), "tok/s vs base", "TTFT p99 vs base")
+
+
+# ----------------------------------------------------------------------------
+# the recorded tables: everything above, on the virtual clock, for both regimes
+# ----------------------------------------------------------------------------
+
+# Each regime's memory replay (chapter 02's trace simulator, arrivals in steps): real-scale lengths.
+MEMORY_SETUPS = {
+    "sharegpt_like": {"num_requests": 100, "rate": 0.5, "pool_tokens": 16384, "max_len": 2048},
+    "alpaca_like": {"num_requests": 100, "rate": 2.0, "pool_tokens": 2048, "max_len": 512},
+}
+FEW_SHOT_PREFIXES = {"1-shot": 80, "5-shot": 341}  # shared prefix tokens, the vLLM paper's few-shot prompts
+
+
+def regime_trace(regime: str) -> list[RequestSpec]:
+    """The memory replay's trace of a regime of :data:`MEMORY_SETUPS` (seed 0)."""
+    if regime not in MEMORY_SETUPS:
+        raise ValueError(f"regime must be one of {sorted(MEMORY_SETUPS)}, got {regime!r}")
+    s = MEMORY_SETUPS[regime]
+    return make_workload(s["num_requests"], s["rate"], REGIMES[regime], seed=0)
+
+
+def regime_memory_sweep(regime: str, block_sizes: Sequence[int] = BLOCK_SIZES) -> list[MemoryRow]:
+    """:func:`memory_sweep` of a regime's trace with its pool (:data:`MEMORY_SETUPS`)."""
+    s = MEMORY_SETUPS[regime]
+    return memory_sweep(regime_trace(regime), s["pool_tokens"], block_sizes, s["max_len"])
+
+
+def regime_block_size_sweep(model, regime: str, block_sizes: Sequence[int] = BLOCK_SIZES, **changes) -> dict:
+    """:func:`block_size_sweep` of a regime's engine workload with its pool (:data:`ENGINE_SETUPS`)."""
+    workload, prompts = regime_workload(regime)
+    pool = ENGINE_SETUPS[regime]["pool_tokens"]
+    base = block_size_config(16, BASE_CONFIG, pool)
+    return block_size_sweep(model, workload, prompts, block_sizes, base, pool, **changes)
+
+
+def virtual_tables(model, block_sizes: Sequence[int] = BLOCK_SIZES) -> dict:
+    """Every deterministic table of the chapter, as plain JSON-able data (what ``bench sweep --record`` writes).
+
+    Keys: ``memory`` (regime -> rows of :func:`regime_memory_sweep`), ``launch`` (block size ->
+    :func:`decode_launch` of the ShareGPT-like trace's lengths, 8 KV heads), ``hit_rate`` (few-shot
+    name -> block size -> :func:`prefix_hit_rate`), ``engine`` (regime -> block size -> run),
+    ``engine_swap`` (the ShareGPT-like sweep with swap), ``ablations`` (name -> run).
+    """
+    from dataclasses import asdict
+
+    out = {"block_sizes": list(block_sizes)}
+    out["memory"] = {r: [asdict(row) for row in regime_memory_sweep(r, block_sizes)] for r in MEMORY_SETUPS}
+    lens = [r.prompt_len + r.output_len for r in regime_trace("sharegpt_like")[:32]]
+    try:
+        out["launch"] = {str(B): asdict(decode_launch(lens, B, 8)) for B in block_sizes}
+    except ImportError:  # no triton: the counts need the kernel's constants and heuristic
+        out["launch"] = {}
+    out["hit_rate"] = {
+        shot: {str(B): prefix_hit_rate(shared_prefix_prompts(50, p, (8, 32)), B) for B in block_sizes}
+        for shot, p in FEW_SHOT_PREFIXES.items()
+    }
+    out["engine"] = {r: {str(B): v for B, v in regime_block_size_sweep(model, r, block_sizes).items()}
+                     for r in ENGINE_SETUPS}  # fmt: skip
+    out["engine_swap"] = {str(B): v for B, v in
+                          regime_block_size_sweep(model, "sharegpt_like", block_sizes, preemption_mode="swap").items()}
+    workload, prompts = regime_workload("sharegpt_like")
+    out["ablations"] = ablation_runs(model, workload, prompts)
+    return out
