@@ -18,13 +18,17 @@ CUDA graphs) are what vLLM's profile run measures; here they are inputs.
 Start-up fails in four ways, each an outcome of :func:`plan` with vLLM's message:
 
 - ``"startup_free_memory"``: less memory is free than ``requested``, e.g. a second
-  instance on a GPU where the first already took its fraction (vLLM:
-  "Free memory on device ... on startup is less than desired GPU memory utilization");
+  instance on a GPU where the first already took its fraction (vLLM V1:
+  "Free memory on device ... on startup is less than desired GPU memory utilization";
+  older versions did not check, and ran out of memory loading weights or allocating blocks);
 - ``"oom"``: the weights, the profile run's activations and the non-torch memory do
   not fit in what is free (torch: "CUDA out of memory");
 - ``"no_cache_blocks"``: the budget holds no block ("No available memory for the cache blocks");
 - ``"max_model_len"``: fewer KV tokens than ``max_model_len`` ("The model's max seq len (X) is larger
-  than the maximum number of tokens that can be stored in KV cache (Y)").
+  than the maximum number of tokens that can be stored in KV cache (Y)"; vLLM V1 asks the same in
+  bytes, ceil(max_model_len / B) blocks against the budget, and words it "To serve at least one
+  request with the model's max seq len ... KV cache is needed, which is larger than the available
+  KV cache memory").
 
 For an exercise that plans a capacity, :func:`plan` is the reference: its
 :class:`Plan` holds every intermediate number (``requested_bytes``,
