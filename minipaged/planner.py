@@ -104,6 +104,13 @@ REPORTED_CASE = dict(
 # ----------------------------------------------------------------------------
 
 
+def _model(model) -> acc.ModelSpec:
+    spec = acc.get_model_preset(model) if isinstance(model, str) else model
+    if not isinstance(spec, acc.ModelSpec):
+        raise TypeError(f"model must be a ModelSpec or a model preset name, got {model!r}")
+    return spec
+
+
 def gpu_bytes(gpu) -> int:
     """Bytes of GPU memory: ``gpu`` itself (an int), or the memory of a name in :data:`GPU_PRESETS`."""
     if isinstance(gpu, str):
@@ -121,9 +128,7 @@ def model_weight_bytes(model: acc.ModelSpec | str, dtype=None) -> int:
         model: a ``ModelSpec`` or name in ``accounting.MODEL_PRESETS`` whose count is in :data:`PARAMETER_COUNTS`.
         dtype: the weights' dtype, as ``accounting.dtype_bytes`` takes it (default: the model's own).
     """
-    spec = acc.get_model_preset(model) if isinstance(model, str) else model
-    if not isinstance(spec, acc.ModelSpec):
-        raise TypeError(f"model must be a ModelSpec or a model preset name, got {model!r}")
+    spec = _model(model)
     if spec.name not in PARAMETER_COUNTS:
         raise ValueError(f"model {spec.name!r} has no known parameter count: give weight_bytes")
     return PARAMETER_COUNTS[spec.name] * (spec.dtype_bytes if dtype is None else acc.dtype_bytes(dtype))
@@ -279,9 +284,7 @@ def plan(model: acc.ModelSpec | str, gpu_memory: int | str, gpu_memory_utilizati
         non_torch_bytes: memory torch does not allocate: the CUDA context, NCCL buffers, CUDA graphs.
         other_bytes: memory other processes hold on the GPU when this instance starts.
     """
-    spec = acc.get_model_preset(model) if isinstance(model, str) else model
-    if not isinstance(spec, acc.ModelSpec):
-        raise TypeError(f"model must be a ModelSpec or a model preset name, got {model!r}")
+    spec = _model(model)
     total = gpu_bytes(gpu_memory)
     util = check_real(gpu_memory_utilization, "gpu_memory_utilization")
     if not 0 < util <= 1:

@@ -89,6 +89,22 @@ def test_the_reported_case_1478_blocks_23648_tokens():
     assert round(bad.kv_budget_bytes / GiB, 2) == 2.89 and round(bad.gpu_bytes / GiB, 2) == 23.58
 
 
+def test_max_model_len_at_the_boundary():
+    tokens = pl.reported_case().kv_tokens
+    assert pl.reported_case(tokens).starts and pl.reported_case(tokens).fits()
+    assert pl.reported_case(tokens + 1).outcome == "max_model_len"
+
+
+def test_a_budget_of_whole_blocks_leaves_nothing_over():
+    block = 16 * acc.kv_bytes_per_token("Llama-3-8B")
+    p = pl.plan("Llama-3-8B", 100 * block, 1.0, max_model_len=16, weight_bytes=0, activation_bytes=0,
+                non_torch_bytes=0)
+    assert (p.num_blocks, p.leftover_bytes) == (100, 0)
+    negative = pl.plan("Llama-3-8B", "L4 (24 GiB)", 0.62, max_model_len=2048)
+    assert negative.kv_budget_bytes < 0 and negative.leftover_bytes == 0
+    assert pl.plan("Llama-2-70B", "A100 (80 GiB)", max_model_len=16).leftover_bytes == 0
+
+
 def test_no_memory_for_cache_blocks():
     # L4, 24 GiB × 0.62 = 14.88 GiB: less than the 8B model's 14.96 GiB of weights, though the GPU holds them
     p = pl.plan("Llama-3-8B", "L4 (24 GiB)", 0.62, max_model_len=2048)
