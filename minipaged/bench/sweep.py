@@ -12,8 +12,9 @@ Two halves, in one run:
   of the trace simulator, the Triton launch counts, the prefix-cache hit rate,
   and the engine's block-size sweeps and ablations from
   :func:`minipaged.tradeoffs.virtual_tables`. ``--record PATH`` writes them
-  as JSON (the notebook reads ``notebooks/results/sweep.json``; a test
-  regenerates rows of it and compares).
+  as JSON, with the wall-clock tables under ``"wall"``; a run of one half
+  replaces that half in an existing file. The notebook reads
+  ``notebooks/results/sweep.json``; a test regenerates rows of it and compares.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import argparse
 import json
 import math
 import time
+from pathlib import Path
 
 import torch
 
@@ -192,8 +194,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-virtual", action="store_true", help="skip the virtual-clock half")
     parser.add_argument("--record", metavar="PATH", help="write the virtual-clock tables to PATH as JSON")
     args = parser.parse_args(argv)
-    if args.record and args.no_virtual:
-        parser.error("--record writes the virtual-clock tables: drop --no-virtual")
 
     torch.set_grad_enabled(False)
     torch.set_num_threads(1)  # tiny matmuls; one thread keeps the measurements comparable on a busy machine
@@ -201,31 +201,38 @@ def main(argv: list[str]) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"block sizes {list(block_sizes)}; device {device}; virtual clock {StepCost()}")
 
+    wall = {}
     if not args.no_wall:
         seq_lens = [r.prompt_len + r.output_len for r in T.regime_trace("sharegpt_like")[:32]]
-        print(f"\nattention, one decode step of {len(seq_lens)} ShareGPT-like sequences "
-              f"({sum(seq_lens)} context tokens, 8 heads x 64, fp32), wall clock")
-        print(format_table(["B", "torch CPU ms", "vs B=16", "Triton programs", "loop steps", "block-table reads",
-                            "GPU us"], attention_rows(block_sizes, seq_lens, args.repeats)))
-        if device == "cpu":
-            print("GPU time: skipped, no CUDA device (the Triton interpreter's time says nothing about a GPU; "
-                  "the program and loop-step counts are the proxy)")
-        print("\nswap vs recompute of one preempted 256-token sequence (course-size model, CPU), wall clock")
-        print(format_table(["B", "swap out+in ms", "recompute ms", "recompute / swap"],
-                           swap_recompute_rows(block_sizes, 256, args.repeats)))
-        print("\nengine per block size, sharegpt_like, wall clock")
-        print(format_table(["B", "tok/s", "vs B=16", "TTFT p99 ms", "TPOT p99 ms"],
-                           engine_wall_rows(block_sizes, args.engine_repeats)))
-        print("\nablations, sharegpt_like, wall clock (ratios against the baseline of this run)")
-        print(format_table(["setting", "tok/s", "tok/s vs base", "TTFT p99 vs base", "TPOT p99 vs base", "preempt"],
-                           ablation_wall_rows(args.engine_repeats)))
+        wall["attention"] = (
+            f"attention, one decode step of {len(seq_lens)} ShareGPT-like sequences ({sum(seq_lens)} context tokens, "
+            "8 heads x 64, fp32), wall clock",
+            ["B", "torch CPU ms", "vs B=16", "Triton programs", "loop steps", "block-table reads", "GPU us"],
+            attention_rows(block_sizes, seq_lens, args.repeats))
+        wall["swap"] = ("swap vs recompute of one preempted 256-token sequence (course-size model, CPU), wall clock",
+                        ["B", "swap out+in ms", "recompute ms", "recompute / swap"],
+                        swap_recompute_rows(block_sizes, 256, args.repeats))
+        wall["engine"] = ("engine per block size, sharegpt_like, wall clock",
+                          ["B", "tok/s", "vs B=16", "TTFT p99 ms", "TPOT p99 ms"],
+                          engine_wall_rows(block_sizes, args.engine_repeats))
+        wall["ablations"] = ("ablations, sharegpt_like, wall clock (ratios against the baseline of this run)",
+                             ["setting", "tok/s", "tok/s vs base", "TTFT p99 vs base", "TPOT p99 vs base", "preempt"],
+                             ablation_wall_rows(args.engine_repeats))
+        for title, headers, rows in wall.values():
+            print(f"\n{title}\n{format_table(headers, rows)}")
+            if title.startswith("attention") and device == "cpu":
+                print("GPU time: skipped, no CUDA device (the Triton interpreter's time says nothing about a GPU; "
+                      "the program and loop-step counts are the proxy)")
 
+    record = {}
     if not args.no_virtual:
-        tables = T.virtual_tables(T.sweep_model(), block_sizes)
-        print_virtual(tables)
-        if args.record:
-            with open(args.record, "w") as f:
-                json.dump(tables, f, indent=1)
-                f.write("\n")
-            print(f"\nrecorded the virtual-clock tables in {args.record}")
+        record = T.virtual_tables(T.sweep_model(), block_sizes)
+        print_virtual(record)
+    if args.record:
+        if wall:
+            record["wall"] = wall  # this run's wall-clock tables, for the record (never compared)
+        path = Path(args.record)
+        old = json.loads(path.read_text()) if path.exists() else {}
+        path.write_text(json.dumps({**old, **record}, indent=1) + "\n")  # the halves that ran replace theirs
+        print(f"\nrecorded {', '.join(record)} in {args.record}")
     return 0
