@@ -8,7 +8,7 @@
 - Task 7.2 checks the two numbers a block size is chosen by (utilisation and the shared prefix
   tokens, chapter 01's formula and chapter 06's whole-block rule), then checks the chosen
   block size against the stated workload's requirements.
-- Task 7.3 runs the ablation the learner predicted (on the virtual clock, so the answer is
+- Task 7.4 runs the ablation the learner predicted (on the virtual clock, so the answer is
   fixed) and compares the prediction, direction by direction.
 """
 
@@ -34,7 +34,7 @@ HINTS = {
         "shared, so a prompt no longer than the prefix shares fewer",
         "try each candidate block size against all three requirements; more than one may pass",
     ],
-    "7.3": [
+    "7.4": [
         "a watermark keeps blocks free at admission: think about how many sequences run at once and how often "
         "one must be preempted",
         "fewer sequences admitted means less batching per step, and requests wait longer in the queue",
@@ -128,7 +128,8 @@ def check_block_size_measures(utilisation, shared_prefix_tokens):
 
 
 @check("ch07.block_size_choice", hint=HINTS["7.2"][2])
-def check_block_size_choice(block_size):
+def check_block_size_choice(choose_block_size):
+    block_size = choose_block_size()
     if block_size not in CANDIDATES:
         raise CheckFailed(f"choose one of {CANDIDATES}, got {block_size!r}")
     missed = requirements(block_size)
@@ -139,7 +140,7 @@ def check_block_size_choice(block_size):
 
 
 # ---------------------------------------------------------------------------
-# Task 7.3: predict an ablation
+# Task 7.4: predict an ablation
 # ---------------------------------------------------------------------------
 
 DIRECTIONS = ("more", "fewer", "same")
@@ -160,8 +161,9 @@ def watermark_ablation() -> dict[str, str]:
     return {k: "same" if ablated[k] == base[k] else ("more" if ablated[k] > base[k] else "fewer") for k in PREDICTED}
 
 
-@check("ch07.watermark_prediction", hint=HINTS["7.3"][0], timeout=600)
-def check_watermark_prediction(prediction):
+@check("ch07.watermark_prediction", hint=HINTS["7.4"][0], timeout=600)
+def check_watermark_prediction(predict):
+    prediction = predict()
     if not isinstance(prediction, dict) or set(prediction) != set(PREDICTED):
         raise CheckFailed(f"prediction must be a dict with the keys {PREDICTED}, got {prediction!r}")
     bad = {k: v for k, v in prediction.items() if v not in DIRECTIONS}
