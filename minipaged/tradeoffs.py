@@ -51,7 +51,7 @@ from minipaged.workload import LogNormal, RequestSpec, WorkloadPreset, make_work
 
 BLOCK_SIZES = tuple(2**i for i in range(9))  # 1, 2, 4, ..., 256: the vLLM paper's Figure 18 range
 
-# The vLLM paper's traces (its Table 1): ShareGPT averages 161 prompt and 338 output tokens, Alpaca 19
+# The vLLM paper's traces (its Figure 11): ShareGPT averages 161 prompt and 338 output tokens, Alpaca 19
 # and 58. A log-normal's mean is median * exp(sigma**2 / 2); these are constructed, not measured.
 SHAREGPT_LIKE = WorkloadPreset("sharegpt_like", LogNormal(100, 1.0, 4, 1024), LogNormal(220, 0.9, 4, 1024))
 ALPACA_LIKE = WorkloadPreset("alpaca_like", LogNormal(16, 0.6, 4, 128), LogNormal(45, 0.7, 2, 256))

@@ -126,6 +126,8 @@ def _make_root(tmp: Path) -> Path:
     (root / "notebooks").mkdir(parents=True)
     for nb in (ROOT / "notebooks").glob("*.ipynb"):
         shutil.copy2(nb, root / "notebooks" / nb.name)
+    if (ROOT / "notebooks" / "results").is_dir():  # files the notebooks read (chapter 07's recorded sweep)
+        (root / "notebooks" / "results").symlink_to(ROOT / "notebooks" / "results")
     for entry in ROOT.iterdir():
         if entry.name not in ("notebooks", ".git", ".venv", "artifacts"):
             (root / entry.name).symlink_to(entry)
