@@ -33,8 +33,9 @@ Start-up fails in four ways, each an outcome of :func:`plan` with vLLM's message
 For an exercise that plans a capacity, :func:`plan` is the reference: its
 :class:`Plan` holds every intermediate number (``requested_bytes``,
 ``kv_budget_bytes``, ``block_bytes``, ``num_blocks``, ``kv_tokens``) for a check
-to compare against, and :func:`model_weight_bytes` and :func:`num_kv_blocks` are the
-two steps a learner writes most often.
+to compare against; :func:`model_weight_bytes` and :func:`num_kv_blocks` are the
+two steps a learner writes most often, and :func:`min_utilization` answers the
+deployer's question backwards: what ``gpu_memory_utilization`` makes a length fit.
 """
 
 from __future__ import annotations
@@ -331,6 +332,44 @@ def plan(model: acc.ModelSpec | str, gpu_memory: int | str, gpu_memory_utilizati
     leftover = max(budget - blocks * block, 0)
     return Plan(spec, total, util, other, weights, act, non_torch, label, b, B, m, free, requested, budget, per_token,
                 block, blocks, blocks * B, leftover, outcome, error)
+
+
+def min_utilization(model: acc.ModelSpec | str, gpu_memory: int | str, *, max_model_len: int,
+                    **kwargs) -> float | None:
+    """The smallest ``gpu_memory_utilization`` at which one ``max_model_len`` sequence fits; ``None`` if none does.
+
+    The request must cover the weights, the activation peak, the non-torch memory and the
+    ceil(max_model_len / B) blocks of one full-length sequence.
+
+    Args:
+        model: a ``ModelSpec`` or a name in ``accounting.MODEL_PRESETS``.
+        gpu_memory: the GPU's total memory in bytes, or a name in :data:`GPU_PRESETS`.
+        max_model_len: the length that must fit.
+        **kwargs: the other arguments of :func:`plan` (``kv_dtype``, ``block_size``, ``weight_bytes``, ...).
+    """
+    p = plan(model, gpu_memory, 1.0, max_model_len=max_model_len, **kwargs)
+    need = p.weight_bytes + p.activation_bytes + p.non_torch_bytes + p.blocks_per_sequence * p.block_bytes
+    if need > p.gpu_bytes:
+        return None
+    util = need / p.gpu_bytes
+    while math.floor(p.gpu_bytes * util) < need:  # the float may land a byte short
+        util = math.nextafter(util, 2.0)
+    return util
+
+
+def plans_table(plans: Sequence[Plan]) -> str:
+    """Several plans side by side, one row each: the settings that differ and what they give.
+
+    Args:
+        plans: the plans to compare, e.g. one per KV dtype or per block size.
+    """
+    if isinstance(plans, Plan) or not all(isinstance(p, Plan) for p in plans) or not plans:
+        raise TypeError("plans must be a non-empty sequence of Plan")
+    return acc.format_table(
+        ["model", "GPU", "util", "KV dtype", "B", "KV budget", "blocks", "KV tokens", "max_model_len", "outcome"],
+        [(p.model.name, _gib(p.gpu_bytes), f"{p.gpu_memory_utilization:g}", p.kv_dtype, p.block_size,
+          _gib(p.kv_budget_bytes), f"{p.num_blocks:,}", f"{p.kv_tokens:,}", f"{p.max_model_len:,}", p.outcome)
+         for p in plans])
 
 
 def reported_case(max_model_len: int = 29_000) -> Plan:

@@ -105,6 +105,26 @@ def test_a_budget_of_whole_blocks_leaves_nothing_over():
     assert pl.plan("Llama-2-70B", "A100 (80 GiB)", max_model_len=16).leftover_bytes == 0
 
 
+def test_the_smallest_utilisation_that_fits():
+    u = pl.min_utilization(**{k: v for k, v in pl.REPORTED_CASE.items() if k != "gpu_memory_utilization"},
+                           max_model_len=29_000)
+    assert 0.9 < u < 1.0
+    at = pl.plan(**{**pl.REPORTED_CASE, "gpu_memory_utilization": u}, max_model_len=29_000)
+    below = pl.plan(**{**pl.REPORTED_CASE, "gpu_memory_utilization": u - 1e-6}, max_model_len=29_000)
+    assert at.starts and at.num_blocks == math.ceil(29_000 / 16) and not below.starts
+    assert pl.min_utilization("Llama-2-70B", "A100 (80 GiB)", max_model_len=4096) is None
+
+
+def test_plans_side_by_side():
+    rows = [llama(kv_dtype=d) for d in ("fp16", "fp8")] + [pl.reported_case()]
+    table = pl.plans_table(rows)
+    for p in rows:
+        assert f"{p.num_blocks:,}" in table and p.outcome in table
+    assert len(table.splitlines()) == 2 + len(rows)
+    with pytest.raises(TypeError, match="plans"):
+        pl.plans_table(rows[0])
+
+
 def test_no_memory_for_cache_blocks():
     # L4, 24 GiB × 0.62 = 14.88 GiB: less than the 8B model's 14.96 GiB of weights, though the GPU holds them
     p = pl.plan("Llama-3-8B", "L4 (24 GiB)", 0.62, max_model_len=2048)
@@ -143,7 +163,7 @@ def test_a_started_instance_holds_its_requested_memory_less_the_unused_budget():
 # properties
 # ---------------------------------------------------------------------------
 
-plans = dict(
+PLAN_ARGS = dict(
     gpu=st.integers(1 * GiB, 200 * GiB),
     util=st.floats(0.05, 1.0),
     weights=st.integers(0, 40 * GiB),
@@ -160,8 +180,8 @@ def make(gpu, util, weights, act, non_torch, block_size, mml, model, kv_dtype="f
                    weight_bytes=weights, activation_bytes=act, non_torch_bytes=non_torch)
 
 
-@settings(max_examples=150, deadline=None)
-@given(**plans, more=st.integers(0, 100 * GiB), util_more=st.floats(0.0, 0.5))
+@settings(max_examples=100, deadline=None)
+@given(**PLAN_ARGS, more=st.integers(0, 100 * GiB), util_more=st.floats(0.0, 0.5))
 def test_more_memory_or_utilisation_never_gives_fewer_blocks(gpu, util, weights, act, non_torch, block_size, mml,
                                                              model, more, util_more):
     p = make(gpu, util, weights, act, non_torch, block_size, mml, model)
@@ -170,8 +190,8 @@ def test_more_memory_or_utilisation_never_gives_fewer_blocks(gpu, util, weights,
     assert make(gpu, u2, weights, act, non_torch, block_size, mml, model).num_blocks >= p.num_blocks
 
 
-@settings(max_examples=150, deadline=None)
-@given(**plans)
+@settings(max_examples=100, deadline=None)
+@given(**PLAN_ARGS)
 def test_fits_iff_the_pool_holds_one_full_length_sequence(gpu, util, weights, act, non_torch, block_size, mml, model):
     p = make(gpu, util, weights, act, non_torch, block_size, mml, model)
     assert p.fits() == (p.num_blocks * p.block_size >= mml)
@@ -182,8 +202,8 @@ def test_fits_iff_the_pool_holds_one_full_length_sequence(gpu, util, weights, ac
     assert p.starts == (p.outcome == "ok") == (p.error is None)
 
 
-@settings(max_examples=150, deadline=None)
-@given(**plans)
+@settings(max_examples=100, deadline=None)
+@given(**PLAN_ARGS)
 def test_fp8_gives_about_twice_the_blocks_of_fp16(gpu, util, weights, act, non_torch, block_size, mml, model):
     half = make(gpu, util, weights, act, non_torch, block_size, mml, model, kv_dtype="fp16")
     eighth = make(gpu, util, weights, act, non_torch, block_size, mml, model, kv_dtype="fp8")
@@ -192,8 +212,8 @@ def test_fp8_gives_about_twice_the_blocks_of_fp16(gpu, util, weights, act, non_t
         assert 2 * half.num_blocks <= eighth.num_blocks <= 2 * half.num_blocks + 1
 
 
-@settings(max_examples=150, deadline=None)
-@given(**plans)
+@settings(max_examples=100, deadline=None)
+@given(**PLAN_ARGS)
 def test_every_byte_of_the_request_is_accounted_for(gpu, util, weights, act, non_torch, block_size, mml, model):
     p = make(gpu, util, weights, act, non_torch, block_size, mml, model)
     if p.kv_budget_bytes >= 0:
@@ -204,8 +224,8 @@ def test_every_byte_of_the_request_is_accounted_for(gpu, util, weights, act, non
         assert 0 <= p.leftover_bytes < p.block_bytes
 
 
-@settings(max_examples=150, deadline=None)
-@given(**plans)
+@settings(max_examples=100, deadline=None)
+@given(**PLAN_ARGS)
 def test_doubling_the_block_size_never_adds_kv_tokens(gpu, util, weights, act, non_torch, block_size, mml, model):
     small = make(gpu, util, weights, act, non_torch, block_size, mml, model)
     big = make(gpu, util, weights, act, non_torch, 2 * block_size, mml, model)
@@ -217,12 +237,28 @@ def test_doubling_the_block_size_never_adds_kv_tokens(gpu, util, weights, act, n
 @settings(max_examples=100, deadline=None)
 @given(utils=st.lists(st.floats(0.05, 1.0), min_size=1, max_size=4), gpu=st.integers(20 * GiB, 200 * GiB))
 def test_instances_on_one_gpu_never_hold_more_than_it_has(utils, gpu):
-    plans_ = pl.plan_shared_gpu("Llama-2-7B", gpu, utils, max_model_len=1024, activation_bytes=GiB)
-    assert sum(p.held_bytes for p in plans_) <= gpu
-    for p, u in zip(plans_, utils):
+    shared = pl.plan_shared_gpu("Llama-2-7B", gpu, utils, max_model_len=1024, activation_bytes=GiB)
+    assert sum(p.held_bytes for p in shared) <= gpu
+    for p, u in zip(shared, utils):
         assert p.requested_bytes == math.floor(gpu * u)
-    if sum(utils) <= 1 and plans_[0].starts:  # fractions of the whole GPU that add up to at most one all fit
-        assert all(p.outcome != "startup_free_memory" for p in plans_)
+    if sum(utils) <= 1 and shared[0].starts:  # fractions of the whole GPU that add up to at most one all fit
+        assert all(p.outcome != "startup_free_memory" for p in shared)
+
+
+@settings(max_examples=100, deadline=None)
+@given(**PLAN_ARGS)
+def test_min_utilization_is_the_boundary(gpu, util, weights, act, non_torch, block_size, mml, model):
+    kw = dict(kv_dtype="fp16", block_size=block_size, weight_bytes=weights, activation_bytes=act,
+              non_torch_bytes=non_torch)
+    u = pl.min_utilization(model, gpu, max_model_len=mml, **kw)
+    if u is None:
+        assert not pl.plan(model, gpu, 1.0, max_model_len=mml, **kw).starts
+    else:
+        p = pl.plan(model, gpu, u, max_model_len=mml, **kw)
+        need = weights + act + non_torch + math.ceil(mml / block_size) * p.block_bytes
+        assert p.starts and p.requested_bytes == need  # exactly one full-length sequence's blocks are left
+        lower = u * (1 - 2e-9)  # at least one byte less on a GPU of 1 GiB or more
+        assert not pl.plan(model, gpu, lower, max_model_len=mml, **kw).starts
 
 
 # ---------------------------------------------------------------------------

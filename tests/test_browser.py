@@ -553,7 +553,7 @@ def wait_for_planner(page, before: dict, what: str) -> dict:
             " return s && (s.getAttribute('data-blocks') !== String(old.blocks)"
             " || s.getAttribute('data-outcome') !== old.outcome); }",
             arg=[PLANNER, before],
-            timeout=30_000,
+            timeout=60_000,  # a redraw is a kernel round trip: slow on a loaded machine
         )
     except Exception as exc:
         raise AssertionError(f"the planner did not redraw after {what}: it still shows {before}") from exc
