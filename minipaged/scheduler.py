@@ -61,6 +61,8 @@ from minipaged.block_manager import BlockAllocator, BlockTable
 from minipaged.sequence import Sequence, SequenceStatus
 from minipaged.validation import check_bool, check_int
 
+SCHEDULING_POLICIES = ("fcfs", "shortest_prompt_first")
+
 
 @dataclass
 class EngineConfig:
@@ -75,6 +77,9 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # or "swap": park the victim's K/V in CPU memory instead
     backend: str = "torch"  # attention backend of the model forward: "torch" or "triton"
     enable_prefix_caching: bool = True  # share cached full blocks between requests (chapter 06), as vLLM does
+    # The order in which waiting requests are admitted: "fcfs" (arrival order) or "shortest_prompt_first"
+    # (preempted sequences still first, then the shortest prompt; chapter 07's admission-order ablation).
+    scheduling_policy: str = "fcfs"
     prefix_caching_hash_fn: Callable[[bytes], bytes] | None = None  # the block-key hash; None: SHA-256
     # Speculative decoding (chapter 08): None (off), or a minipaged.speculative.SpeculativeConfig or vLLM's dict
     # form, e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}.
@@ -110,6 +115,13 @@ class EngineConfig:
             elif not isinstance(self.speculative_config, SpeculativeConfig):
                 raise TypeError("EngineConfig.speculative_config must be None, a dict or a SpeculativeConfig, got "
                                 f"{type(self.speculative_config).__name__}")
+        if not isinstance(self.scheduling_policy, str):
+            raise TypeError(
+                f"EngineConfig.scheduling_policy must be a str, got {type(self.scheduling_policy).__name__}"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"EngineConfig.scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                             f"got {self.scheduling_policy!r}")
         if self.backend not in ("torch", "triton"):
             raise ValueError(f"EngineConfig.backend must be 'torch' or 'triton', got {self.backend!r}")
 
@@ -282,7 +294,11 @@ class Scheduler:
         if self.proposer is not None:
             budget = self._schedule_drafts(out, budget)
 
-        # 2. Admission, FCFS. Not in a step that had to preempt: the pool is already short.
+        # 2. Admission, in the scheduling policy's order. Not in a step that had to preempt: the pool is already short.
+        if self.config.scheduling_policy == "shortest_prompt_first":  # preempted ones keep the front, then shortest
+            order = sorted(self.waiting, key=lambda s: (s.status is not SequenceStatus.PREEMPTED, s.num_prompt_tokens))
+            self.waiting.clear()
+            self.waiting.extend(order)
         while self.waiting and budget > 0 and not out.preempted:
             seq = self.waiting[0]
             saved = seq.num_computed_tokens  # > 0 only for a swapped-out sequence: its K/V comes back first

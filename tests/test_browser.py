@@ -126,6 +126,8 @@ def _make_root(tmp: Path) -> Path:
     (root / "notebooks").mkdir(parents=True)
     for nb in (ROOT / "notebooks").glob("*.ipynb"):
         shutil.copy2(nb, root / "notebooks" / nb.name)
+    if (ROOT / "notebooks" / "results").is_dir():  # files the notebooks read (chapter 07's recorded sweep)
+        (root / "notebooks" / "results").symlink_to(ROOT / "notebooks" / "results")
     for entry in ROOT.iterdir():
         if entry.name not in ("notebooks", ".git", ".venv", "artifacts"):
             (root / entry.name).symlink_to(entry)
@@ -517,3 +519,72 @@ def test_ch01_memory_explorer_redraws(lab, page):
     assert not no_tracebacks_in(page, EXPLORER), "a slider callback raised"
     assert not page.js_errors, f"JavaScript errors on the page: {page.js_errors}"
     screenshot(page, page.locator(EXPLORER).first, "ch01.png")
+
+
+# ---------------------------------------------------------------------------
+# Chapter 07's capacity planner: each control changes the memory bar and the verdict
+# ---------------------------------------------------------------------------
+
+CH07 = "notebooks/07_tradeoffs.ipynb"
+PLANNER = ".minipaged-planner"
+
+PLANNER_STATE_JS = """(sel) => {
+    const box = document.querySelector(sel);
+    const svg = box.querySelector('svg.minipaged-planner-budget');
+    return {
+        blocks: Number(svg.getAttribute('data-blocks')),
+        outcome: svg.getAttribute('data-outcome'),
+        parts: [...svg.querySelectorAll('g.part')]
+            .map(g => g.dataset.part + ':' + g.querySelector('rect').getAttribute('width')).join(' '),
+        verdict: box.querySelector('.minipaged-planner-outcome').innerText,
+    };
+}"""
+
+
+def planner_state(page) -> dict:
+    return page.evaluate(PLANNER_STATE_JS, PLANNER)
+
+
+def wait_for_planner(page, before: dict, what: str) -> dict:
+    """Wait until the planner's bar differs from ``before``; fail naming the control that did nothing."""
+    try:
+        page.wait_for_function(
+            "([sel, old]) => { const s = document.querySelector(sel + ' svg.minipaged-planner-budget');"
+            " return s && (s.getAttribute('data-blocks') !== String(old.blocks)"
+            " || s.getAttribute('data-outcome') !== old.outcome); }",
+            arg=[PLANNER, before],
+            timeout=60_000,  # a redraw is a kernel round trip: slow on a loaded machine
+        )
+    except Exception as exc:
+        raise AssertionError(f"the planner did not redraw after {what}: it still shows {before}") from exc
+    after = planner_state(page)
+    assert after["parts"] != before["parts"], f"{what} changed the numbers but not the bar"
+    return after
+
+
+def test_ch07_planner_follows_its_controls(lab, page):
+    require_notebook(CH07, "PlannerWidget")
+    open_and_run_all(page, lab, CH07, f"{PLANNER} svg.minipaged-planner-budget")
+    first = planner_state(page)
+    assert first["outcome"] == "ok" and first["blocks"] > 0, f"the planner should start in a plan that fits: {first}"
+
+    # An fp8 KV cache: each block takes half the bytes, so about twice the blocks fit.
+    page.locator(f"{PLANNER} .minipaged-planner-kv-dtype select").select_option("fp8")
+    fp8 = wait_for_planner(page, first, "choosing an fp8 KV cache")
+    assert 2 * first["blocks"] <= fp8["blocks"] <= 2 * first["blocks"] + 1, (first, fp8)
+
+    # The utilisation slider, moved with the keyboard to its lowest stop: the weights no longer fit the request.
+    page.locator(f"{PLANNER} .minipaged-planner-utilization .noUi-handle").first.focus()
+    page.keyboard.press("Home")
+    low = wait_for_planner(page, fp8, "moving the gpu_memory_utilization slider")
+    assert low["outcome"] == "no_cache_blocks" and low["blocks"] == 0, low
+    assert "No available memory for the cache blocks" in low["verdict"]
+
+    # A 70B model's fp16 weights are larger than any GPU in the list.
+    page.locator(f"{PLANNER} .minipaged-planner-model select").select_option("Llama-2-70B")
+    big = wait_for_planner(page, low, "choosing Llama-2-70B")
+    assert big["outcome"] == "oom", big
+
+    assert not no_tracebacks_in(page, PLANNER), "a planner callback raised"
+    assert not page.js_errors, f"JavaScript errors on the page: {page.js_errors}"
+    screenshot(page, page.locator(PLANNER).first, "ch07.png")

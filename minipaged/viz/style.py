@@ -37,6 +37,12 @@ COLORS = {
     "reservation waste": "#D55E00",  # reserved + internal fragmentation of a fixed reservation
     "block table": "#6A3D9A",  # purple: the block tables charged against the KV budget
     "unused": "#DDDDDD",  # light grey: budget no sequence holds
+    # a GPU's memory at vLLM's start-up (chapter 07's planner)
+    "weights": "#332288",  # indigo
+    "activations": "#999933",  # olive: the profile run's activation peak
+    "non-torch memory": "#AA4499",  # CUDA context, NCCL buffers, CUDA graphs
+    "KV cache": "#0072B2",  # the block pool: paging's blue
+    "other processes": "#555555",  # dark grey: held by someone else on the same GPU
     # events
     "preemption": "#D62728",
 }
