@@ -213,7 +213,7 @@ class DecodeLaunch:
     """One decode step of the Triton kernel, counted from its launch grid (no GPU needed)."""
 
     block_size: int
-    tile: int  # tokens per loop step: max(block_size, MIN_TILE)
+    tile: int  # tokens per loop step: the kernel's KV_TILE, whatever the block size
     num_splits: int
     programs: int  # num_seqs * num_kv_heads * num_splits
     loop_steps: int  # tile iterations, all programs together
@@ -241,7 +241,7 @@ def decode_launch(seq_lens: Sequence[int], block_size: int, num_kv_heads: int, p
     if not lens:
         raise ValueError("seq_lens must not be empty")
     B, heads = _block_size(block_size), check_int(num_kv_heads, "num_kv_heads", minimum=1)
-    tile = max(B, kernel.MIN_TILE)
+    tile = kernel.KV_TILE
     if num_splits is None:
         units = kernel.CPU_PARALLELISM if parallelism is None else check_int(parallelism, "parallelism", minimum=1)
         num_splits = kernel.choose_num_splits(len(lens), heads, max(lens), units)

@@ -112,8 +112,8 @@ def test_decode_launch_loop_steps():
     assert one.block_table_reads == 2 * (1 + 4 + 5 + 19)
     split = T.decode_launch([300], 16, 1, num_splits=2)  # 5 tiles: 3 + 2
     assert split.loop_steps == 5 and split.programs == 2
-    big = T.decode_launch([300], 256, 1, num_splits=1)  # tiles of 256 tokens
-    assert big.tile == 256 and big.loop_steps == 2
+    big = T.decode_launch([300], 256, 1, num_splits=1)  # tiles of 64 tokens whatever the block size
+    assert big.tile == 64 and big.loop_steps == 5 and big.block_table_reads == 2
 
 
 # -- sharing: only whole blocks hit -------------------------------------------------
