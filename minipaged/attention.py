@@ -33,11 +33,12 @@ from minipaged.validation import check_paged_attention, check_scale, check_tenso
 
 BACKENDS = ("loop", "torch", "triton")
 
-# Gathered K+V bytes the "torch" backend handles at once. Small, so that the copy
-# is still in the CPU cache when the matmuls read it back: gathering a whole batch
-# of long sequences first, then computing, measured 5-8x slower than one sequence
-# at a time. Short sequences are still batched together, which saves Python overhead.
-GATHER_BUDGET_BYTES = 1 << 20
+# Gathered K+V bytes the "torch" backend handles at once. A short batch is gathered
+# whole (one gather and one attention call per layer, whatever the batch size). A
+# long one goes a few sequences at a time, so that the copy is still in the CPU
+# cache when the attention reads it back: at 32 sequences x 1024 tokens x 8 KV heads
+# of 128 (256 MiB) gathering everything first measured several times slower.
+GATHER_BUDGET_BYTES = 8 << 20
 
 
 # --------------------------------------------------------------------------- reference
@@ -187,37 +188,35 @@ def _paged_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, scale):
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     lens = seq_lens.tolist()
-    max_blocks = blocks_needed(max(lens), block_size)
-    # Table entries past a sequence's own blocks may hold anything: read block 0 there instead.
-    blocks_owned = (seq_lens[:, None].long() + block_size - 1) // block_size
-    owned = torch.arange(max_blocks, device=q.device)[None, :] < blocks_owned
-    block_ids = torch.where(owned, block_tables[:, :max_blocks], 0)
-    past_end = torch.arange(max_blocks * block_size, device=q.device)[None, :] >= seq_lens[:, None]
-    # GQA without copying K/V per query head: the `group` query heads that share a
-    # KV head become the rows of one matmul against that head's keys.
-    qg = q.float().view(num_seqs, num_kv_heads, group, head_dim) * scale
+    ctx = blocks_needed(max(lens), block_size) * block_size
+    # Every position's slot, through the block table. Positions past a sequence's end
+    # (the unwritten tail of its last block, and whole blocks that only a longer
+    # sequence in the batch has) read the sequence's first slot instead: its own,
+    # always written, so finite. Their weight is made 0 by the mask; a 0 weight would
+    # not cancel whatever else might be there (0 * NaN = NaN).
+    pos = torch.arange(ctx, device=q.device)
+    valid = pos[None, :] < seq_lens[:, None]  # [num_seqs, ctx]
+    slots = block_tables[:, pos // block_size].long() * block_size + pos % block_size
+    slots = torch.where(valid, slots, slots[:, :1])
+    # GQA without copying K/V per query head: the `group` query heads that share a KV
+    # head are that head's `group` query rows, all against the same keys.
+    qg = q.view(num_seqs, num_kv_heads, group, head_dim).float()
     out = torch.empty(num_seqs, num_kv_heads, group, head_dim, device=q.device)
-    chunk = max(1, GATHER_BUDGET_BYTES // (2 * max(lens) * num_kv_heads * head_dim * 4))
-    k_buf, v_buf = _gather_buffers(min(chunk, num_seqs) * max_blocks, k_cache)
+    rows_k, rows_v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+    chunk = max(1, GATHER_BUDGET_BYTES // (2 * ctx * num_kv_heads * head_dim * k_cache.element_size()))
+    k_buf, v_buf = _gather_buffers(min(chunk, num_seqs) * ctx // block_size, k_cache)
     for start in range(0, num_seqs, chunk):
         end = min(start + chunk, num_seqs)
-        n = blocks_needed(max(lens[start:end]), block_size)
-        ctx = n * block_size
-        # One index_select per cache: whole blocks, in logical order, into a contiguous buffer.
-        ids = block_ids[start:end, :n].flatten()
-        k = torch.index_select(k_cache, 0, ids, out=k_buf[: len(ids)])
-        v = torch.index_select(v_cache, 0, ids, out=v_buf[: len(ids)])
-        k = k.view(end - start, ctx, num_kv_heads, head_dim).float()
-        v = v.view(end - start, ctx, num_kv_heads, head_dim).float()
-        scores = qg[start:end] @ k.permute(0, 2, 3, 1)  # [c, num_kv_heads, group, ctx]
-        if min(lens[start:end]) < ctx:
-            pad = past_end[start:end, :ctx]
-            scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-            # Rows past a sequence's length may hold NaN (an unwritten slot, another sequence's
-            # block). A 0 softmax weight does not cancel NaN (0 * NaN = NaN), so overwrite
-            # them, and only them: a mask over all of v would cost another pass over it.
-            v[pad.nonzero(as_tuple=True)] = 0
-        torch.matmul(scores.softmax(dim=-1), v.transpose(1, 2), out=out[start:end])
+        n = blocks_needed(max(lens[start:end]), block_size) * block_size  # this chunk's context
+        ids = slots[start:end, :n].flatten()
+        # One index_select per cache: every sequence's context, in logical order, in one buffer.
+        k = torch.index_select(rows_k, 0, ids, out=k_buf.view(-1, num_kv_heads, head_dim)[: len(ids)])
+        v = torch.index_select(rows_v, 0, ids, out=v_buf.view(-1, num_kv_heads, head_dim)[: len(ids)])
+        k = k.view(end - start, n, num_kv_heads, head_dim).transpose(1, 2).float()  # [c, num_kv_heads, n, head_dim]
+        v = v.view(end - start, n, num_kv_heads, head_dim).transpose(1, 2).float()
+        mask = valid[start:end, None, None, :n] if min(lens[start:end]) < n else None
+        # One fused call: scores, masked softmax and the weighted sum of V.
+        out[start:end] = F.scaled_dot_product_attention(qg[start:end], k, v, attn_mask=mask, scale=scale)
     return out.view(num_seqs, num_heads, head_dim).to(q.dtype)
 
 

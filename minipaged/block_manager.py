@@ -393,7 +393,7 @@ def block_tables_tensor(tables: list[BlockTable], width: int | None = None) -> t
     width = longest if width is None else check_int(width, "width")
     if width < longest:
         raise ValueError(f"width {width} is smaller than the longest table ({longest} blocks)")
-    out = torch.zeros(len(tables), width, dtype=torch.int32)
-    for i, table in enumerate(tables):
-        out[i] = table.as_tensor(width)
-    return out
+    # One tensor from padded lists: the engine calls this every step, and a small tensor
+    # op per row cost more than the rows' contents.
+    rows = [table.blocks + [0] * (width - len(table.blocks)) for table in tables]
+    return torch.tensor(rows, dtype=torch.int32).view(len(tables), width)

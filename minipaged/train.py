@@ -2,6 +2,7 @@
 
     python -m minipaged.train --out runs/course            # train (or resume), then export
     python -m minipaged.train --out runs/course --steps 20000   # change the schedule's length
+    python -m minipaged.train --report minipaged/data/course_model   # what a model writes, and how it repeats
 
 The corpus is read from the running Python, so nothing is downloaded:
 
@@ -24,6 +25,10 @@ constant, and decays linearly over the last ``--decay`` fraction of the steps
 ("warmup-stable-decay"), so ``--steps`` can be raised on resume before the
 decay has begun. At the end the model is exported with
 :meth:`~minipaged.model.LlamaForCausalLM.save_pretrained` in float16.
+
+``--report DIR`` loads a checkpoint directory and prints, for each of
+``REPORT_PROMPTS``, its greedy continuation and a temperature-0.8 sample, each
+with its :func:`repeats`: a model that loops repeats one phrase back to back.
 """
 
 from __future__ import annotations
@@ -40,17 +45,32 @@ import sys
 import sysconfig
 import time
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from minipaged import tokenizer
+from minipaged.generate import check_prompt
 from minipaged.model import LlamaConfig, LlamaForCausalLM
+from minipaged.validation import check_int, check_real
 
 MIX = {"code": 0.795, "docs": 0.2, "zen": 0.005}
 HELD_OUT_EVERY = 20  # one file (or topic) in twenty is held out
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "encodings", "pydoc_data", "__pycache__"}
+# Ordinary prompts for --report: starts of Python code, English about Python, and the Zen.
+REPORT_PROMPTS = [
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n\ndef main():\n",
+    "class Stack:\n    \"\"\"A last-in, first-out stack.\"\"\"\n\n    def push(self, item):\n",
+    "    for line in open(path):\n",
+    "The for statement is used to iterate over",
+    "A dictionary maps keys to values. To add an entry,",
+    "When an exception is raised inside a try clause,",
+    "Beautiful is better than ugly.\nExplicit is better than",
+    "Readability counts.\n",
+]
 
 
 @functools.cache
@@ -143,6 +163,129 @@ def held_out_bits_per_byte(model, held, context: int, windows: int = 48, seed: i
     return result
 
 
+# --------------------------------------------------------------------------- what a model writes
+
+
+@torch.no_grad()
+def greedy_samples(model: LlamaForCausalLM, prompts: list[str], max_tokens: int, temperature: float = 0.0,
+                   seed: int = 0) -> list[list[int]]:  # fmt: skip
+    """Each prompt's continuation, decoded one token at a time with the contiguous cache.
+
+    Args:
+        model: a byte-level model (the course model, or one this script trained).
+        prompts: texts, encoded with :mod:`minipaged.tokenizer`.
+        max_tokens: new tokens per prompt at most; a continuation stops early at ``EOS_ID`` (not included).
+        temperature: 0 for greedy (argmax), else sampling from ``softmax(logits / temperature)``.
+        seed: the sampling generator's seed (prompt ``i`` uses ``seed + i``), so a report is repeatable.
+    """
+    max_tokens = check_int(max_tokens, "max_tokens", minimum=1)
+    temperature = check_real(temperature, "temperature", minimum=0)
+    seed = check_int(seed, "seed", minimum=None)
+    encoded = [check_prompt(model.config, tokenizer.encode(p), max_tokens, f"prompts[{i}]")
+               for i, p in enumerate(prompts)]  # fmt: skip
+    outputs = []
+    for i, ids in enumerate(encoded):
+        gen = torch.Generator().manual_seed(seed + i)
+        logits, past = model.forward_contiguous(torch.tensor(ids), torch.arange(len(ids)))
+        out = []
+        while len(out) < max_tokens:
+            last = logits[-1].float()
+            if temperature == 0:
+                token = int(last.argmax())
+            else:
+                token = int(torch.multinomial(torch.softmax(last / temperature, dim=-1), 1, generator=gen))
+            if token == tokenizer.EOS_ID:
+                break
+            out.append(token)
+            position = torch.tensor([len(ids) + len(out) - 1])
+            logits, past = model.forward_contiguous(torch.tensor([token]), position, past)
+        outputs.append(out)
+    return outputs
+
+
+@dataclass
+class Repeats:
+    """How much of a continuation is repetition (see :func:`repeats`).
+
+    Attributes:
+        phrase: the phrase repeated back to back over the longest stretch ([] if none is).
+        times: how many times in a row it occurs there (0 if none).
+        run: tokens that stretch covers, ``times * len(phrase)``; a loop makes it most of the text.
+        ngram: the n-gram of at least ``min_len`` tokens whose non-overlapping occurrences,
+            anywhere in the text, cover the most tokens ([] if none occurs twice).
+        coverage: the share of the tokens those occurrences cover, from 0 to 1.
+    """
+
+    phrase: list[int]
+    times: int
+    run: int
+    ngram: list[int]
+    coverage: float
+
+
+def repeats(token_ids: list[int], min_len: int = 8) -> Repeats:
+    """Measure repetition in ``token_ids``: the longest back-to-back repeat, and the most covering n-gram.
+
+    A model that has fallen into a loop writes one phrase again and again: then
+    ``run`` is most of the text, and one n-gram's ``coverage`` approaches 1. Ordinary
+    text repeats too (indentation, a variable name), but in short stretches.
+
+    Args:
+        token_ids: a continuation (without its prompt).
+        min_len: the shortest n-gram ``coverage`` considers, in tokens (bytes for the
+            course model): shorter ones (a space, ``self.``) recur in any text.
+    """
+    s = tuple(check_int(t, f"token_ids[{i}]") for i, t in enumerate(token_ids))
+    min_len = check_int(min_len, "min_len", minimum=1)
+    n = len(s)
+    best = (0, 0, 0)  # (tokens covered, -period, -start): the longest stretch, the shortest phrase, the first
+    for period in range(1, n // 2 + 1):
+        run = 0  # positions j in a row with s[j] == s[j + period]
+        for j in range(n - period):
+            run = run + 1 if s[j] == s[j + period] else 0
+            if run >= period:  # s[j + 1 - run : j + 1 + period] is the phrase repeated
+                times = (run + period) // period
+                best = max(best, (times * period, -period, run - j - 1))
+    covered, period, start = best[0], -best[1], -best[2]
+    phrase = list(s[start : start + period]) if covered else []
+    top = (0, ())
+    for length in range(min_len, n // 2 + 1):
+        count, last_end = {}, {}
+        for i in range(n - length + 1):
+            gram = s[i : i + length]
+            if i >= last_end.get(gram, 0):  # non-overlapping occurrences only
+                count[gram] = count.get(gram, 0) + 1
+                last_end[gram] = i + length
+        for gram, c in count.items():
+            if c >= 2 and c * length > top[0]:
+                top = (c * length, gram)
+    return Repeats(phrase, covered // len(phrase) if phrase else 0, covered, list(top[1]), top[0] / n if n else 0.0)
+
+
+def report(directory, max_tokens: int = 200, prompts: list[str] | None = None) -> list[dict]:
+    """Print a checkpoint's greedy continuations and temperature-0.8 samples, each with its repeats.
+
+    Args:
+        directory: a checkpoint directory (``config.json`` + ``model.safetensors``) of a byte-level model.
+        max_tokens: new tokens per continuation.
+        prompts: the prompts (default ``REPORT_PROMPTS``).
+
+    Returns one dict per prompt and decoding: ``prompt``, ``temperature``, ``text`` and ``repeats``.
+    """
+    model = LlamaForCausalLM.from_pretrained(directory).eval()
+    prompts = REPORT_PROMPTS if prompts is None else prompts
+    rows = []
+    for temperature in (0.0, 0.8):
+        print(f"==== {'greedy' if temperature == 0 else f'temperature {temperature}'}, {max_tokens} tokens at most")
+        for prompt, out in zip(prompts, greedy_samples(model, prompts, max_tokens, temperature)):
+            r = repeats(out)
+            rows.append({"prompt": prompt, "temperature": temperature, "text": tokenizer.decode(out), "repeats": r})
+            print(f"--- {prompt!r}\n{prompt}\033[1m{tokenizer.decode(out)}\033[0m")
+            print(f"    repeats: {tokenizer.decode(r.phrase)!r} x{r.times} back to back ({r.run}/{len(out)} tokens); "
+                  f"{tokenizer.decode(r.ngram)!r} covers {r.coverage:.0%}")  # fmt: skip
+    return rows
+
+
 def init_for_training(model: LlamaForCausalLM, seed: int) -> None:
     """GPT-2 style initialisation: std 0.02, residual projections scaled by 1/sqrt(2 * layers)."""
     gen = torch.Generator().manual_seed(seed)
@@ -181,7 +324,9 @@ def model_config(args) -> LlamaConfig:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m minipaged.train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True, help="directory for the training state, log and export")
+    p.add_argument("--out", type=Path, help="directory for the training state, log and export")
+    p.add_argument("--report", type=Path, metavar="DIR",
+                   help="instead of training: print what the checkpoint in DIR writes (see report())")
     p.add_argument("--steps", type=int, default=4000, help="total optimizer steps")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--context", type=int, default=256, help="bytes per training window")
@@ -200,13 +345,18 @@ def parse_args(argv=None):
                    help="torch.compile the loss (about 2x faster on a CPU after a few minutes of compiling)")
     p.add_argument("--eval-every", type=int, default=500)
     p.add_argument("--save-every", type=int, default=100)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if (args.out is None) == (args.report is None):
+        p.error("give either --out DIR (train) or --report DIR (print a checkpoint's samples)")
+    return args
 
 
-def main(argv=None) -> dict:
+def main(argv=None) -> dict | list[dict]:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.report is not None:
+        return report(args.report)
     args.out.mkdir(parents=True, exist_ok=True)
     state_path, log_path = args.out / "train_state.pt", args.out / "log.jsonl"
 

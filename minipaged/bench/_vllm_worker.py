@@ -7,8 +7,9 @@ request names a Hugging Face checkpoint directory, the engine options, and
 batches of token-id prompts; each batch is one ``LLM.generate`` call, in order,
 so a later batch can hit the prefix cache an earlier one filled. The result has
 every request's output token ids and ``num_cached_tokens``, vLLM's
-``vllm:prefix_cache_queries`` and ``vllm:prefix_cache_hits`` counters, and each
-batch's wall time.
+``vllm:prefix_cache_queries`` and ``vllm:prefix_cache_hits`` counters, each
+batch's wall time and CPU time (this process's, all threads), and the number of
+torch threads vLLM ran with.
 
 The options are the ones measured to work with vLLM's CPU build:
 ``block_size=32`` (its CPU attention needs it), an explicit
@@ -55,16 +56,20 @@ def main(request_path: str, result_path: str) -> None:
             SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
             for r in batch
         ]
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         outputs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in batch], params, use_tqdm=False)
-        seconds = time.perf_counter() - t
+        seconds, cpu_seconds = time.perf_counter() - t, time.process_time() - cpu
         batches.append({
             "seconds": seconds,
+            "cpu_seconds": cpu_seconds,
             "outputs": [{"token_ids": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens}
                         for o in outputs],
         })  # fmt: skip
     counters = {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:prefix_cache")}
-    result = {"vllm_version": vllm.__version__, "startup_seconds": startup, "batches": batches, "counters": counters}
+    import torch
+
+    result = {"vllm_version": vllm.__version__, "startup_seconds": startup, "batches": batches, "counters": counters,
+              "threads": torch.get_num_threads()}
     with open(result_path, "w") as f:
         json.dump(result, f)
 

