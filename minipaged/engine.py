@@ -50,6 +50,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from tqdm.auto import tqdm
 
+from minipaged.accounting import blocks_needed
 from minipaged.attention import AttentionMetadata
 from minipaged.cache import PagedKVCache
 from minipaged.clock import VirtualClock
@@ -241,6 +242,89 @@ class Engine:
             seqs = self.samples.get(request_id, ())
             if seqs and not all(s.is_finished for s in seqs):  # it may have finished in the step
                 self.abort(request_id)
+
+    # -- handing a prefilled request between engines (chapter 08, minipaged.disagg) ------------
+
+    def take_prefilled(self, request_id) -> Sequence:
+        """Take a request whose prompt is computed and whose first token is sampled out of this engine.
+
+        The engine forgets it (it is no longer running here); its block table still holds its
+        blocks in this engine's pool, so their K/V stays put until the caller, who now owns the
+        table, has copied it elsewhere and calls ``seq.block_table.release()``. Between steps only;
+        all checks come first, so an error changes nothing.
+
+        Args:
+            request_id: a running request of one sample whose next token to compute is its first output.
+
+        Raises:
+            KeyError: no such request.
+            ValueError: it has several samples, or is not in that state (waiting, mid-prefill, decoding).
+            RuntimeError: called during a step (by an event subscriber).
+        """
+        if self._in_step:
+            raise RuntimeError("take_prefilled: not during a step (call it between steps)")
+        if request_id not in self.samples:
+            raise KeyError(f"take_prefilled: no request with id {request_id!r}")
+        seqs = self.samples[request_id]
+        if len(seqs) != 1:
+            raise ValueError(f"take_prefilled: request {request_id!r} has {len(seqs)} samples; only one can move")
+        seq = seqs[0]
+        if seq not in self.scheduler.running or seq.num_output_tokens != 1 or seq.num_uncomputed_tokens != 1:
+            raise ValueError(f"take_prefilled: request {request_id!r} must be running with its prompt computed and "
+                             f"exactly its first token sampled, got {seq!r}")  # fmt: skip
+        self.scheduler.running.remove(seq)
+        self._forget(request_id)
+        return seq
+
+    def add_prefilled(self, seq: Sequence) -> None:
+        """Run a request whose K/V another engine computed: it joins ``scheduler.running`` as it is.
+
+        ``seq.block_table`` must already hold its computed tokens' K/V in *this* engine's pool
+        (see :func:`minipaged.disagg.transfer_kv`); its next step computes the token after them.
+        Between steps only; all checks come first, so an error changes nothing.
+
+        Args:
+            seq: a running, unfinished :class:`~minipaged.sequence.Sequence` of one sample, whose one
+                uncomputed token is its latest output, with a table of this pool holding exactly its
+                computed tokens.
+
+        Raises:
+            TypeError: ``seq`` is not a Sequence.
+            ValueError: its state or table does not fit (another pool, wrong length, released), its id
+                is in use, no seat is free (``max_num_seqs``), or it could never fit this pool.
+            RuntimeError: called during a step (by an event subscriber).
+        """
+        if not isinstance(seq, Sequence):
+            raise TypeError(f"seq must be a Sequence, got {type(seq).__name__}")
+        if self._in_step:
+            raise RuntimeError("add_prefilled: not during a step (call it between steps)")
+        table = seq.block_table
+        if (seq.status is not SequenceStatus.RUNNING or seq.pending_forks or seq.num_output_tokens < 1
+                or seq.num_uncomputed_tokens != 1):  # fmt: skip
+            raise ValueError(f"add_prefilled: seq must be running, one sample, with its latest token uncomputed, "
+                             f"got {seq!r}")  # fmt: skip
+        if table is None or table.allocator is not self.cache.allocator or table.released or table.pending_copies:
+            raise ValueError(f"add_prefilled: seq {seq.seq_id!r}'s block table must be a live table of this "
+                             "engine's pool (transfer its K/V here first)")  # fmt: skip
+        if table.num_tokens != seq.num_computed_tokens:
+            raise ValueError(f"add_prefilled: seq {seq.seq_id!r}'s table holds {table.num_tokens} tokens but "
+                             f"{seq.num_computed_tokens} are computed")  # fmt: skip
+        if seq.request_id in self.samples or seq.seq_id in self.requests:
+            raise ValueError(f"add_prefilled: request_id {seq.request_id!r} is already in use")
+        if self.scheduler.num_seats >= self.config.max_num_seqs:
+            raise ValueError(f"add_prefilled: no free seat ({self.config.max_num_seqs} sequences run already)")
+        longest = seq.num_prompt_tokens + seq.sampling_params.max_tokens - 1
+        need = blocks_needed(longest, self.config.block_size)
+        if need > self.config.num_blocks - self.config.watermark_blocks:
+            raise ValueError(f"add_prefilled: request {seq.request_id!r} needs up to {need} blocks, more than this "
+                             f"pool's {self.config.num_blocks} (less the watermark) could ever give it")  # fmt: skip
+        if not self.config.chunked_prefill and longest > self.config.max_num_batched_tokens:
+            raise ValueError(f"add_prefilled: request {seq.request_id!r} may need to recompute {longest} tokens in "
+                             f"one step (after a preemption), more than max_num_batched_tokens="
+                             f"{self.config.max_num_batched_tokens}: enable chunked_prefill")  # fmt: skip
+        self.scheduler.running.append(seq)
+        self.requests[seq.seq_id] = seq
+        self.samples[seq.request_id] = [seq]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -1,0 +1,644 @@
+"""Prefill/decode disaggregation: one engine computes prompts, another generates, and K/V moves between them.
+
+**Why.** In one engine (chapter 05) every step mixes the two phases: decode tokens of the
+running requests and chunks of new prompts share a forward pass. A prompt chunk makes that
+step longer, so every running request's next token waits for it: TPOT rises whenever prompts
+arrive, and TTFT rises whenever many requests are decoding. Chunked prefill bounds the damage;
+disaggregation removes it. A *prefill engine* only computes prompts (and samples each request's
+first token); a *decode engine*, with its own block pool, only generates. Each can then be sized
+and tuned for its own latency target. As vLLM's documentation says of its disaggregated
+prefilling: it tunes TTFT and TPOT separately and controls the tail of TPOT, and it does NOT
+improve throughput (the same work still has to be done, now on two machines that each idle
+while the other is the bottleneck). :func:`compare_disaggregation` measures both claims.
+
+**How** (:class:`DisaggregatedEngine`):
+
+1. A request arrives at the prefill engine (asked for at most 2 tokens, so its pool needs room
+   for the prompt only; it never computes the second one).
+2. When a prefill step samples the request's first token (streamed to the user from there: its
+   TTFT ends here), the request leaves the prefill engine with its blocks
+   (:meth:`Engine.take_prefilled <minipaged.engine.Engine.take_prefilled>`) and waits for the decode engine.
+3. When the decode engine has a free seat and room (its own FCFS rule, after the requests it
+   preempted itself), the **KV transfer** starts (:func:`transfer_kv`): blocks are allocated in
+   the decode pool, every layer's K and V of the request's blocks are copied into them, and the
+   request gets a new block table over them. Its source blocks stay held until the transfer ends.
+4. The transfer takes ``bytes / bandwidth`` over one link (:class:`KVLink`, one transfer at a
+   time). When it ends, the source blocks are freed in the prefill pool and the request joins the
+   decode engine's running batch (:meth:`Engine.add_prefilled <minipaged.engine.Engine.add_prefilled>`):
+   the decode engine cannot start it earlier. Its next step computes the first token's K/V and
+   samples the second token; the time from the first token to the last, transfer included, is its TPOT.
+
+**Time.** Each engine has its own :class:`~minipaged.clock.VirtualClock`: two GPUs working at
+the same time, each step costing what the cost model says. :meth:`DisaggregatedEngine.step`
+processes the earliest next event of the two (an arrival, a transfer's start or end, a prefill
+step, a decode step), so the clocks never see an event from the other's future. On the wall
+clock this would decouple nothing: both engines run in one Python process on the same 2 CPU
+cores, so a prefill step and a decode step can never overlap, and a decode step waits for the
+prefill step before it exactly as in one mixed engine. Only modelled time lets two engines run
+side by side. (:class:`~minipaged.clock.WallClock` is refused for that reason.)
+
+**What is copied.** The transfer copies the tiny model's real K/V (tokens come out equal to one
+engine's, token for token). The link is charged the *modelled* model's bytes, like the virtual
+clock, which prices steps for a 7B model: ``KVLink.bytes_per_token`` defaults to Llama-2-7B's
+512 KiB (see :func:`~minipaged.accounting.kv_bytes_per_token`), whole blocks are moved, and the
+default bandwidth, 25 GB/s, is a 200 Gb/s RDMA link.
+
+**Prefix caching.** Each pool shares only its own blocks. On the prefill side it stays on: the
+request's full prompt blocks get their keys as usual, and when its transfer ends they are freed
+*cached*, so a later request with the same prefix skips that part of its prefill. The decode pool
+gets a private copy of every block, even of blocks the prefill pool shared between requests (a
+transfer moves K/V, not references); with caching on in the decode engine those copies get keys
+there too, which helps only a request the decode engine preempts and recomputes itself. (vLLM's
+connectors also look up the decode side's own cache first and move only the missing blocks; we
+don't.) Parallel sampling (``n > 1``) is refused: its samples would each need their own copy.
+
+A suggested notebook section (chapter 08), on the tiny random model::
+
+    from minipaged.disagg import compare_disaggregation, rate_sweep, DisaggregatedEngine, KVLink
+    from minipaged.metrics import format_summary
+    cmp = compare_disaggregation(model, make_workload(48, rate=12, preset=DISAGG_PRESET, seed=0))
+    print(format_summary(cmp.summaries, unit="ms"))  # mixed, 2 x mixed, disaggregated
+    print(cmp.describe())                            # busy shares, transfers, and the ratios the prose quotes
+    sweep = rate_sweep(model, [4, 8, 12, 16])        # p99 TTFT/TPOT and throughput against load, for a figure
+    # one demo: engine = DisaggregatedEngine(course_model, ...); engine.generate([...]) equals Engine.generate
+    # engine.transfers: one KVTransfer per request (blocks, bytes, ready/start/end times) for a timeline
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+from minipaged.accounting import blocks_needed, kv_bytes_per_token
+from minipaged.block_manager import BlockTable
+from minipaged.cache import PagedKVCache
+from minipaged.clock import StepCost, VirtualClock
+from minipaged.engine import Engine, RequestOutput, StepOutput
+from minipaged.generate import check_prompt
+from minipaged.metrics import request_latencies, summarize
+from minipaged.scheduler import EngineConfig, can_admit
+from minipaged.sequence import SamplingParams, Sequence
+from minipaged.validation import check_int, check_real
+from minipaged.workload import LogNormal, RequestSpec, WorkloadPreset, prompt_token_ids
+
+LLAMA_2_7B_KV_BYTES_PER_TOKEN = kv_bytes_per_token("Llama-2-7B")  # 2 * 32 layers * 32 heads * 128 * 2 B = 512 KiB
+
+# Prompts long next to the answers: the workload where prefill gets in the way of decode.
+DISAGG_PRESET = WorkloadPreset("tiny_long_prompts", LogNormal(256, 0.4, 64, 768), LogNormal(12, 0.5, 4, 32))
+
+
+@dataclass(frozen=True)
+class KVLink:
+    """The link between the prefill and the decode engine; one transfer at a time, in order.
+
+    Args:
+        bandwidth: bytes per second (default 25 GB/s, a 200 Gb/s RDMA link).
+        bytes_per_token: K/V bytes one token costs on the link (default: Llama-2-7B's, the model
+            the virtual clock prices); None charges the pools' real bytes (the tiny model's).
+    """
+
+    bandwidth: float = 25e9
+    bytes_per_token: int | None = LLAMA_2_7B_KV_BYTES_PER_TOKEN
+
+    def __post_init__(self):
+        bandwidth = check_real(self.bandwidth, "KVLink.bandwidth", minimum=0)
+        if bandwidth == 0:
+            raise ValueError("KVLink.bandwidth must be > 0 bytes per second, got 0")
+        object.__setattr__(self, "bandwidth", bandwidth)
+        if self.bytes_per_token is not None:
+            object.__setattr__(self, "bytes_per_token", check_int(self.bytes_per_token, "KVLink.bytes_per_token",
+                                                                  minimum=1))  # fmt: skip
+
+    def num_bytes(self, num_blocks: int, cache: PagedKVCache) -> int:
+        """Bytes charged for moving ``num_blocks`` whole blocks of ``cache``."""
+        if self.bytes_per_token is None:
+            return num_blocks * cache.bytes_per_block
+        return num_blocks * cache.block_size * self.bytes_per_token
+
+    def seconds(self, num_bytes: int) -> float:
+        """How long ``num_bytes`` take on this link."""
+        return num_bytes / self.bandwidth
+
+
+@dataclass
+class KVTransfer:
+    """One request's K/V moving from the prefill pool to the decode pool (times in the shared virtual time).
+
+    Attributes:
+        request_id: the request.
+        num_tokens: computed tokens moved (its prompt).
+        num_blocks: blocks moved (whole blocks: ``ceil(num_tokens / block_size)``).
+        num_bytes: bytes charged on the link (see :class:`KVLink`).
+        ready_time: its first token was sampled; it waits for the decode engine from here.
+        start_time: the decode engine gave it blocks and the link was free.
+        end_time: its K/V has arrived; it joins the decode engine's batch and the source blocks are freed.
+    """
+
+    request_id: object
+    num_tokens: int
+    num_blocks: int
+    num_bytes: int
+    ready_time: float
+    start_time: float
+    end_time: float
+    seq: Sequence | None = field(default=None, repr=False)  # while in flight
+    src_table: BlockTable | None = field(default=None, repr=False)
+    dst_table: BlockTable | None = field(default=None, repr=False)
+
+    @property
+    def wait(self) -> float:
+        """Seconds between the first token and the transfer's start (the decode engine had no room)."""
+        return self.start_time - self.ready_time
+
+
+def transfer_kv(seq: Sequence, src: PagedKVCache, dst: PagedKVCache) -> BlockTable:
+    """Copy a sequence's computed K/V from its blocks in ``src`` into fresh blocks of ``dst``.
+
+    Allocates ``ceil(num_computed_tokens / block_size)`` blocks in ``dst`` (a new table for
+    the sequence, holding its computed tokens), copies every layer's K and V of the source
+    blocks into them, and returns the new table. The source table is not touched: the caller
+    frees it (``release()``) when the transfer is over, and points ``seq.block_table`` at the
+    new one. All or nothing: if ``dst`` is short of blocks, :class:`~minipaged.block_manager.OutOfBlocks`
+    is raised and nothing changed; if the copy itself fails, the new blocks are given back.
+
+    Args:
+        seq: a sequence whose ``block_table`` is a live table of ``src`` holding its computed tokens.
+        src: the pool its K/V is in.
+        dst: the pool to copy it to; same layers, block size, KV heads, head size and dtype as ``src``.
+    """
+    if not isinstance(seq, Sequence):
+        raise TypeError(f"seq must be a Sequence, got {type(seq).__name__}")
+    for name, cache in (("src", src), ("dst", dst)):
+        if not isinstance(cache, PagedKVCache):
+            raise TypeError(f"{name} must be a PagedKVCache, got {type(cache).__name__}")
+    if src is dst:
+        raise ValueError("src and dst must be two pools (a transfer inside one pool is a fork)")
+    for attr in ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype"):
+        if getattr(src, attr) != getattr(dst, attr):
+            raise ValueError(f"src and dst must have the same {attr}: {getattr(src, attr)} and {getattr(dst, attr)}")
+    table = seq.block_table
+    if table is None or table.allocator is not src.allocator or table.released:
+        raise ValueError(f"seq {seq.seq_id!r}'s block table must be a live table of src")
+    n = seq.num_computed_tokens
+    if n < 1 or table.num_tokens < n or table.pending_copies:
+        raise ValueError(f"seq {seq.seq_id!r} must have computed K/V in its table to move (computed {n}, "
+                         f"table {table.num_tokens} tokens, {len(table.pending_copies)} copies pending)")  # fmt: skip
+    src_ids = table.blocks[: blocks_needed(n, src.block_size)]
+    saved = src.swap_out(src_ids)  # read first: nothing has changed if this fails
+    new = dst.new_table(seq.seq_id)
+    new.append_tokens(n)  # all or nothing (OutOfBlocks)
+    try:
+        dst.swap_in(new.blocks, saved)
+    except BaseException:
+        new.release()
+        raise
+    return new
+
+
+def _check_fits(config: EngineConfig, longest: int, request: str, engine: str) -> None:
+    """The scheduler's admission limits for a request that may hold ``longest`` tokens (see ``Scheduler.add``)."""
+    need = blocks_needed(longest, config.block_size)
+    room = config.num_blocks - config.watermark_blocks
+    if need > room:
+        raise ValueError(f"{request} needs up to {need} blocks in the {engine} engine's pool ({longest} tokens, "
+                         f"block_size {config.block_size}), which has {room} after the watermark")  # fmt: skip
+    if not config.chunked_prefill and longest > config.max_num_batched_tokens:
+        raise ValueError(f"{request} may need to compute {longest} tokens in one {engine} step, more than its "
+                         f"max_num_batched_tokens={config.max_num_batched_tokens}: enable chunked_prefill")  # fmt: skip
+
+
+@dataclass
+class _Arrival:
+    time: float
+    request_id: object
+    prompt: list[int]
+    params: SamplingParams
+    cache_salt: str | bytes | None
+
+
+@dataclass
+class DisaggStepOutput:
+    """What one :meth:`DisaggregatedEngine.step` did.
+
+    Attributes:
+        kind: the event: ``"arrive"``, ``"transfer_start"``, ``"transfer_end"``, ``"prefill"`` or ``"decode"``.
+        time: when it happened (shared virtual time; an engine step's end).
+        request_ids: the requests it concerned (the arrival, the transfer, or those the step computed).
+        engine_output: the prefill or decode engine's :class:`~minipaged.engine.StepOutput`, for a step.
+        outputs: requests that finished in it (a request asking for one token finishes in the prefill engine).
+    """
+
+    kind: str
+    time: float
+    request_ids: list = field(default_factory=list)
+    engine_output: StepOutput | None = None
+    outputs: list[RequestOutput] = field(default_factory=list)
+
+
+EVENT_ORDER = ("transfer_end", "arrive", "transfer_start", "prefill", "decode")  # ties at one instant, in this order
+
+
+class DisaggregatedEngine:
+    """A prefill engine and a decode engine with their own pools and clocks, and a KV link between them.
+
+    Args:
+        model: the model both engines run (one copy of the weights in this process; two GPUs in the model).
+        prefill_config: the prefill engine's pool and knobs (:class:`EngineConfig` defaults if None).
+        decode_config: the decode engine's (defaults if None); same ``block_size`` as the prefill engine's.
+        link: the :class:`KVLink` (defaults if None).
+        prefill_clock, decode_clock: each engine's :class:`~minipaged.clock.VirtualClock` (new ones if None).
+
+    Public state: ``prefill`` and ``decode`` (the two :class:`~minipaged.engine.Engine`), ``link``,
+    ``waiting_transfer`` (requests with their first token, not yet moving: (seq, ready time)),
+    ``in_flight`` (:class:`KVTransfer` on the link, in end order) and ``transfers`` (every finished
+    transfer's record, without its sequence).
+    """
+
+    def __init__(self, model, prefill_config: EngineConfig | None = None, decode_config: EngineConfig | None = None,
+                 link: KVLink | None = None, prefill_clock: VirtualClock | None = None,
+                 decode_clock: VirtualClock | None = None):  # fmt: skip
+        for name, config in (("prefill_config", prefill_config), ("decode_config", decode_config)):
+            if config is not None and not isinstance(config, EngineConfig):
+                raise TypeError(f"{name} must be an EngineConfig, got {type(config).__name__}")
+        if link is not None and not isinstance(link, KVLink):
+            raise TypeError(f"link must be a KVLink, got {type(link).__name__}")
+        for name, clock in (("prefill_clock", prefill_clock), ("decode_clock", decode_clock)):
+            if clock is not None and not isinstance(clock, VirtualClock):
+                raise TypeError(f"{name} must be a VirtualClock (on the wall clock two engines sharing the same CPU "
+                                f"cores would decouple nothing), got {type(clock).__name__}")  # fmt: skip
+        if prefill_clock is not None and prefill_clock is decode_clock:
+            raise ValueError("prefill_clock and decode_clock must be two clocks: each engine keeps its own time")
+        prefill_config, decode_config = prefill_config or EngineConfig(), decode_config or EngineConfig()
+        if prefill_config.block_size != decode_config.block_size:
+            raise ValueError(f"prefill_config.block_size ({prefill_config.block_size}) and decode_config.block_size "
+                             f"({decode_config.block_size}) must be equal: a transfer moves whole blocks")  # fmt: skip
+        self.prefill = Engine(model, prefill_config, prefill_clock or VirtualClock())
+        self.decode = Engine(model, decode_config, decode_clock or VirtualClock())
+        start = max(self.prefill.clock.now(), self.decode.clock.now())
+        self.prefill.clock.wait_until(start)
+        self.decode.clock.wait_until(start)
+        self.link = link or KVLink()
+        self.link_free_at = start  # the link carries one transfer at a time
+        self.arrivals: deque[_Arrival] = deque()  # requests added with a later arrival time, in arrival order
+        self.waiting_transfer: deque[tuple[Sequence, float]] = deque()
+        self.in_flight: deque[KVTransfer] = deque()
+        self.transfers: list[KVTransfer] = []
+        self.prefill_stalled = False  # its last step found nothing to run: it waits for a transfer to free blocks
+        self._max_tokens: dict = {}  # request_id -> the max_tokens asked for (the prefill engine is asked for <= 2)
+        self._next_id = 0
+
+    # -- requests ---------------------------------------------------------
+
+    def now(self) -> float:
+        """The earlier of the two engines' clocks: everything before it has happened."""
+        return min(self.prefill.clock.now(), self.decode.clock.now())
+
+    def _in_use(self, request_id) -> bool:
+        return (request_id in self._max_tokens or request_id in self.prefill.samples
+                or request_id in self.decode.samples)  # fmt: skip
+
+    def add_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
+                    request_id=None, arrival_time: float | None = None,
+                    cache_salt: str | bytes | None = None):  # fmt: skip
+        """Queue a request for the prefill engine; returns its id. Every check is made now, so an error changes nothing.
+
+        Args:
+            prompt_token_ids: the prompt, token ids in ``[0, vocab_size)``.
+            sampling_params: how to sample and when to stop (:class:`SamplingParams` defaults if None); ``n`` must be 1.
+            request_id: any hashable id not in use; None picks the next free integer.
+            arrival_time: when it arrives, in the shared virtual time (None: now); it reaches the
+                prefill engine then.
+            cache_salt: the prefix cache's salt (str or bytes; None: no salt).
+        """
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        params = sampling_params or SamplingParams()
+        if params.n != 1:
+            raise ValueError(f"sampling_params.n must be 1 in disaggregated serving (each sample would need its own "
+                             f"copy of the prompt's blocks), got {params.n}")  # fmt: skip
+        model_config = self.prefill.model.config
+        prompt = check_prompt(model_config, prompt_token_ids, params.max_tokens, "prompt_token_ids")
+        arrival = self.now() if arrival_time is None else check_real(arrival_time, "arrival_time")
+        if cache_salt is not None and not isinstance(cache_salt, (str, bytes)):
+            raise TypeError(f"cache_salt must be str, bytes or None, got {type(cache_salt).__name__} {cache_salt!r}")
+        if request_id is None:
+            while self._in_use(self._next_id):
+                self._next_id += 1
+            request_id = self._next_id
+        else:
+            try:
+                hash(request_id)
+            except TypeError:
+                raise TypeError(f"request_id must be hashable, got {type(request_id).__name__}") from None
+            if self._in_use(request_id):
+                raise ValueError(f"request_id {request_id!r} is already in use")
+        name = f"request {request_id!r}"
+        _check_fits(self.prefill.config, len(prompt) + min(params.max_tokens, 2) - 1, name, "prefill")
+        _check_fits(self.decode.config, len(prompt) + params.max_tokens - 1, name, "decode")
+        entry = _Arrival(arrival, request_id, prompt, params, cache_salt)
+        i = len(self.arrivals)  # keep arrival order; equal times keep the order they were added in
+        while i > 0 and self.arrivals[i - 1].time > arrival:
+            i -= 1
+        self.arrivals.insert(i, entry)
+        self._max_tokens[request_id] = params.max_tokens
+        if request_id == self._next_id:
+            self._next_id += 1
+        return request_id
+
+    def has_unfinished(self) -> bool:
+        return bool(self.arrivals or self.waiting_transfer or self.in_flight or self.prefill.has_unfinished()
+                    or self.decode.has_unfinished())  # fmt: skip
+
+    # -- events -----------------------------------------------------------
+
+    def _can_start_transfer(self) -> bool:
+        """Would the decode engine take the oldest waiting request now (a seat, room, nobody it preempted waiting)?"""
+        if not self.waiting_transfer or self.decode.scheduler.waiting:
+            return False
+        seq, _ = self.waiting_transfer[0]
+        config, allocator = self.decode.config, self.decode.cache.allocator
+        seats = self.decode.scheduler.num_seats + len(self.in_flight)  # a request on the link has its seat
+        return can_admit(allocator.num_free, blocks_needed(seq.num_computed_tokens + 1, config.block_size),
+                         config.watermark_blocks, seats, config.max_num_seqs)  # fmt: skip
+
+    def next_event(self) -> tuple[float, str] | None:
+        """The earliest thing that can happen next, ``(time, kind)``, or None when nothing can."""
+        events = []
+        if self.in_flight:
+            events.append((self.in_flight[0].end_time, "transfer_end"))
+        if self.arrivals:
+            events.append((self.arrivals[0].time, "arrive"))
+        if self._can_start_transfer():
+            events.append((max(self.waiting_transfer[0][1], self.decode.clock.now()), "transfer_start"))
+        if self.prefill.has_unfinished() and not self.prefill_stalled:
+            events.append((self.prefill.clock.now(), "prefill"))
+        if self.decode.has_unfinished():
+            events.append((self.decode.clock.now(), "decode"))
+        return min(events, key=lambda e: (e[0], EVENT_ORDER.index(e[1]))) if events else None
+
+    def step(self) -> DisaggStepOutput | None:
+        """Process the earliest next event (see :meth:`next_event`); None when there is none.
+
+        Each event is all or nothing: an engine step rolls itself back (see
+        :meth:`Engine.step <minipaged.engine.Engine.step>`), and the others check everything
+        before they change anything.
+        """
+        event = self.next_event()
+        if event is None:
+            return None
+        time, kind = event
+        return getattr(self, f"_{kind}")(time)
+
+    def _arrive(self, time: float) -> DisaggStepOutput:
+        a = self.arrivals[0]
+        params = replace(a.params, max_tokens=min(a.params.max_tokens, 2))  # the prefill engine stops after token 1
+        idle = not self.prefill.has_unfinished()
+        self.prefill.add_request(a.prompt, params, a.request_id, arrival_time=a.time, cache_salt=a.cache_salt)
+        self.arrivals.popleft()
+        if idle:
+            self.prefill.clock.wait_until(time)
+        return DisaggStepOutput("arrive", time, [a.request_id])
+
+    def _prefill(self, time: float) -> DisaggStepOutput:
+        out = self.prefill.step()
+        self.prefill_stalled = not out.scheduled
+        moved = []
+        for seq_id in out.new_tokens:
+            seq = self.prefill.requests.get(seq_id)
+            if seq is None or seq.is_finished:  # finished in the prefill engine (one token asked, or a stop token)
+                continue
+            self.prefill.take_prefilled(seq_id)
+            seq.sampling_params = replace(seq.sampling_params, max_tokens=self._max_tokens[seq.request_id])
+            self.waiting_transfer.append((seq, out.time))
+            moved.append(seq_id)
+        for output in out.outputs:
+            del self._max_tokens[output.request_id]
+        return DisaggStepOutput("prefill", out.time, moved, out, out.outputs)
+
+    def _transfer_start(self, time: float) -> DisaggStepOutput:
+        seq, ready = self.waiting_transfer[0]
+        dst_table = transfer_kv(seq, self.prefill.cache, self.decode.cache)
+        num_blocks = dst_table.num_blocks
+        num_bytes = self.link.num_bytes(num_blocks, self.prefill.cache)
+        start = max(time, self.link_free_at)
+        end = start + self.link.seconds(num_bytes)
+        self.waiting_transfer.popleft()
+        self.in_flight.append(KVTransfer(seq.request_id, seq.num_computed_tokens, num_blocks, num_bytes, ready, start,
+                                         end, seq, seq.block_table, dst_table))  # fmt: skip
+        self.link_free_at = end
+        self.decode.clock.wait_until(time)
+        return DisaggStepOutput("transfer_start", time, [seq.request_id])
+
+    def _transfer_end(self, time: float) -> DisaggStepOutput:
+        transfer = self.in_flight[0]
+        seq = transfer.seq
+        seq.block_table = transfer.dst_table
+        try:
+            self.decode.add_prefilled(seq)
+        except BaseException:
+            seq.block_table = transfer.src_table
+            raise
+        self.in_flight.popleft()
+        transfer.src_table.release()  # the prefill pool gets its blocks back (full prompt blocks stay cached)
+        transfer.seq = transfer.src_table = transfer.dst_table = None
+        self.transfers.append(transfer)
+        self.decode.clock.wait_until(time)  # an idle decode engine starts the request now
+        if self.prefill_stalled:  # the prefill engine was waiting for these blocks
+            self.prefill_stalled = False
+            self.prefill.clock.wait_until(time)
+        return DisaggStepOutput("transfer_end", time, [seq.request_id])
+
+    def _decode(self, time: float) -> DisaggStepOutput:
+        out = self.decode.step()
+        for output in out.outputs:
+            del self._max_tokens[output.request_id]
+        return DisaggStepOutput("decode", out.time, list(out.scheduled), out, out.outputs)
+
+    # -- whole workloads --------------------------------------------------
+
+    def run(self, workload: list[RequestSpec], seed: int = 0, prompts: list[list[int]] | None = None) -> list[Sequence]:
+        """Replay a workload to the end; returns its sequences in the workload's order (finished, with timings).
+
+        Args:
+            workload: the requests, arrival times relative to now.
+            seed: the seed of the prompts' token ids (as :class:`~minipaged.engine.Replay`).
+            prompts: each request's prompt token ids instead of seeded random ones.
+        """
+        if prompts is not None and len(prompts) != len(workload):
+            raise ValueError(f"prompts must hold one prompt per request: {len(workload)}, got {len(prompts)}")
+        start, vocab = self.now(), self.prefill.model.config.vocab_size
+        ids = []
+        for i, r in enumerate(workload):
+            if not isinstance(r, RequestSpec):
+                raise TypeError(f"workload[{i}] must be a RequestSpec, got {type(r).__name__}")
+            if prompts is not None and len(prompts[i]) != r.prompt_len:
+                raise ValueError(f"prompts[{i}] has {len(prompts[i])} tokens but workload[{i}].prompt_len is "
+                                 f"{r.prompt_len}")  # fmt: skip
+        try:  # all or none: a request that cannot fit leaves none of the earlier ones queued
+            for i, r in enumerate(workload):
+                prompt = prompt_token_ids(i, r.prompt_len, vocab, seed) if prompts is None else prompts[i]
+                ids.append(self.add_request(prompt, SamplingParams(max_tokens=r.output_len),
+                                            arrival_time=start + r.arrival_time))  # fmt: skip
+        except BaseException:
+            self._unqueue(ids)
+            raise
+        return self._drain(ids)
+
+    def generate(self, prompts: list[list[int]], sampling_params: SamplingParams | None = None) -> list[list[int]]:
+        """Offline convenience: every prompt arrives now; returns each one's output tokens, in order."""
+        ids = []
+        try:  # all or none, as for run()
+            for p in prompts:
+                ids.append(self.add_request(p, sampling_params))
+        except BaseException:
+            self._unqueue(ids)
+            raise
+        return [s.output_token_ids for s in self._drain(ids)]
+
+    def _unqueue(self, ids: list) -> None:
+        """Take requests that have not arrived yet back out (a failed :meth:`run` or :meth:`generate`)."""
+        gone = set(ids)
+        self.arrivals = deque(a for a in self.arrivals if a.request_id not in gone)
+        for i in ids:
+            del self._max_tokens[i]
+
+    def _drain(self, ids: list) -> list[Sequence]:
+        done = {}
+        while self.has_unfinished():
+            out = self.step()
+            if out is None:  # cannot happen: every request fits the decode pool alone
+                raise RuntimeError("DisaggregatedEngine is stuck: unfinished requests but no event can happen")
+            for output in out.outputs:
+                done[output.request_id] = output.seqs[0]
+        return [done[i] for i in ids]
+
+
+# ---------------------------------------------------------------------------
+# measured on the virtual clock: one mixed engine against a prefill engine plus a decode engine
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Comparison:
+    """The same workload served by each setup: latency and throughput summaries, and the raw latencies.
+
+    Attributes:
+        summaries: setup name -> :func:`~minipaged.metrics.summarize`'s numbers (print with
+            :func:`~minipaged.metrics.format_summary`), plus ``busy_fraction`` (each engine's share of
+            the run spent in steps, a list) and, for the disaggregated setup, ``transfer_ms_mean`` and
+            ``transfer_wait_ms_mean``.
+        latencies: setup name -> ``{"ttft": [...], "tpot": [...], "e2e": [...]}`` in seconds (for CDFs).
+        link: the link the disaggregated setup used.
+        engines: setup name -> its engines (``keep_finished``: their ``metrics.history`` holds every step,
+            for a plot of step times); the disaggregated setup's are ``[prefill, decode]``.
+        transfers: the disaggregated setup's :class:`KVTransfer` records, one per request that moved.
+    """
+
+    summaries: dict[str, dict]
+    latencies: dict[str, dict[str, list[float]]]
+    link: KVLink
+    engines: dict[str, list[Engine]] = field(default_factory=dict, repr=False)
+    transfers: list[KVTransfer] = field(default_factory=list, repr=False)
+
+    def ratio(self, key: str, setup: str = "disaggregated", baseline: str = "mixed") -> float:
+        """``summaries[setup][key] / summaries[baseline][key]``."""
+        return self.summaries[setup][key] / self.summaries[baseline][key]
+
+    def describe(self) -> str:
+        """The numbers behind the table: each engine's busy share, the transfers, and the disaggregated ratios."""
+        lines = []
+        for name, summary in self.summaries.items():
+            busy = ", ".join(f"{b:.0%}" for b in summary["busy_fraction"])
+            lines.append(f"{name:<14} busy {busy}")
+        if self.transfers:
+            t = self.transfers
+            mib = sum(x.num_bytes for x in t) / len(t) / 2**20
+            lines.append(f"KV transfers   {len(t)}, {mib:.1f} MiB each on average over "
+                         f"{self.link.bandwidth / 1e9:g} GB/s: "
+                         f"{1000 * sum(x.end_time - x.start_time for x in t) / len(t):.2f} ms on the link, "
+                         f"{1000 * sum(x.wait for x in t) / len(t):.2f} ms waiting for the decode engine")
+        for base in [b for b in ("mixed", "2 x mixed") if b in self.summaries]:
+            lines.append(f"disaggregated / {base}: TTFT p99 x{self.ratio('ttft_p99', baseline=base):.2f}, "
+                         f"TPOT p99 x{self.ratio('tpot_p99', baseline=base):.2f}, "
+                         f"throughput x{self.ratio('tokens_per_s', baseline=base):.2f}")
+        return "\n".join(lines)
+
+
+class BusyClock(VirtualClock):
+    """A :class:`~minipaged.clock.VirtualClock` that also adds up the seconds its engine spent in steps (``busy``)."""
+
+    def __init__(self, cost: StepCost | None = None):
+        super().__init__(cost or StepCost())
+        self.busy = 0.0
+
+    def step(self, num_batched_tokens: int, num_context_tokens: int, num_swapped_tokens: int = 0) -> None:
+        before = self.t
+        super().step(num_batched_tokens, num_context_tokens, num_swapped_tokens)
+        self.busy += self.t - before
+
+
+def compare_disaggregation(model, workload: list[RequestSpec], prefill_blocks: int = 64, decode_blocks: int = 192,
+                           block_size: int = 16, max_num_seqs: int = 16, max_num_batched_tokens: int = 256,
+                           prefill_max_num_batched_tokens: int | None = None, link: KVLink | None = None,
+                           seed: int = 0, data_parallel: bool = True) -> Comparison:  # fmt: skip
+    """Serve one workload three ways, on the virtual clock, at equal total KV memory.
+
+    * ``"mixed"``: one engine whose pool is ``prefill_blocks + decode_blocks`` (the brief's baseline:
+      same memory, but one GPU's compute);
+    * ``"2 x mixed"`` (if ``data_parallel``): two independent mixed engines with pools of
+      ``prefill_blocks`` and ``decode_blocks``, requests dealt alternately: same memory *and* the
+      same two GPUs as the disaggregated setup, the fair baseline for throughput;
+    * ``"disaggregated"``: a prefill engine (``prefill_blocks``) and a decode engine
+      (``decode_blocks``) joined by ``link``.
+
+    Every engine gets the same ``block_size``, ``max_num_seqs`` and ``max_num_batched_tokens``, chunked
+    prefill and prefix caching (the random prompts share nothing). Deterministic.
+
+    Args:
+        model: the model (the tiny random one keeps this to a few seconds).
+        workload: the requests; prompts are seeded random ids (``seed``).
+        prefill_blocks, decode_blocks: the two pools, in blocks of ``block_size``.
+        block_size, max_num_seqs, max_num_batched_tokens: each engine's knobs.
+        prefill_max_num_batched_tokens: the prefill engine's own token budget (None: ``max_num_batched_tokens``).
+            A mixed engine cannot raise its budget without lengthening the steps its decodes wait for;
+            a prefill engine can.
+        link: the KV link (:class:`KVLink` defaults if None).
+        seed: the prompts' seed.
+        data_parallel: also run the ``"2 x mixed"`` setup.
+    """
+    link = link or KVLink()
+
+    def config(num_blocks, budget=max_num_batched_tokens):
+        return EngineConfig(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+                            max_num_batched_tokens=budget, keep_finished=True)  # fmt: skip
+
+    runs = {}  # name -> (seqs, engines)
+    mixed = Engine(model, config(prefill_blocks + decode_blocks), BusyClock())
+    runs["mixed"] = (mixed.run(workload, progress=False, seed=seed), [mixed])
+    if data_parallel:
+        vocab = model.config.vocab_size
+        prompts = [prompt_token_ids(i, r.prompt_len, vocab, seed) for i, r in enumerate(workload)]
+        halves = [Engine(model, config(prefill_blocks), BusyClock()), Engine(model, config(decode_blocks), BusyClock())]
+        seqs = [None] * len(workload)
+        for k, engine in enumerate(halves):
+            idx = list(range(k, len(workload), 2))
+            out = engine.run([workload[i] for i in idx], progress=False, prompts=[prompts[i] for i in idx])
+            for i, s in zip(idx, out):
+                seqs[i] = s
+        runs["2 x mixed"] = (seqs, halves)
+    prefill_config = config(prefill_blocks, prefill_max_num_batched_tokens or max_num_batched_tokens)
+    disagg = DisaggregatedEngine(model, prefill_config, config(decode_blocks), link, BusyClock(), BusyClock())
+    runs["disaggregated"] = (disagg.run(workload, seed=seed), [disagg.prefill, disagg.decode])
+
+    summaries, latencies = {}, {}
+    for name, (seqs, engines) in runs.items():
+        summary = summarize(seqs)
+        summary["busy_fraction"] = [e.clock.busy / summary["duration_s"] for e in engines]
+        summaries[name] = summary
+        latencies[name] = request_latencies(seqs)
+    transfers = disagg.transfers
+    if transfers:
+        summaries["disaggregated"]["transfer_ms_mean"] = 1000 * sum(t.end_time - t.start_time
+                                                                    for t in transfers) / len(transfers)  # fmt: skip
+        summaries["disaggregated"]["transfer_wait_ms_mean"] = 1000 * sum(t.wait for t in transfers) / len(transfers)
+    return Comparison(summaries, latencies, link, {name: engines for name, (_, engines) in runs.items()}, transfers)
