@@ -7,7 +7,8 @@ One :meth:`Engine.step` is
    in swap mode the engine then copies K/V between the pool and ``swap_space``);
 2. one forward pass of the model over all scheduled tokens packed together,
    addressed through the block tables (:meth:`Engine.execute`);
-3. sampling a token for every sequence whose chunk reached its end;
+3. sampling a token for every sequence whose chunk reached its end (with
+   speculative decoding, after :meth:`Engine.verify` kept the drafts the model agrees with);
 4. ``scheduler.postprocess()``: advance counters, finish sequences, free blocks;
 5. one :class:`~minipaged.metrics.StepRecord` in ``engine.metrics.history``;
 6. the requests that finished are handed over in ``StepOutput.outputs`` (and,
@@ -88,6 +89,8 @@ class StepOutput:
     time: float
     scheduled: dict = field(default_factory=dict)  # seq_id -> tokens computed this step
     new_tokens: dict = field(default_factory=dict)  # seq_id -> token sampled this step
+    drafts: dict = field(default_factory=dict)  # seq_id -> draft tokens it verified this step (speculative decoding)
+    accepted: dict = field(default_factory=dict)  # seq_id -> the drafts it accepted, which come before its new token
     admitted: list = field(default_factory=list)
     preempted: list = field(default_factory=list)
     finished: list = field(default_factory=list)
@@ -364,12 +367,16 @@ class Engine:
         result.admitted = [s.seq_id for s in out.admitted]
         result.preempted = [s.seq_id for s in out.preempted]
         swapped = self.swap(out)
-        sampled = {}
+        sampled, accepted = {}, {}
         if not out.is_empty:
-            last = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(out.seqs, out.num_new_tokens)]
+            spec = out.spec_token_ids  # chapter 08: drafts are computed but not (yet) in token_ids
+            last = [s.num_computed_tokens + n - len(spec.get(s.seq_id, ())) == s.num_tokens
+                    for s, n in zip(out.seqs, out.num_new_tokens)]  # fmt: skip
             logits = self.execute(out, last)
-            # One row of logits per sequence whose chunk ends; a sample about to fork shares its parent's row.
             to_sample = [s for s, ends in zip(out.seqs, last) if ends]
+            if spec:  # a sequence with k drafts has k + 1 rows: keep the row after its accepted drafts
+                logits, accepted = self.verify(logits, to_sample, spec)
+            # One row of logits per sequence whose chunk ends; a sample about to fork shares its parent's row.
             rows = [(i, x) for i, s in enumerate(to_sample) for x in (s, *s.pending_forks)]
             tokens = sample(logits[[i for i, _ in rows]], [x for _, x in rows])
             sampled = {x.seq_id: t for (_, x), t in zip(rows, tokens)}
@@ -377,9 +384,11 @@ class Engine:
             self.clock.step(out.num_batched_tokens, context, swapped)
         result.time = self.clock.now()
         prefill = sum(n for s, n in zip(out.seqs, out.num_new_tokens) if s.is_prefill)
-        finished = self.scheduler.postprocess(out, sampled, result.time)
+        finished = self.scheduler.postprocess(out, sampled, result.time, accepted)
         result.scheduled = {s.seq_id: n for s, n in zip(out.seqs, out.num_new_tokens)}
         result.new_tokens = sampled
+        result.drafts = dict(out.spec_token_ids)
+        result.accepted = accepted
         result.finished = [s.seq_id for s in finished]
         self.metrics.record_step(result.time, self.scheduler.running, len(self.scheduler.waiting),
                                  out.num_new_tokens, prefill, len(finished))
@@ -424,6 +433,37 @@ class Engine:
                 moved += seq.num_computed_tokens - num_hit_blocks * self.config.block_size
         return moved
 
+    def verify(self, logits: torch.Tensor, seqs: list[Sequence], spec: dict) -> tuple[torch.Tensor, dict]:
+        """Speculative decoding (chapter 08): check each sequence's drafts against the target's own tokens.
+
+        A sequence that verified ``k`` drafts owns ``k + 1`` rows of ``logits``; greedy acceptance
+        (:func:`minipaged.speculative.accept_greedy`) keeps the ``j`` drafts that equal the
+        target's argmax, and the row after them is the one to sample the step's new token from
+        (the correction at the first mismatch, or the bonus token after ``k`` accepted drafts).
+        Records the counts in ``engine.metrics``.
+
+        Args:
+            logits: what :meth:`execute` returned: per sequence whose chunk ends, ``1 + k`` rows.
+            seqs: those sequences, in order.
+            spec: seq_id -> drafts (``SchedulerOutput.spec_token_ids``).
+
+        Returns:
+            One row per sequence (the one to sample from), and seq_id -> accepted drafts.
+        """
+        from minipaged.speculative import accept_greedy  # chapter 08, reached by name only
+
+        rows, accepted, start = [], {}, 0
+        for seq in seqs:
+            drafts = spec.get(seq.seq_id, [])
+            j = 0
+            if drafts:
+                j = accept_greedy(drafts, logits[start : start + len(drafts) + 1].argmax(dim=-1).tolist())
+                accepted[seq.seq_id] = drafts[:j]
+                self.metrics.record_spec_decode(len(drafts), j)
+            rows.append(start + j)
+            start += len(drafts) + 1
+        return logits[rows], accepted
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, last: list[bool]) -> torch.Tensor:
         """One forward pass over every scheduled token; logits of the chunks that end a sequence.
@@ -431,24 +471,37 @@ class Engine:
         Args:
             out: this step's plan (sequences, their ``num_new_tokens`` and slot mappings).
             last: per scheduled sequence, whether its chunk reaches its last token (then it is sampled).
+
+        Returns one row per sequence whose chunk ends, or, for one that verifies ``k`` drafts
+        (``out.spec_token_ids``), its last ``k + 1`` rows: the logits at every drafted position.
         """
         device = self.cache.device
         input_ids, positions = [], []
         for seq, n in zip(out.seqs, out.num_new_tokens):
             start = seq.num_computed_tokens
-            input_ids += seq.token_ids[start : start + n]
+            input_ids += seq.token_ids[start : start + n] + out.spec_token_ids.get(seq.seq_id, [])
             positions += range(start, start + n)
         # The scheduler already appended this step's tokens to the block tables.
         tables = [s.block_table for s in out.seqs]
         metadata = AttentionMetadata.pack(tables, out.num_new_tokens, torch.cat(out.slot_mappings), device)
+        spec = out.spec_token_ids
         logits = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=device),
             torch.tensor(positions, dtype=torch.int64, device=device),
             self.cache,
             metadata,
             backend=self.config.backend,
-        )  # [num_seqs, vocab]: each sequence's last token this step
-        return logits[torch.tensor(last, device=device)]
+            all_logits=bool(spec),
+        )  # [num_seqs, vocab]: each sequence's last token this step (with drafts: every token's)
+        if not spec:
+            return logits[torch.tensor(last, device=device)]
+        # Speculative decoding (chapter 08): a sequence with k drafts needs its last k + 1 rows.
+        rows, end = [], 0
+        for seq, n, ends in zip(out.seqs, out.num_new_tokens, last):
+            end += n
+            if ends:
+                rows += range(end - 1 - len(spec.get(seq.seq_id, ())), end)
+        return logits[rows]
 
     # -- whole workloads --------------------------------------------------
 

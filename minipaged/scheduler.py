@@ -35,6 +35,13 @@ The rules, in the order :meth:`Scheduler.schedule` applies them:
    :meth:`~minipaged.block_manager.BlockTable.append_tokens`); the step's
    copies are in ``SchedulerOutput.copies`` for the engine to carry out before
    the forward pass.
+7. **Speculative decoding** (chapter 08; on with ``EngineConfig.speculative_config``).
+   After the running sequences are planned, each greedy decode may add up to
+   ``num_speculative_tokens`` draft tokens from :class:`~minipaged.speculative.NgramProposer`,
+   out of the budget and the free blocks that are left (a draft never preempts);
+   they are in ``SchedulerOutput.spec_token_ids``. After verification,
+   :meth:`Scheduler.postprocess` keeps the accepted drafts and rolls the counter
+   back over the rejected ones before any block gets a key.
 
 Public state that the engine, metrics and the dashboard read:
 ``waiting`` (deque of :class:`~minipaged.sequence.Sequence`, front = next to
@@ -69,6 +76,9 @@ class EngineConfig:
     backend: str = "torch"  # attention backend of the model forward: "torch" or "triton"
     enable_prefix_caching: bool = True  # share cached full blocks between requests (chapter 06), as vLLM does
     prefix_caching_hash_fn: Callable[[bytes], bytes] | None = None  # the block-key hash; None: SHA-256
+    # Speculative decoding (chapter 08): None (off), or a minipaged.speculative.SpeculativeConfig or vLLM's dict
+    # form, e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}.
+    speculative_config: object = None
     # False: step() hands finished requests over and the engine forgets them, and metrics keep the latest
     # HISTORY_WINDOW step records (memory stays bounded). True: engine.requests and the history keep everything.
     keep_finished: bool = False
@@ -92,6 +102,14 @@ class EngineConfig:
             )
         if self.prefix_caching_hash_fn is not None and not callable(self.prefix_caching_hash_fn):
             raise TypeError("EngineConfig.prefix_caching_hash_fn must be callable (bytes -> bytes) or None")
+        if self.speculative_config is not None:
+            from minipaged.speculative import SpeculativeConfig  # chapter 08, reached by name only
+
+            if isinstance(self.speculative_config, dict):
+                self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+            elif not isinstance(self.speculative_config, SpeculativeConfig):
+                raise TypeError("EngineConfig.speculative_config must be None, a dict or a SpeculativeConfig, got "
+                                f"{type(self.speculative_config).__name__}")
         if self.backend not in ("torch", "triton"):
             raise ValueError(f"EngineConfig.backend must be 'torch' or 'triton', got {self.backend!r}")
 
@@ -115,6 +133,9 @@ class SchedulerOutput:
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write: (src, dst) block ids
     swap_in: list[Sequence] = field(default_factory=list)  # readmitted; saved K/V goes to its first blocks ...
     swap_in_hit_blocks: list[int] = field(default_factory=list)  # ... except those a prefix hit restored
+    # Speculative decoding (chapter 08): seq_id -> the draft tokens it verifies this step. They are not in its
+    # token_ids; its num_new_tokens counts them (the last sampled token plus the drafts).
+    spec_token_ids: dict = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -168,6 +189,11 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.proposer = None  # speculative decoding's draft proposer (chapter 08), if configured
+        if config.speculative_config is not None:
+            from minipaged.speculative import NgramProposer  # chapter 08, reached by name only
+
+            self.proposer = NgramProposer(config.speculative_config)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request, after checking that it could ever run alone.
@@ -253,6 +279,9 @@ class Scheduler:
                 out.slot_mappings.append(seq.block_table.append_tokens(n))
                 budget -= n
 
+        if self.proposer is not None:
+            budget = self._schedule_drafts(out, budget)
+
         # 2. Admission, FCFS. Not in a step that had to preempt: the pool is already short.
         while self.waiting and budget > 0 and not out.preempted:
             seq = self.waiting[0]
@@ -294,6 +323,31 @@ class Scheduler:
         out.copies = [c for s in out.seqs for c in s.block_table.take_pending_copies()]
         return out
 
+    def _schedule_drafts(self, out: SchedulerOutput, budget: int) -> int:
+        """Speculative decoding (chapter 08): extend this step's decodes with draft tokens; return the budget left.
+
+        Drafts come last among the running sequences' work and never at anyone's expense: each
+        decode gets at most the tokens of budget left and the blocks that are free now, and a
+        draft never preempts. Only greedy sequences draft (verification keeps greedy output
+        exact), never past ``max_tokens`` (``j`` accepted drafts plus the token sampled after
+        them must fit), and not a sequence whose samples are still to fork from its next token.
+        """
+        for i, seq in enumerate(out.seqs):
+            if (budget == 0 or out.num_new_tokens[i] != 1 or seq.num_uncomputed_tokens != 1 or seq.pending_forks
+                    or seq.sampling_params.temperature > 0):
+                continue
+            room = seq.sampling_params.max_tokens - seq.num_output_tokens - 1
+            drafts = self.proposer.propose(seq.token_ids, min(budget, room)) if room > 0 else []
+            table = seq.block_table
+            while drafts and not self.allocator.can_allocate(table.blocks_needed(len(drafts))):
+                drafts.pop()
+            if drafts:
+                out.spec_token_ids[seq.seq_id] = drafts
+                out.num_new_tokens[i] += len(drafts)
+                out.slot_mappings[i] = torch.cat([out.slot_mappings[i], table.append_tokens(len(drafts))])
+                budget -= len(drafts)
+        return budget
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Free the victim's blocks, keep its tokens, queue it at the front; swap mode saves its K/V first."""
         swap = self.config.preemption_mode == "swap" and seq.num_computed_tokens > 0
@@ -324,32 +378,46 @@ class Scheduler:
             seq.block_table.release()
             seq.block_table = None
 
-    def postprocess(self, out: SchedulerOutput, sampled: dict, now: float) -> list[Sequence]:
+    def postprocess(self, out: SchedulerOutput, sampled: dict, now: float,
+                    accepted: dict | None = None) -> list[Sequence]:  # fmt: skip
         """Advance the sequences after the forward pass; return those that finished.
 
         ``sampled`` maps seq_id to the token sampled for every sequence whose
-        chunk reached its last token (the others were mid-prefill). The allocator's
-        subscribers hear of the frees, forks and keys once every sequence has advanced.
+        chunk reached its last token (the others were mid-prefill). With speculative
+        decoding, ``accepted`` maps the seq_id of each sequence that verified drafts to the
+        drafts it accepted: they are appended before its sampled token, and its counter rolls
+        back over the rejected ones (:func:`minipaged.speculative.rollback_drafts`) before any
+        block gets a key. The allocator's subscribers hear of the frees, forks and keys once
+        every sequence has advanced.
         """
         with self.allocator.hold_events():
-            return self._postprocess(out, sampled, now)
+            return self._postprocess(out, sampled, now, accepted or {})
 
-    def _postprocess(self, out: SchedulerOutput, sampled: dict, now: float) -> list[Sequence]:
+    def _postprocess(self, out: SchedulerOutput, sampled: dict, now: float, accepted: dict) -> list[Sequence]:
         finished = []
         for seq, n in zip(out.seqs, out.num_new_tokens):
-            seq.num_computed_tokens += n
+            drafts = out.spec_token_ids.get(seq.seq_id)
+            if drafts:  # chapter 08: keep the verified prefix only; its slots beyond are overwritten next step
+                from minipaged.speculative import rollback_drafts  # chapter 08, reached by name only
+
+                seq.num_computed_tokens = rollback_drafts(seq.block_table, seq.num_computed_tokens, len(drafts),
+                                                          len(accepted[seq.seq_id]))  # fmt: skip
+            else:
+                seq.num_computed_tokens += n
             if self.prefix_caching:  # full blocks, now computed, get their keys (before a finish releases them)
-                self.allocator.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens,
-                                                 seq.cache_salt)  # fmt: skip
+                tokens = seq.token_ids + accepted[seq.seq_id] if drafts else seq.token_ids  # verified, not yet appended
+                self.allocator.cache_full_blocks(seq.block_table, tokens, seq.num_computed_tokens, seq.cache_salt)
             if seq.seq_id not in sampled:
                 continue
             for sample in [seq, *self._fork(seq)]:
-                if sample.append_token(sampled[sample.seq_id], now):
-                    sample.status = SequenceStatus.FINISHED
-                    sample.finish_time = now
-                    self.running.remove(sample)
-                    self._release(sample)
-                    finished.append(sample)
+                for token in [*accepted.get(sample.seq_id, ()), sampled[sample.seq_id]]:
+                    if sample.append_token(token, now):  # a stop token among accepted drafts ends it there
+                        sample.status = SequenceStatus.FINISHED
+                        sample.finish_time = now
+                        self.running.remove(sample)
+                        self._release(sample)
+                        finished.append(sample)
+                        break
         return finished
 
     def _fork(self, seq: Sequence) -> list[Sequence]:

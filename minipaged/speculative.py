@@ -1,0 +1,202 @@
+"""Speculative decoding without a second model: n-gram drafts, verified in one pass, rolled back on rejection.
+
+A decode step computes one token per sequence, and on a GPU that step costs about the
+same for 1 token as for 5: it is bound by reading the weights and the KV cache, not by
+arithmetic. Speculative decoding spends that spare arithmetic. Before a step, a cheap
+**proposer** guesses the next ``k`` tokens (the **draft tokens**); the step then computes
+the last sampled token *and* the ``k`` drafts in one forward pass, a multi-token step through
+the paged cache exactly like a chunk of chunked prefill, and gets logits at every drafted
+position. The target model's own choice at position ``i`` tells whether draft ``i + 1`` was
+right (**verification**).
+
+**The proposer** here needs no second model: prompt lookup (vLLM's ``"ngram"`` method).
+It takes the last ``n`` tokens of the sequence, for ``n`` from ``prompt_lookup_max`` down to
+``prompt_lookup_min``, finds an earlier place where those ``n`` tokens occurred, and proposes
+the tokens that followed there (:class:`NgramProposer`). Code, quoted documents and any text
+that repeats itself give it something to find; random text gives it nothing, and then the
+step is an ordinary decode.
+
+**The acceptance rule** (greedy, :func:`accept_greedy`): with drafts ``d_1 .. d_k`` and the
+target's argmax ``t_0 .. t_k`` at the ``k + 1`` computed positions (``t_0`` after the last
+sampled token, ``t_i`` after ``d_i``), keep the longest prefix of drafts with ``d_i == t_{i-1}``,
+say ``j`` of them, then append ``t_j`` too: the target's own token at the first mismatch, or
+the **bonus token** after the last draft when all ``k`` match. A step therefore yields
+``j + 1`` tokens, between 1 (every draft wrong: no worse than plain decoding) and ``k + 1``,
+and every one of them is the token plain greedy decoding would have produced, so the
+output is the same token for token. Only greedy requests (``temperature == 0``) draft; a
+sampled request decodes one token per step. (For sampling, the rule that keeps the target
+distribution accepts a draft with probability ``p(d_i)`` and on rejection samples from ``p``
+with ``d_i`` removed; minipaged does not implement it.)
+
+**Rollback** (:func:`rollback_drafts`): the verification step wrote K/V for all ``k + 1``
+positions, but only the last sampled token and the ``j`` accepted drafts are real. Rolling
+back moves ``num_computed_tokens`` (and the block table's ``num_tokens``) back to the end of
+the accepted prefix. Nothing else happens, on purpose:
+
+* **The rejected slots are not cleared and no block is freed.** The next step's first token
+  (the one just sampled) lands exactly in the first rejected slot, and the next drafts in the
+  slots after it: the rejected K/V is simply overwritten. Attention never reads past a
+  sequence's length, so stale K/V in a slot beyond it is harmless. Freeing a block the drafts
+  spilled into would be wasted work, since the next step's drafts almost always need it
+  again (vLLM keeps them too); the block stays reserved as tail waste until then.
+* **A block holding unverified tokens is never put in the prefix cache.** A cached block is
+  shared, read-only K/V that another request trusts to match its key (the token ids). A
+  rejected draft's K/V would break that promise, and its slot will be overwritten next step,
+  which would corrupt a sharer. So keys go only to blocks that are full of *verified* tokens:
+  the scheduler registers blocks after the rollback, up to ``num_computed_tokens``, and a
+  block the drafts filled waits for a later step to verify it.
+
+Metrics (``engine.metrics``): ``num_spec_drafts`` (verifications with at least one draft),
+``num_draft_tokens``, ``num_accepted_tokens``, ``num_accepted_tokens_per_pos``, and from them
+``spec_acceptance_rate`` (accepted / drafted tokens) and ``mean_acceptance_length`` (tokens a
+sequence gains per verification step, ``1 + accepted / drafts``), as vLLM reports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minipaged.block_manager import BlockTable
+from minipaged.validation import check_int
+
+METHODS = ("ngram",)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding's knobs, named as vLLM's ``speculative_config`` dict names them.
+
+    ``EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 4})`` turns it on.
+
+    Attributes:
+        num_speculative_tokens: ``k``, the most draft tokens a sequence verifies per step (>= 1).
+        method: the proposer; only ``"ngram"`` (prompt lookup, no second model).
+        prompt_lookup_max: the longest suffix n-gram to look up (>= 1; None: 5, or ``prompt_lookup_min`` if given).
+        prompt_lookup_min: the shortest (>= 1, at most ``prompt_lookup_max``; None: ``prompt_lookup_max``).
+    """
+
+    num_speculative_tokens: int
+    method: str = "ngram"
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+
+    def __post_init__(self):
+        self.num_speculative_tokens = check_int(self.num_speculative_tokens,
+                                                "speculative_config.num_speculative_tokens", minimum=1)  # fmt: skip
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config.method must be one of {METHODS}, got {self.method!r}")
+        for name in ("prompt_lookup_max", "prompt_lookup_min"):
+            if getattr(self, name) is not None:
+                setattr(self, name, check_int(getattr(self, name), f"speculative_config.{name}", minimum=1))
+        if self.prompt_lookup_max is None:
+            self.prompt_lookup_max = self.prompt_lookup_min or 5
+        if self.prompt_lookup_min is None:
+            self.prompt_lookup_min = self.prompt_lookup_max
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be at most "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, options: dict) -> SpeculativeConfig:
+        """Build one from vLLM's dict form; an unknown key is a ValueError that names it."""
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = sorted(map(str, set(options) - known))
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; known: {sorted(known)}")
+        if "num_speculative_tokens" not in options:
+            raise ValueError("speculative_config needs 'num_speculative_tokens' (the k drafts per step)")
+        return cls(**options)
+
+
+class NgramProposer:
+    """Prompt lookup: propose the tokens that followed the last time the sequence's suffix occurred.
+
+    Of the suffix n-grams with ``prompt_lookup_min <= n <= prompt_lookup_max`` that occur earlier
+    in the sequence, the longest wins, and of its occurrences the earliest (as vLLM's
+    ``NgramProposer`` does); the proposal is the up to ``k`` tokens that followed it. Stateless:
+    the sequence's token ids are all it reads.
+
+    Args:
+        config: the :class:`SpeculativeConfig` (``k`` and the n-gram lengths).
+    """
+
+    def __init__(self, config: SpeculativeConfig):
+        if not isinstance(config, SpeculativeConfig):
+            raise TypeError(f"config must be a SpeculativeConfig, got {type(config).__name__}")
+        self.k = config.num_speculative_tokens
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+
+    def propose(self, token_ids: list[int], max_num_tokens: int | None = None) -> list[int]:
+        """Draft tokens to follow ``token_ids``: at most ``min(k, max_num_tokens)``, maybe none.
+
+        Args:
+            token_ids: the sequence so far (prompt and output).
+            max_num_tokens: a cap below ``k`` (the budget or ``max_tokens`` left); None: ``k``.
+        """
+        limit = self.k if max_num_tokens is None else min(self.k, check_int(max_num_tokens, "max_num_tokens"))
+        length = len(token_ids)
+        if limit == 0:
+            return []
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            suffix = token_ids[length - n:]
+            first = suffix[0]
+            for start in range(length - n):  # an occurrence that ends before the suffix's last token
+                if token_ids[start] == first and token_ids[start:start + n] == suffix:
+                    return list(token_ids[start + n:start + n + limit])
+        return []
+
+
+def accept_greedy(draft_token_ids: list[int], target_token_ids: list[int]) -> int:
+    """How many drafts greedy verification keeps: the longest prefix with ``draft[i] == target[i]``.
+
+    ``target[i]`` is the target model's argmax at the position before draft ``i`` (``target[0]``
+    follows the last sampled token), so ``target`` has one more entry than ``draft``; the
+    token appended after the ``j`` accepted drafts is ``target[j]``.
+
+    Args:
+        draft_token_ids: the ``k`` drafts, in order.
+        target_token_ids: the target's ``k + 1`` argmax tokens at the verified positions.
+    """
+    if len(target_token_ids) != len(draft_token_ids) + 1:
+        raise ValueError(f"target_token_ids must hold one more token than draft_token_ids ({len(draft_token_ids)} "
+                         f"+ 1), got {len(target_token_ids)}")  # fmt: skip
+    j = 0
+    while j < len(draft_token_ids) and draft_token_ids[j] == target_token_ids[j]:
+        j += 1
+    return j
+
+
+def rollback_drafts(table: BlockTable, num_computed_tokens: int, num_draft_tokens: int,
+                    num_accepted_tokens: int) -> int:  # fmt: skip
+    """After a verification step, keep only the accepted prefix; return the new ``num_computed_tokens``.
+
+    Before the step the sequence had ``c = num_computed_tokens`` computed tokens plus one sampled
+    token; the step wrote K/V for that token and ``k`` drafts at positions ``c .. c + k``, so the
+    table holds ``c + 1 + k`` tokens. With ``j`` drafts accepted, positions ``c .. c + j`` are
+    verified: the counter and the table's ``num_tokens`` become ``c + 1 + j``. The ``k - j``
+    rejected slots keep their stale K/V until the next step overwrites them, and the table keeps
+    every block (see the module docstring for why); nothing else changes.
+
+    Args:
+        table: the sequence's block table, holding the step's ``c + 1 + k`` tokens.
+        num_computed_tokens: ``c``, the sequence's computed tokens before the step.
+        num_draft_tokens: ``k``, the drafts the step verified.
+        num_accepted_tokens: ``j``, the drafts accepted (``0 <= j <= k``).
+
+    Raises:
+        TypeError: ``table`` is not a BlockTable, or a count is not an int.
+        ValueError: ``j`` is outside ``0 .. k``, or the table does not hold ``c + 1 + k`` tokens.
+    """
+    if not isinstance(table, BlockTable):
+        raise TypeError(f"table must be a BlockTable, got {type(table).__name__}")
+    c = check_int(num_computed_tokens, "num_computed_tokens")
+    k = check_int(num_draft_tokens, "num_draft_tokens")
+    j = check_int(num_accepted_tokens, "num_accepted_tokens")
+    if j > k:
+        raise ValueError(f"num_accepted_tokens ({j}) cannot exceed num_draft_tokens ({k})")
+    if table.num_tokens != c + 1 + k:
+        raise ValueError(f"the table holds {table.num_tokens} tokens, but a step that verified {k} drafts after "
+                         f"{c} computed tokens leaves c + 1 + k = {c + 1 + k}")  # fmt: skip
+    table.num_tokens = c + 1 + j
+    return c + 1 + j

@@ -1,0 +1,482 @@
+"""Speculative decoding: the n-gram proposer, greedy acceptance, draft rollback, and the engine with them on.
+
+The engine's greedy output with drafts must equal contiguous generation token for token,
+under preemption (recompute and swap), chunked prefill, aborts, prefix caching and parallel
+sampling; a fault in a step leaves the state as it was; after every step the pool's
+refcounts match the tables, no rollback frees a block, and no block holding an unverified
+token has a prefix-cache key.
+"""
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import minipaged.engine as engine_module
+from minipaged.accounting import blocks_needed
+from minipaged.block_manager import BlockAllocator, BlockTable
+from minipaged.checkpoint import load_course_model
+from minipaged.engine import Engine
+from minipaged.generate import generate_contiguous
+from minipaged.scheduler import EngineConfig
+from minipaged.sequence import SamplingParams, Sequence, SequenceStatus
+from minipaged.speculative import NgramProposer, SpeculativeConfig, accept_greedy, rollback_drafts
+from minipaged.tokenizer import encode
+
+pytestmark = pytest.mark.ch08
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+SNIPPETS = [
+    "for i in range(10):\n    print(i)\nfor j in range(10):\n    print(j)\n",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n",
+    "        self.x = x\n        self.y = y\n        self.z = z\n",
+    "import os\nimport sys\nimport re\n",
+    "if x is None:\n    x = []\nif y is None:\n    y = []\n",
+]
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The course model: trained on Python, it continues repetitive code the way prompt lookup guesses."""
+    torch.set_num_threads(1)
+    return course()
+
+
+MODEL = None
+
+
+def course():
+    global MODEL
+    if MODEL is None:
+        torch.set_num_threads(1)
+        MODEL = load_course_model()
+    return MODEL
+
+
+_REFERENCE: dict = {}
+
+
+def reference(model, prompt: list[int], max_tokens: int) -> list[int]:
+    """Contiguous greedy generation, cached by prompt (a shorter run is a prefix of a longer one)."""
+    key = (id(model), tuple(prompt))
+    done = _REFERENCE.get(key, [])
+    if len(done) < max_tokens:
+        done = _REFERENCE[key] = generate_contiguous(model, prompt, max(max_tokens, 24))
+    return done[:max_tokens]
+
+
+def repetitive_prompt(rng: random.Random) -> list[int]:
+    """A window of 8-40 bytes of repetitive Python: drafting finds something, and so does the model."""
+    text = rng.choice(SNIPPETS) * 2
+    start = rng.randrange(len(text) // 2)
+    return encode(text[start:start + rng.randint(8, 40)])
+
+
+# ---- the pieces ----------------------------------------------------------------------------------------------
+
+
+def test_config_from_vllms_dict_and_its_defaults():
+    config = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
+    spec = config.speculative_config
+    assert isinstance(spec, SpeculativeConfig)
+    assert (spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min) == (3, 4, 4)
+    assert SpeculativeConfig(2).prompt_lookup_max == SpeculativeConfig(2).prompt_lookup_min == 5
+    assert SpeculativeConfig(2, prompt_lookup_min=2).prompt_lookup_max == 2
+    assert EngineConfig().speculative_config is None
+
+
+@pytest.mark.parametrize("options, error, words", [
+    ({"num_speculative_tokens": 0}, ValueError, "num_speculative_tokens"),
+    ({"num_speculative_tokens": 2.0}, TypeError, "num_speculative_tokens"),
+    ({"num_speculative_tokens": True}, TypeError, "num_speculative_tokens"),
+    ({"num_speculative_tokens": 2, "method": "eagle"}, ValueError, "method"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, ValueError, "prompt_lookup_min"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_max": 0}, ValueError, "prompt_lookup_max"),
+    ({"num_speculative_tokens": 2, "draft_model": "x"}, ValueError, "draft_model"),
+    ({"method": "ngram"}, ValueError, "num_speculative_tokens"),
+])  # fmt: skip
+def test_bad_speculative_config_is_refused_naming_the_option(options, error, words):
+    with pytest.raises(error, match=words):
+        EngineConfig(speculative_config=options)
+
+
+def test_speculative_config_of_the_wrong_type_is_a_type_error():
+    with pytest.raises(TypeError, match="speculative_config"):
+        EngineConfig(speculative_config=4)
+    with pytest.raises(TypeError, match="SpeculativeConfig"):
+        NgramProposer({"num_speculative_tokens": 2})
+
+
+def test_ngram_proposer_examples():
+    # vLLM's docstring example: [4, 2, 3] has no earlier match, [2, 3] has; three tokens follow it.
+    proposer = NgramProposer(SpeculativeConfig(4, prompt_lookup_max=3, prompt_lookup_min=2))
+    assert proposer.propose([1, 2, 3, 4, 2, 3]) == [4, 2, 3]
+    assert proposer.propose([1, 2, 3, 4, 2, 3], max_num_tokens=2) == [4, 2]
+    assert proposer.propose([1, 2, 3, 4, 5, 6]) == []  # nothing repeats
+    assert proposer.propose([7]) == []
+    assert proposer.propose([1, 2, 3, 4, 2, 3], max_num_tokens=0) == []
+    # The longest suffix wins over a shorter one that occurs later, and the earliest occurrence of it.
+    longest = NgramProposer(SpeculativeConfig(2, prompt_lookup_max=3, prompt_lookup_min=1))
+    assert longest.propose([5, 6, 7, 8, 9, 7, 1, 5, 6, 7]) == [8, 9]
+    assert longest.propose([3, 1, 3, 2, 3]) == [1, 3]
+
+
+def brute_force_proposal(tokens, k, min_n, max_n):
+    """The definition, spelled out: longest n first, earliest occurrence that ends before the last token."""
+    for n in range(max_n, min_n - 1, -1):
+        if n >= len(tokens):
+            continue
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n):
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=30), st.integers(1, 5), st.integers(1, 4), st.integers(0, 3))
+def test_ngram_proposal_follows_an_earlier_occurrence_of_the_suffix(tokens, k, min_n, extra):
+    max_n = min_n + extra
+    proposal = NgramProposer(SpeculativeConfig(k, prompt_lookup_max=max_n, prompt_lookup_min=min_n)).propose(tokens)
+    assert proposal == brute_force_proposal(tokens, k, min_n, max_n)
+    assert len(proposal) <= k
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 2), max_size=8), st.data())
+def test_greedy_acceptance_keeps_the_longest_agreeing_prefix(drafts, data):
+    targets = data.draw(st.lists(st.integers(0, 2), min_size=len(drafts) + 1, max_size=len(drafts) + 1))
+    j = accept_greedy(drafts, targets)
+    assert drafts[:j] == targets[:j]
+    assert j == len(drafts) or drafts[j] != targets[j]
+    # What the step appends equals what greedy decoding would: the targets up to and including target j.
+    assert drafts[:j] + [targets[j]] == targets[: j + 1]
+
+
+def test_greedy_acceptance_needs_one_target_more_than_drafts():
+    with pytest.raises(ValueError, match="one more"):
+        accept_greedy([1, 2], [1, 2])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 20), st.integers(1, 6), st.data(), st.sampled_from([1, 2, 4]))
+def test_rollback_keeps_the_accepted_prefix_and_every_block(computed, k, data, block_size):
+    j = data.draw(st.integers(0, k))
+    alloc = BlockAllocator(40, block_size)
+    table = BlockTable(alloc, "s")
+    table.append_tokens(computed)
+    slots = table.append_tokens(1 + k)  # the last sampled token and k drafts
+    blocks, refcounts = list(table.blocks), alloc.refcounts
+    assert rollback_drafts(table, computed, k, j) == computed + 1 + j
+    assert table.num_tokens == computed + 1 + j
+    assert table.blocks == blocks and alloc.refcounts == refcounts  # nothing freed
+    # The next step's first token lands in the first rejected slot: the rejected K/V is overwritten.
+    if j < k:
+        assert int(table.append_tokens(1)[0]) == int(slots[1 + j])
+
+
+def test_rollback_refuses_bad_arithmetic_before_changing_anything():
+    table = BlockTable(BlockAllocator(8, 4), "s")
+    table.append_tokens(6)  # 2 computed + 1 + 3 drafts
+    with pytest.raises(ValueError, match="cannot exceed"):
+        rollback_drafts(table, 2, 3, 4)
+    with pytest.raises(ValueError, match="c \\+ 1 \\+ k"):
+        rollback_drafts(table, 3, 3, 1)
+    with pytest.raises(TypeError, match="num_accepted_tokens"):
+        rollback_drafts(table, 2, 3, 1.0)
+    with pytest.raises(TypeError, match="BlockTable"):
+        rollback_drafts([1, 2], 2, 3, 1)
+    assert table.num_tokens == 6
+
+
+# ---- the engine ----------------------------------------------------------------------------------------------
+
+
+class Checker:
+    """After every step: refcounts match the running tables, no running sequence lost a block to a rollback,
+    and every prefix-cache key sits on a block full of its holder's verified tokens."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.blocks = {}
+        self.steps_with_drafts = self.rejected = 0
+
+    def step(self):
+        out = self.engine.step()
+        spec = {sid: len(out.accepted.get(sid, ())) for sid in out.accepted}
+        self.steps_with_drafts += bool(spec)
+        drafted = {sid: n - 1 for sid, n in out.scheduled.items() if sid in out.accepted}
+        self.rejected += sum(drafted[sid] - spec[sid] for sid in spec)
+        self.check(out)
+        return out
+
+    def check(self, out):
+        engine = self.engine
+        alloc, sched = engine.cache.allocator, engine.scheduler
+        B = alloc.block_size
+        k = engine.config.speculative_config.num_speculative_tokens
+        free = alloc.free_queue() if hasattr(alloc, "free_queue") else list(alloc.free_block_ids)
+        holders = Counter(b for s in sched.running for b in s.block_table.blocks)
+        assert alloc.refcounts == [holders[b] for b in range(alloc.num_blocks)]
+        assert len(free) == len(set(free)) == alloc.num_free
+        assert set(free) == {b for b in range(alloc.num_blocks) if not holders[b]}
+        assert engine.metrics.used_blocks == alloc.num_used
+        for s in sched.running:
+            table = s.block_table
+            assert table.num_tokens == s.num_computed_tokens, s.seq_id
+            # Blocks cover the computed tokens, plus at most what k drafts spilled into.
+            assert blocks_needed(s.num_computed_tokens, B) <= table.num_blocks <= blocks_needed(s.num_tokens + k, B)
+            before = self.blocks.get(s.seq_id)
+            if before is not None and s.seq_id not in out.admitted:  # ran on: a rollback never frees a block
+                assert len(table.blocks) >= len(before), s.seq_id
+            if hasattr(alloc, "entries"):
+                for i, b in enumerate(table.blocks):
+                    entry = alloc.entries[b]
+                    if entry is not None:  # a key only on a block full of verified tokens, and the right ones
+                        assert i < s.num_computed_tokens // B, (s.seq_id, i)
+                        assert entry.token_ids == tuple(s.token_ids[i * B:(i + 1) * B])
+        self.blocks = {s.seq_id: list(s.block_table.blocks) for s in sched.running}
+
+
+def drive(engine, requests, rng, abort_prob=0.0, checker=None):
+    """Add requests two per step, abort some at random; return the ids that were aborted."""
+    checker = checker or Checker(engine)
+    pending, aborted = list(enumerate(requests)), set()
+    while pending or engine.has_unfinished():
+        for _ in range(2):
+            if pending:
+                i, (prompt, n) = pending.pop(0)
+                engine.add_request(prompt, SamplingParams(max_tokens=n), request_id=f"r{i}")
+        live = [rid for rid, s in engine.requests.items() if not s.is_finished]
+        if live and rng.random() < abort_prob:
+            rid = rng.choice(live)
+            engine.abort(rid)
+            aborted.add(rid)
+        if engine.has_unfinished():
+            checker.step()
+    return aborted
+
+
+@pytest.mark.parametrize("chunked, mode, caching", [(True, "recompute", True), (False, "recompute", False),
+                                                    (True, "swap", False), (False, "swap", True)])  # fmt: skip
+def test_greedy_output_equals_contiguous_under_preemption_chunking_aborts_and_sharing(model, chunked, mode, caching):
+    rng = random.Random(f"{chunked}{mode}{caching}")
+    config = EngineConfig(num_blocks=24, block_size=4, max_num_seqs=8, max_num_batched_tokens=64 if not chunked else 24,
+                          chunked_prefill=chunked, preemption_mode=mode, enable_prefix_caching=caching,
+                          keep_finished=True, speculative_config=SPEC)  # fmt: skip
+    engine = Engine(model, config)
+    shared = repetitive_prompt(rng)
+    requests = [(((shared if i % 3 == 0 else []) + repetitive_prompt(rng))[:40], rng.randint(4, 16)) for i in range(14)]
+    checker = Checker(engine)
+    aborted = drive(engine, requests, rng, abort_prob=0.05, checker=checker)
+    assert engine.metrics.num_preemptions > 0
+    assert engine.cache.allocator.num_used == 0 and not engine.swap_space
+    m = engine.metrics
+    assert m.num_accepted_tokens > 0 and checker.rejected > 0  # both paths ran: acceptance and rollback
+    assert sum(m.num_accepted_tokens_per_pos) == m.num_accepted_tokens <= m.num_draft_tokens
+    for i, (prompt, n) in enumerate(requests):
+        seq = engine.requests[f"r{i}"]
+        if f"r{i}" in aborted:
+            assert seq.status is SequenceStatus.ABORTED
+            continue
+        assert seq.output_token_ids == reference(model, prompt, n), f"request r{i} differs"
+
+
+def test_the_engine_counts_what_step_outputs_report(model):
+    engine = Engine(model, EngineConfig(num_blocks=40, block_size=4, speculative_config=SPEC))
+    rng = random.Random(3)
+    for _ in range(3):
+        engine.add_request(repetitive_prompt(rng), SamplingParams(max_tokens=20))
+    drafts = accepted = verifications = tokens = 0
+    while engine.has_unfinished():
+        out = engine.step()
+        assert out.drafts.keys() == out.accepted.keys()
+        for sid, kept in out.accepted.items():
+            assert out.scheduled[sid] == 1 + len(out.drafts[sid]) and out.drafts[sid][: len(kept)] == kept
+            drafts += out.scheduled[sid] - 1
+            accepted += len(kept)
+            verifications += 1
+        tokens += sum(len(v) for v in out.accepted.values()) + len(out.new_tokens)
+    m = engine.metrics
+    assert (m.num_spec_drafts, m.num_draft_tokens, m.num_accepted_tokens) == (verifications, drafts, accepted)
+    assert m.spec_acceptance_rate == pytest.approx(accepted / drafts)
+    assert m.mean_acceptance_length == pytest.approx(1 + accepted / verifications)
+    assert tokens == 60  # every token of the three outputs, reported once
+
+
+def test_drafts_never_pass_max_tokens_and_stop_tokens_among_them_end_the_output(model):
+    rng = random.Random(11)
+    prompts = [repetitive_prompt(rng) for _ in range(4)]
+    plain = Engine(model, EngineConfig(num_blocks=40, block_size=4)).generate(prompts, SamplingParams(max_tokens=12))
+    stops = tuple({o[5] for o in plain})  # a token each output produces mid-way
+    params = SamplingParams(max_tokens=12, stop_token_ids=stops)
+    want = Engine(model, EngineConfig(num_blocks=40, block_size=4)).generate(prompts, params)
+    spec = Engine(model, EngineConfig(num_blocks=40, block_size=4, speculative_config=SPEC))
+    assert spec.generate(prompts, params) == want
+    assert all(len(o) <= 12 for o in want) and any(len(o) < 12 for o in want)
+    assert spec.metrics.num_draft_tokens > 0
+
+
+def test_parallel_samples_and_sampled_requests_next_to_drafting_ones(model):
+    rng = random.Random(5)
+    prompt = repetitive_prompt(rng)
+    engine = Engine(model, EngineConfig(num_blocks=40, block_size=4, max_num_seqs=8, speculative_config=SPEC))
+    greedy = engine.add_request(prompt, SamplingParams(max_tokens=14, n=3))
+    sampled = engine.add_request(prompt, SamplingParams(max_tokens=14, temperature=0.8, seed=1))
+    outputs = {}
+    while engine.has_unfinished():
+        out = engine.step()
+        assert all(sid[0] == greedy for sid in out.accepted)  # a sampled request never drafts
+        outputs.update({o.request_id: o.output_token_ids for o in out.outputs})
+    assert outputs[greedy] == [reference(model, prompt, 14)] * 3
+    assert engine.metrics.num_draft_tokens > 0
+    # The sampled request draws the same tokens as in an engine without drafts.
+    plain = Engine(model, EngineConfig(num_blocks=40, block_size=4, max_num_seqs=8))
+    assert plain.generate([prompt], SamplingParams(max_tokens=14, temperature=0.8, seed=1)) == outputs[sampled]
+
+
+def test_a_rejected_draft_leaves_its_block_reserved_and_uncached(model):
+    # One sequence, drafts that cross into a new block; after the step the drafts' block is kept, keyless.
+    rng = random.Random(0)
+    engine = Engine(model, EngineConfig(num_blocks=40, block_size=4, speculative_config=SPEC, keep_finished=True))
+    seen = 0
+    for _ in range(30):
+        prompt = repetitive_prompt(rng)
+        rid = engine.add_request(prompt, SamplingParams(max_tokens=16))
+        seq = engine.requests[rid]
+        while not seq.is_finished:
+            out = engine.step()
+            kept = out.accepted.get(rid)
+            if kept is None or seq.is_finished:
+                continue
+            k = out.scheduled[rid] - 1
+            table, B = seq.block_table, engine.config.block_size
+            if len(kept) < k and table.num_blocks > blocks_needed(seq.num_computed_tokens, B):
+                seen += 1
+                spare = table.blocks[blocks_needed(seq.num_computed_tokens, B):]
+                assert all(engine.cache.allocator.refcount(b) == 1 for b in spare)
+                assert all(engine.cache.allocator.block_key(b) is None for b in spare)
+                partial = table.blocks[seq.num_computed_tokens // B]
+                assert engine.cache.allocator.block_key(partial) is None
+        assert seq.output_token_ids == reference(model, prompt, 16)
+        if seen >= 3:
+            break
+    assert seen >= 3
+
+
+def test_no_drafting_without_repetition_and_spec_off_is_plain_decoding(model):
+    rng = random.Random(1)
+    prompts = [[rng.randrange(256) for _ in range(12)] for _ in range(3)]
+    params = SamplingParams(max_tokens=6)
+    config = EngineConfig(num_blocks=40, block_size=4,
+                          speculative_config={"num_speculative_tokens": 3, "prompt_lookup_min": 4})
+    engine = Engine(model, config)
+    assert engine.generate(prompts, params) == [reference(model, p, 6) for p in prompts]
+    assert engine.metrics.num_draft_tokens == 0 and engine.metrics.mean_acceptance_length == 1.0
+    assert engine.metrics.spec_acceptance_rate == 0.0
+
+
+# ---- faults ----------------------------------------------------------------------------------------------------
+
+
+def snapshot(engine: Engine) -> dict:
+    alloc, sched = engine.cache.allocator, engine.scheduler
+    seqs = sorted(engine.requests.values(), key=lambda s: str(s.seq_id))
+    return {
+        "free_queue": alloc.free_queue() if hasattr(alloc, "free_queue") else list(alloc.free_block_ids),
+        "refcounts": alloc.refcounts,
+        "keys": [alloc.block_key(b) for b in range(alloc.num_blocks)] if hasattr(alloc, "block_key") else None,
+        "queues": ([s.seq_id for s in sched.waiting], [s.seq_id for s in sched.running]),
+        "seqs": [(s.seq_id, s.status, s.num_computed_tokens, list(s.token_ids), list(s.token_times),
+                  None if s.block_table is None else (list(s.block_table.blocks), s.block_table.num_tokens))
+                 for s in seqs],
+        "swap_space": sorted(map(str, engine.swap_space)),
+        "clock": engine.clock.now(),
+        "metrics": {k: v for k, v in vars(engine.metrics).items() if k not in ("history", "_allocator")},
+    }
+
+
+class Boom(Exception):
+    pass
+
+
+STAGES = {  # where to raise: (object, attribute), after the call when "after"
+    "forward": lambda e: (e.model, "forward", "before"),
+    "verify": lambda e: (e, "verify", "before"),
+    "propose": lambda e: (e.scheduler.proposer, "propose", "after"),
+    "rollback": lambda e: (Sequence, "append_token", "after"),
+    "sample": lambda e: (engine_module, "sample", "before"),
+}
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("stage", sorted(STAGES))
+def test_a_fault_in_a_speculative_step_leaves_the_engine_as_before(model, stage, mode, monkeypatch):
+    rng = random.Random(f"{stage}{mode}")
+    config = EngineConfig(num_blocks=20, block_size=4, max_num_seqs=6, max_num_batched_tokens=16, keep_finished=True,
+                          preemption_mode=mode, speculative_config=SPEC)  # fmt: skip
+    engine = Engine(model, config)
+    prompts = [repetitive_prompt(rng)[:24] for _ in range(5)]
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=rng.randint(6, 14)))
+    faults = 0
+    for _ in range(400):
+        if not engine.has_unfinished():
+            break
+        before = snapshot(engine)
+        with monkeypatch.context() as m:
+            if rng.random() < 0.4:
+                owner, name, when = STAGES[stage](engine)
+                original = getattr(owner, name)
+
+                def patched(*args, _original=original, _when=when, **kwargs):
+                    if _when == "after":
+                        _original(*args, **kwargs)
+                    raise KeyboardInterrupt if stage == "forward" else Boom(stage)
+
+                m.setattr(owner, name, patched)
+            try:
+                engine.step()
+            except (Boom, KeyboardInterrupt):
+                faults += 1
+                after = snapshot(engine)
+                for key in before:
+                    assert after[key] == before[key], (stage, key)
+    assert not engine.has_unfinished() and faults > 0
+    assert engine.metrics.num_accepted_tokens > 0
+    for rid, p in enumerate(prompts):
+        seq = engine.requests[rid]
+        assert seq.output_token_ids == reference(model, p, seq.sampling_params.max_tokens), (stage, rid)
+    assert engine.cache.allocator.num_used == 0
+
+
+# ---- random workloads ------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10**6), k=st.integers(1, 5), lookup=st.tuples(st.integers(1, 3), st.integers(0, 2)),
+       block_size=st.sampled_from([2, 4]), spare_blocks=st.integers(0, 12), mode=st.sampled_from(["recompute", "swap"]),
+       chunked=st.booleans(), caching=st.booleans(), budget=st.integers(8, 40), num_requests=st.integers(1, 6))
+def test_random_workloads_match_contiguous_and_keep_the_pool_consistent(seed, k, lookup, block_size, spare_blocks, mode,
+                                                                        chunked, caching, budget, num_requests):
+    model = course()
+    rng = random.Random(seed)
+    num_blocks = blocks_needed(20 + 12 - 1, block_size) + spare_blocks  # the longest request fits, maybe only alone
+    min_n, extra = lookup
+    spec = {"num_speculative_tokens": k, "prompt_lookup_min": min_n, "prompt_lookup_max": min_n + extra}
+    config = EngineConfig(num_blocks=num_blocks, block_size=block_size, max_num_seqs=4,
+                          max_num_batched_tokens=budget if chunked else 64, chunked_prefill=chunked,
+                          preemption_mode=mode, enable_prefix_caching=caching, keep_finished=True,
+                          watermark=0.0, speculative_config=spec)  # fmt: skip
+    engine = Engine(model, config)
+    requests = [(repetitive_prompt(rng)[:20], rng.randint(1, 12)) for _ in range(num_requests)]
+    aborted = drive(engine, requests, rng, abort_prob=0.05)
+    assert engine.cache.allocator.num_used == 0 and not engine.swap_space
+    for i, (prompt, n) in enumerate(requests):
+        if f"r{i}" not in aborted:
+            assert engine.requests[f"r{i}"].output_token_ids == reference(model, prompt, n), f"r{i}"
