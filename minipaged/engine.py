@@ -374,12 +374,13 @@ class Engine:
                     for s, n in zip(out.seqs, out.num_new_tokens)]  # fmt: skip
             logits = self.execute(out, last)
             to_sample = [s for s, ends in zip(out.seqs, last) if ends]
+            decided = {}  # seq_id -> the token a sampled sequence's verification already drew
             if spec:  # a sequence with k drafts has k + 1 rows: keep the row after its accepted drafts
-                logits, accepted = self.verify(logits, to_sample, spec)
+                logits, accepted, decided = self.verify(logits, to_sample, spec)
             # One row of logits per sequence whose chunk ends; a sample about to fork shares its parent's row.
-            rows = [(i, x) for i, s in enumerate(to_sample) for x in (s, *s.pending_forks)]
+            rows = [(i, x) for i, s in enumerate(to_sample) for x in (s, *s.pending_forks) if x.seq_id not in decided]
             tokens = sample(logits[[i for i, _ in rows]], [x for _, x in rows])
-            sampled = {x.seq_id: t for (_, x), t in zip(rows, tokens)}
+            sampled = {x.seq_id: t for (_, x), t in zip(rows, tokens)} | decided
             context = sum(s.num_computed_tokens + n for s, n in zip(out.seqs, out.num_new_tokens))
             self.clock.step(out.num_batched_tokens, context, swapped)
         result.time = self.clock.now()
@@ -433,13 +434,15 @@ class Engine:
                 moved += seq.num_computed_tokens - num_hit_blocks * self.config.block_size
         return moved
 
-    def verify(self, logits: torch.Tensor, seqs: list[Sequence], spec: dict) -> tuple[torch.Tensor, dict]:
+    def verify(self, logits: torch.Tensor, seqs: list[Sequence], spec: dict) -> tuple[torch.Tensor, dict, dict]:
         """Speculative decoding (chapter 08): check each sequence's drafts against the target's own tokens.
 
-        A sequence that verified ``k`` drafts owns ``k + 1`` rows of ``logits``; greedy acceptance
+        A sequence that verified ``k`` drafts owns ``k + 1`` rows of ``logits``. Greedy acceptance
         (:func:`minipaged.speculative.accept_greedy`) keeps the ``j`` drafts that equal the
         target's argmax, and the row after them is the one to sample the step's new token from
         (the correction at the first mismatch, or the bonus token after ``k`` accepted drafts).
+        A sampled sequence (``temperature > 0``) goes through
+        :func:`minipaged.speculative.accept_sampled`, which draws its new token itself.
         Records the counts in ``engine.metrics``.
 
         Args:
@@ -448,21 +451,27 @@ class Engine:
             spec: seq_id -> drafts (``SchedulerOutput.spec_token_ids``).
 
         Returns:
-            One row per sequence (the one to sample from), and seq_id -> accepted drafts.
+            One row per sequence (the one to sample from), seq_id -> accepted drafts, and
+            seq_id -> new token for the sampled sequences whose token verification drew.
         """
-        from minipaged.speculative import accept_greedy  # chapter 08, reached by name only
+        from minipaged.speculative import accept_greedy, accept_sampled  # chapter 08, reached by name only
 
-        rows, accepted, start = [], {}, 0
+        rows, accepted, decided, start = [], {}, {}, 0
         for seq in seqs:
             drafts = spec.get(seq.seq_id, [])
-            j = 0
+            block = logits[start : start + len(drafts) + 1]
+            j, t = 0, seq.sampling_params.temperature
+            if drafts and t > 0:
+                probs = torch.softmax(block.float() / t, dim=-1)
+                j, decided[seq.seq_id] = accept_sampled(drafts, probs, seq.generator)
+            elif drafts:
+                j = accept_greedy(drafts, block.argmax(dim=-1).tolist())
             if drafts:
-                j = accept_greedy(drafts, logits[start : start + len(drafts) + 1].argmax(dim=-1).tolist())
                 accepted[seq.seq_id] = drafts[:j]
                 self.metrics.record_spec_decode(len(drafts), j)
             rows.append(start + j)
             start += len(drafts) + 1
-        return logits[rows], accepted
+        return logits[rows], accepted, decided
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, last: list[bool]) -> torch.Tensor:

@@ -36,7 +36,7 @@ The rules, in the order :meth:`Scheduler.schedule` applies them:
    copies are in ``SchedulerOutput.copies`` for the engine to carry out before
    the forward pass.
 7. **Speculative decoding** (chapter 08; on with ``EngineConfig.speculative_config``).
-   After the running sequences are planned, each greedy decode may add up to
+   After the running sequences are planned, each decode may add up to
    ``num_speculative_tokens`` draft tokens from :class:`~minipaged.speculative.NgramProposer`,
    out of the budget and the free blocks that are left (a draft never preempts);
    they are in ``SchedulerOutput.spec_token_ids``. After verification,
@@ -328,13 +328,12 @@ class Scheduler:
 
         Drafts come last among the running sequences' work and never at anyone's expense: each
         decode gets at most the tokens of budget left and the blocks that are free now, and a
-        draft never preempts. Only greedy sequences draft (verification keeps greedy output
-        exact), never past ``max_tokens`` (``j`` accepted drafts plus the token sampled after
-        them must fit), and not a sequence whose samples are still to fork from its next token.
+        draft never preempts. A sequence drafts never past ``max_tokens`` (``j`` accepted drafts
+        plus the token sampled after them must fit), and not while samples are still to fork
+        from its next token.
         """
         for i, seq in enumerate(out.seqs):
-            if (budget == 0 or out.num_new_tokens[i] != 1 or seq.num_uncomputed_tokens != 1 or seq.pending_forks
-                    or seq.sampling_params.temperature > 0):
+            if budget == 0 or out.num_new_tokens[i] != 1 or seq.num_uncomputed_tokens != 1 or seq.pending_forks:
                 continue
             room = seq.sampling_params.max_tokens - seq.num_output_tokens - 1
             drafts = self.proposer.propose(seq.token_ids, min(budget, room)) if room > 0 else []

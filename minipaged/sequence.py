@@ -18,6 +18,11 @@ how many of ``token_ids`` already have their K/V in the paged cache. Prefill,
 chunked prefill, decode and recompute after preemption are then one rule:
 compute the tokens that are not yet computed (as many as the budget allows),
 and when that reaches the end of the sequence, sample the next token.
+Speculative decoding (chapter 08) is the one place the counter moves back: a
+verification step computes draft tokens that are not in ``token_ids``, and
+afterwards the counter is set to the end of the drafts that were accepted
+(:func:`minipaged.speculative.rollback_drafts`); the rejected ones' K/V slots are
+overwritten by the next step.
 
 Timestamps (``arrival_time``, ``token_times``, ``finish_time``) are in the
 engine's clock, virtual or wall (see :mod:`minipaged.clock`).

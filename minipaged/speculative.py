@@ -23,10 +23,15 @@ say ``j`` of them, then append ``t_j`` too: the target's own token at the first 
 the **bonus token** after the last draft when all ``k`` match. A step therefore yields
 ``j + 1`` tokens, between 1 (every draft wrong: no worse than plain decoding) and ``k + 1``,
 and every one of them is the token plain greedy decoding would have produced, so the
-output is the same token for token. Only greedy requests (``temperature == 0``) draft; a
-sampled request decodes one token per step. (For sampling, the rule that keeps the target
-distribution accepts a draft with probability ``p(d_i)`` and on rejection samples from ``p``
-with ``d_i`` removed; minipaged does not implement it.)
+output is the same token for token.
+
+**Sampling** (``temperature > 0``, :func:`accept_sampled`): the rule of speculative sampling
+(Leviathan et al. 2023; Chen et al. 2023) with a proposer that is certain of its guess (the
+draft distribution puts all its mass on ``d_i``): accept ``d_i`` with probability
+``p_i(d_i)``, the target's probability of it; at the first rejection sample the new token from
+``p_i`` with ``d_i`` removed and renormalised; after ``k`` acceptances sample the bonus token
+from ``p_k``. Every emitted token then has exactly the target's distribution, so sampled
+output is distributed as without drafts, although not the same draws for the same seed.
 
 **Rollback** (:func:`rollback_drafts`): the verification step wrote K/V for all ``k + 1``
 positions, but only the last sampled token and the ``j`` accepted drafts are real. Rolling
@@ -37,8 +42,9 @@ the accepted prefix. Nothing else happens, on purpose:
   (the one just sampled) lands exactly in the first rejected slot, and the next drafts in the
   slots after it: the rejected K/V is simply overwritten. Attention never reads past a
   sequence's length, so stale K/V in a slot beyond it is harmless. Freeing a block the drafts
-  spilled into would be wasted work, since the next step's drafts almost always need it
-  again (vLLM keeps them too); the block stays reserved as tail waste until then.
+  spilled into would be wasted work: the sequence grows into it within a few tokens, and the
+  next step's drafts often reach it again (vLLM keeps such blocks too). Until then it stays
+  reserved, counted as tail waste.
 * **A block holding unverified tokens is never put in the prefix cache.** A cached block is
   shared, read-only K/V that another request trusts to match its key (the token ids). A
   rejected draft's K/V would break that promise, and its slot will be overwritten next step,
@@ -55,6 +61,8 @@ sequence gains per verification step, ``1 + accepted / drafts``), as vLLM report
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 from minipaged.block_manager import BlockTable
 from minipaged.validation import check_int
@@ -165,6 +173,35 @@ def accept_greedy(draft_token_ids: list[int], target_token_ids: list[int]) -> in
     while j < len(draft_token_ids) and draft_token_ids[j] == target_token_ids[j]:
         j += 1
     return j
+
+
+def accept_sampled(draft_token_ids: list[int], probs: torch.Tensor,
+                   generator: torch.Generator | None = None) -> tuple[int, int]:  # fmt: skip
+    """Speculative sampling's acceptance for drafts that came with certainty; returns ``(j, next token)``.
+
+    Draft ``i`` is accepted with probability ``probs[i, d_i]`` (the target's own probability of
+    it: the ratio ``p / q`` of speculative sampling with ``q(d_i) = 1``). At the first rejection
+    the next token is drawn from ``probs[i]`` without ``d_i``, renormalised; with every draft
+    accepted it is drawn from ``probs[k]``. The emitted tokens ``d_1 .. d_j, next`` are then
+    distributed exactly as ``j + 1`` tokens sampled one by one from the target.
+
+    Args:
+        draft_token_ids: the ``k`` drafts, in order.
+        probs: ``[k + 1, vocab_size]``, the target's sampling distribution at each verified position.
+        generator: the request's generator (None: torch's global one).
+    """
+    if probs.dim() != 2 or probs.shape[0] != len(draft_token_ids) + 1:
+        raise ValueError(f"probs must be [k + 1, vocab_size] with k = {len(draft_token_ids)} drafts, "
+                         f"got {tuple(probs.shape)}")  # fmt: skip
+    for i, draft in enumerate(draft_token_ids):
+        p = probs[i].float()
+        if float(torch.rand((), generator=generator)) < float(p[draft]):
+            continue
+        residual = p.clone()
+        residual[draft] = 0.0
+        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+    k = len(draft_token_ids)
+    return k, int(torch.multinomial(probs[k].float(), 1, generator=generator))
 
 
 def rollback_drafts(table: BlockTable, num_computed_tokens: int, num_draft_tokens: int,

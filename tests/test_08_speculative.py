@@ -23,7 +23,7 @@ from minipaged.engine import Engine
 from minipaged.generate import generate_contiguous
 from minipaged.scheduler import EngineConfig
 from minipaged.sequence import SamplingParams, Sequence, SequenceStatus
-from minipaged.speculative import NgramProposer, SpeculativeConfig, accept_greedy, rollback_drafts
+from minipaged.speculative import NgramProposer, SpeculativeConfig, accept_greedy, accept_sampled, rollback_drafts
 from minipaged.tokenizer import encode
 
 pytestmark = pytest.mark.ch08
@@ -325,19 +325,41 @@ def test_drafts_never_pass_max_tokens_and_stop_tokens_among_them_end_the_output(
 def test_parallel_samples_and_sampled_requests_next_to_drafting_ones(model):
     rng = random.Random(5)
     prompt = repetitive_prompt(rng)
-    engine = Engine(model, EngineConfig(num_blocks=40, block_size=4, max_num_seqs=8, speculative_config=SPEC))
-    greedy = engine.add_request(prompt, SamplingParams(max_tokens=14, n=3))
-    sampled = engine.add_request(prompt, SamplingParams(max_tokens=14, temperature=0.8, seed=1))
-    outputs = {}
-    while engine.has_unfinished():
-        out = engine.step()
-        assert all(sid[0] == greedy for sid in out.accepted)  # a sampled request never drafts
-        outputs.update({o.request_id: o.output_token_ids for o in out.outputs})
-    assert outputs[greedy] == [reference(model, prompt, 14)] * 3
-    assert engine.metrics.num_draft_tokens > 0
-    # The sampled request draws the same tokens as in an engine without drafts.
-    plain = Engine(model, EngineConfig(num_blocks=40, block_size=4, max_num_seqs=8))
-    assert plain.generate([prompt], SamplingParams(max_tokens=14, temperature=0.8, seed=1)) == outputs[sampled]
+
+    def run():
+        engine = Engine(model, EngineConfig(num_blocks=40, block_size=4, max_num_seqs=8, speculative_config=SPEC))
+        greedy = engine.add_request(prompt, SamplingParams(max_tokens=14, n=3))
+        sampled = engine.add_request(prompt, SamplingParams(max_tokens=14, temperature=0.5, seed=1))
+        outputs, drafted = {}, set()
+        while engine.has_unfinished():
+            out = engine.step()
+            drafted |= {sid if sid == sampled else sid[0] for sid in out.drafts}
+            outputs.update({o.request_id: o.output_token_ids for o in out.outputs})
+        return outputs[greedy], outputs[sampled], drafted == {greedy, sampled}
+
+    greedy, sampled, both_drafted = run()
+    assert greedy == [reference(model, prompt, 14)] * 3
+    assert both_drafted and len(sampled[0]) == 14
+    assert run()[1] == sampled  # a seeded sampled request draws the same tokens again, drafts and all
+
+
+def test_speculative_sampling_keeps_the_target_distribution():
+    # Drafts [1, 2] against fixed target distributions over 4 tokens: the first emitted token must follow
+    # probs[0], and, when it is the accepted draft 1, the second must follow probs[1].
+    probs = torch.tensor([[0.1, 0.5, 0.3, 0.1], [0.25, 0.25, 0.2, 0.3], [0.4, 0.3, 0.2, 0.1]])
+    generator = torch.Generator().manual_seed(0)
+    first, second, n = Counter(), Counter(), 20000
+    for _ in range(n):
+        j, token = accept_sampled([1, 2], probs, generator)
+        emitted = [1, 2][:j] + [token]
+        first[emitted[0]] += 1
+        if j >= 1:
+            second[emitted[1]] += 1
+    assert all(abs(first[t] / n - float(probs[0, t])) < 0.02 for t in range(4)), first
+    total = sum(second.values())
+    assert all(abs(second[t] / total - float(probs[1, t])) < 0.02 for t in range(4)), second
+    with pytest.raises(ValueError, match="k \\+ 1"):
+        accept_sampled([1, 2], probs[:2])
 
 
 def test_a_rejected_draft_leaves_its_block_reserved_and_uncached(model):
@@ -422,8 +444,11 @@ def test_a_fault_in_a_speculative_step_leaves_the_engine_as_before(model, stage,
                           preemption_mode=mode, speculative_config=SPEC)  # fmt: skip
     engine = Engine(model, config)
     prompts = [repetitive_prompt(rng)[:24] for _ in range(5)]
-    for p in prompts:
-        engine.add_request(p, SamplingParams(max_tokens=rng.randint(6, 14)))
+    lengths = [rng.randint(6, 14) for _ in prompts]
+    for p, n in zip(prompts, lengths):
+        engine.add_request(p, SamplingParams(max_tokens=n))
+    # A seeded sampled request too: a failed step puts its generator back, so it draws as in a run without faults.
+    sampled_rid = engine.add_request(prompts[0], SamplingParams(max_tokens=12, temperature=0.7, seed=3))
     faults = 0
     for _ in range(400):
         if not engine.has_unfinished():
@@ -453,6 +478,13 @@ def test_a_fault_in_a_speculative_step_leaves_the_engine_as_before(model, stage,
         seq = engine.requests[rid]
         assert seq.output_token_ids == reference(model, p, seq.sampling_params.max_tokens), (stage, rid)
     assert engine.cache.allocator.num_used == 0
+    clean = Engine(model, config)  # the same requests without faults: the sampled one draws the same tokens
+    for p, n in zip(prompts, lengths):
+        clean.add_request(p, SamplingParams(max_tokens=n))
+    clean.add_request(prompts[0], SamplingParams(max_tokens=12, temperature=0.7, seed=3), request_id=sampled_rid)
+    while clean.has_unfinished():
+        clean.step()
+    assert clean.requests[sampled_rid].output_token_ids == engine.requests[sampled_rid].output_token_ids
 
 
 # ---- random workloads ------------------------------------------------------------------------------------------
@@ -480,3 +512,15 @@ def test_random_workloads_match_contiguous_and_keep_the_pool_consistent(seed, k,
     for i, (prompt, n) in enumerate(requests):
         if f"r{i}" not in aborted:
             assert engine.requests[f"r{i}"].output_token_ids == reference(model, prompt, n), f"r{i}"
+
+
+def test_bench_spec_refuses_a_bad_lookup_range_and_builds_prompts_of_the_asked_length():
+    from minipaged.bench import spec as bench_spec
+
+    with pytest.raises(SystemExit) as exc:
+        bench_spec.main(["--lookup", "3", "2"])
+    assert exc.value.code == 2
+    for make in (bench_spec.repetitive_prompts, bench_spec.code_prompts):
+        prompts = make(3, 50, seed=1)
+        assert len(prompts) == 3 and all(len(p) == 50 for p in prompts)
+        assert prompts == make(3, 50, seed=1)  # seeded

@@ -10,12 +10,13 @@ request greedy and arriving at once:
   where repetition is only what real code has.
 
 Each workload runs with ``speculative_config`` off and on, on the same requests, and the
-script checks that the outputs are equal token for token. It prints the acceptance rate, the
-mean acceptance length (tokens a drafting sequence gains per step), the tokens per engine
-step, and the throughput ratio (on / off) on the virtual clock (the modelled GPU step cost of
-:mod:`minipaged.clock`, deterministic: a step costs mostly its fixed part, so fewer steps win)
-and on the wall clock of this machine (the fastest of ``--repeats`` alternating runs). A sweep
-of ``k`` on the virtual clock closes the report.
+script checks that the outputs are equal token for token. It prints the acceptance rate,
+the mean acceptance length (tokens a drafting sequence gains per step), the tokens per
+engine step, the median time per output token, and the throughput ratio (on / off) on the
+virtual clock (the modelled GPU step cost of :mod:`minipaged.clock`, deterministic: a step
+costs mostly its fixed part, so fewer steps win) and on the wall clock of this machine (the
+fastest of ``--repeats`` alternating runs). A sweep of ``k`` on the virtual clock closes the
+report.
 """
 
 from __future__ import annotations
@@ -158,7 +159,9 @@ def main(argv: list[str]) -> int:
               f"spec {spec['tokens_per_step']:.2f}")
         print(f"  throughput ratio (spec / plain): virtual clock {ratios[name][0]:.2f}x "
               f"({plain['tokens_per_s']:.0f} -> {spec['tokens_per_s']:.0f} tok/s), "
-              f"wall clock {ratios[name][1]:.2f}x ({wall['plain']:.0f} -> {wall['spec']:.0f} tok/s)\n")
+              f"wall clock {ratios[name][1]:.2f}x ({wall['plain']:.0f} -> {wall['spec']:.0f} tok/s)")
+        print(f"  TPOT p50 on the virtual clock: plain {plain['tpot_p50'] * 1e3:.1f} ms, spec "
+              f"{spec['tpot_p50'] * 1e3:.1f} ms ({plain['tpot_p50'] / spec['tpot_p50']:.2f}x shorter)\n")
         if not equal:
             print("ERROR: speculative decoding changed the greedy output")
             return 1
