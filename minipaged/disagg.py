@@ -77,7 +77,7 @@ from minipaged.engine import Engine, RequestOutput, StepOutput
 from minipaged.generate import check_prompt
 from minipaged.metrics import request_latencies, summarize
 from minipaged.scheduler import EngineConfig, can_admit
-from minipaged.sequence import SamplingParams, Sequence
+from minipaged.sequence import SamplingParams, Sequence, SequenceStatus
 from minipaged.validation import check_int, check_real
 from minipaged.workload import LogNormal, RequestSpec, WorkloadPreset, prompt_token_ids
 
@@ -283,7 +283,11 @@ class DisaggregatedEngine:
         self.waiting_transfer: deque[tuple[Sequence, float]] = deque()
         self.in_flight: deque[KVTransfer] = deque()
         self.transfers: list[KVTransfer] = []
-        self.prefill_stalled = False  # its last step found nothing to run: it waits for a transfer to free blocks
+        # An engine whose last step found nothing it could run waits for a transfer to end: the prefill engine for
+        # the source blocks it frees, the decode engine (whose preempted requests cannot come back while transfers
+        # hold its blocks) for the request it brings.
+        self.prefill_stalled = False
+        self.decode_stalled = False
         self._max_tokens: dict = {}  # request_id -> the max_tokens asked for (the prefill engine is asked for <= 2)
         self._next_id = 0
 
@@ -345,6 +349,48 @@ class DisaggregatedEngine:
             self._next_id += 1
         return request_id
 
+    def abort(self, request_id) -> None:
+        """Drop an unfinished request wherever it is; every block it holds, in either pool, is freed now.
+
+        Not yet arrived: it never will. In the prefill or the decode engine: that engine aborts it
+        (:meth:`Engine.abort <minipaged.engine.Engine.abort>`). Waiting for its transfer: its prefill
+        blocks are freed. On the link: its blocks in both pools are freed (the link stays busy until
+        the transfer would have ended: the bytes are already on their way).
+
+        Raises:
+            KeyError: no unfinished request has this id.
+        """
+        if request_id not in self._max_tokens:
+            raise KeyError(f"abort: no unfinished request with id {request_id!r}")
+        for i, a in enumerate(self.arrivals):
+            if a.request_id == request_id:
+                del self.arrivals[i]
+                break
+        else:
+            if request_id in self.prefill.samples:
+                self.prefill.abort(request_id)
+            elif request_id in self.decode.samples:
+                self.decode.abort(request_id)
+            else:
+                self._abort_in_transit(request_id)
+        del self._max_tokens[request_id]
+
+    def _abort_in_transit(self, request_id) -> None:
+        for i, (seq, _) in enumerate(self.waiting_transfer):
+            if seq.request_id == request_id:
+                del self.waiting_transfer[i]
+                tables = [seq.block_table]
+                break
+        else:
+            i, transfer = next((i, t) for i, t in enumerate(self.in_flight) if t.request_id == request_id)
+            del self.in_flight[i]
+            seq, tables = transfer.seq, [transfer.src_table, transfer.dst_table]
+        seq.status = SequenceStatus.ABORTED
+        seq.block_table = None
+        for table in tables:
+            table.release()
+        self.prefill_stalled = self.decode_stalled = False  # either may have been waiting for these blocks
+
     def has_unfinished(self) -> bool:
         return bool(self.arrivals or self.waiting_transfer or self.in_flight or self.prefill.has_unfinished()
                     or self.decode.has_unfinished())  # fmt: skip
@@ -372,7 +418,7 @@ class DisaggregatedEngine:
             events.append((max(self.waiting_transfer[0][1], self.decode.clock.now()), "transfer_start"))
         if self.prefill.has_unfinished() and not self.prefill_stalled:
             events.append((self.prefill.clock.now(), "prefill"))
-        if self.decode.has_unfinished():
+        if self.decode.has_unfinished() and not self.decode_stalled:
             events.append((self.decode.clock.now(), "decode"))
         return min(events, key=lambda e: (e[0], EVENT_ORDER.index(e[1]))) if events else None
 
@@ -442,7 +488,8 @@ class DisaggregatedEngine:
         transfer.src_table.release()  # the prefill pool gets its blocks back (full prompt blocks stay cached)
         transfer.seq = transfer.src_table = transfer.dst_table = None
         self.transfers.append(transfer)
-        self.decode.clock.wait_until(time)  # an idle decode engine starts the request now
+        self.decode.clock.wait_until(time)  # an idle (or stalled) decode engine starts the request now
+        self.decode_stalled = False
         if self.prefill_stalled:  # the prefill engine was waiting for these blocks
             self.prefill_stalled = False
             self.prefill.clock.wait_until(time)
@@ -450,6 +497,7 @@ class DisaggregatedEngine:
 
     def _decode(self, time: float) -> DisaggStepOutput:
         out = self.decode.step()
+        self.decode_stalled = not out.scheduled
         for output in out.outputs:
             del self._max_tokens[output.request_id]
         return DisaggStepOutput("decode", out.time, list(out.scheduled), out, out.outputs)

@@ -68,10 +68,11 @@ def check_pools(d: DisaggregatedEngine) -> None:
 
 def drain(d: DisaggregatedEngine) -> dict:
     """Step to the end, checking the pools after every event; returns request_id -> finished sequence."""
-    done = {}
+    done, steps = {}, 0
     while d.has_unfinished():
         out = d.step()
-        assert out is not None
+        steps += 1
+        assert out is not None and steps < 20_000  # no engine may step on the spot forever
         check_pools(d)
         for o in out.outputs:
             done[o.request_id] = o.seqs[0]
@@ -123,7 +124,7 @@ def test_generate_equals_engine_generate_with_stop_tokens_and_sampling(model):
     assert DisaggregatedEngine(model, small(20), small(20)).generate(prompts, sampled) == want
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(
     st.lists(st.tuples(st.integers(1, 36), st.integers(1, 9), st.integers(0, 3)), min_size=1, max_size=8),
     st.integers(10, 24),
@@ -132,14 +133,17 @@ def test_generate_equals_engine_generate_with_stop_tokens_and_sampling(model):
     st.sampled_from([8, 16, 64]),
     st.booleans(),
     st.sampled_from([1e8, 1e9, 25e9]),
+    st.sampled_from(["recompute", "swap"]),
+    st.booleans(),
     st.integers(0, 2**16),
 )
-def test_property_tokens_and_pools(model, specs, prefill_blocks, decode_blocks, seats, budget, caching, bw, seed):
+def test_property_tokens_and_pools(model, specs, prefill_blocks, decode_blocks, seats, budget, caching, bw, mode,
+                                   chunked, seed):  # fmt: skip
     """Any workload (shared prefixes included): every step leaves both pools consistent; outputs equal one engine's."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(512) for _ in range(12)] for _ in range(2)]
-    cfg = {"block_size": 4, "max_num_seqs": seats, "max_num_batched_tokens": budget,
-           "enable_prefix_caching": caching}  # fmt: skip
+    cfg = {"block_size": 4, "max_num_seqs": seats, "max_num_batched_tokens": budget, "enable_prefix_caching": caching,
+           "preemption_mode": mode, "chunked_prefill": chunked}  # fmt: skip
     d = DisaggregatedEngine(model, small(prefill_blocks, **cfg), small(decode_blocks, **cfg), KVLink(bandwidth=bw))
     ref = Engine(model, EngineConfig(num_blocks=64, block_size=4, keep_finished=True))
     ids = []
@@ -149,8 +153,8 @@ def test_property_tokens_and_pools(model, specs, prefill_blocks, decode_blocks, 
         params = SamplingParams(max_tokens=n)
         try:
             rid = d.add_request(prompt, params, arrival_time=0.005 * gap * i)
-        except ValueError as exc:  # too big for a pool: refused before anything changed
-            assert "needs up to" in str(exc)
+        except ValueError as exc:  # too big for a pool or (unchunked) a step: refused before anything changed
+            assert "needs up to" in str(exc) or "enable chunked_prefill" in str(exc)
             continue
         ids.append((rid, ref.add_request(prompt, params)))
     done = drain(d)
@@ -159,6 +163,7 @@ def test_property_tokens_and_pools(model, specs, prefill_blocks, decode_blocks, 
     for rid, ref_id in ids:
         assert done[rid].output_token_ids == ref.requests[ref_id].output_token_ids
     assert_all_free(d)
+    assert not d.prefill.swap_space and not d.decode.swap_space
     for t in d.transfers:  # the clock: ready -> (wait) -> start -> bytes / bandwidth -> end; one transfer at a time
         assert t.ready_time <= t.start_time < t.end_time
         assert math.isclose(t.end_time - t.start_time, t.num_bytes / bw)
@@ -427,3 +432,70 @@ def test_compare_disaggregation_equal_memory_decoupled_latency(model):
     assert len(cmp.transfers) == 16 and "KV transfers" in cmp.describe()
     again = compare_disaggregation(model, workload, prefill_blocks=64, decode_blocks=128)
     assert again.summaries == cmp.summaries  # deterministic: virtual time only
+
+
+def test_bench_prints_its_ratios(capsys):
+    from minipaged.bench.disagg import main
+
+    assert main(["--requests", "4", "--rates", "inf", "--bandwidths", "25e9", "--sweep-rate", "inf"]) == 0
+    out = capsys.readouterr().out
+    assert "throughput disaggregated / 2 x mixed" in out and "25 GB/s: transfer" in out
+    with pytest.raises(SystemExit):
+        main(["--rates", "0"])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_abort_anywhere_frees_both_pools(model, seed):
+    rng = random.Random(seed)
+    requests = [([rng.randrange(512) for _ in range(rng.randint(2, 30))], rng.randint(2, 8)) for _ in range(10)]
+    d = DisaggregatedEngine(model, small(14), small(16, max_num_seqs=2), KVLink(bandwidth=2e8))
+    ids = [d.add_request(p, SamplingParams(max_tokens=n), arrival_time=0.01 * i) for i, (p, n) in enumerate(requests)]
+    aborted, where, done = set(), set(), {}
+    while d.has_unfinished():
+        live = [i for i in ids if i not in aborted and i not in done]
+        if live and rng.random() < 0.15:
+            rid = rng.choice(live)
+            where.add("arrivals" if rid in [a.request_id for a in d.arrivals] else
+                      "prefill" if rid in d.prefill.samples else "decode" if rid in d.decode.samples else
+                      "link" if rid in [t.request_id for t in d.in_flight] else "waiting_transfer")  # fmt: skip
+            d.abort(rid)
+            aborted.add(rid)
+            check_pools(d)
+            with pytest.raises(KeyError):
+                d.abort(rid)
+            continue
+        out = d.step()
+        check_pools(d)
+        done.update({o.request_id: o.seqs[0] for o in out.outputs})
+    assert aborted and len(where) >= 2
+    assert_all_free(d)
+    for i, (prompt, n) in zip(ids, requests):
+        if i not in aborted:
+            assert done[i].output_token_ids == generate_contiguous(model, prompt, n)
+
+
+@pytest.mark.parametrize("seed", [134, 138])
+def test_decode_engine_waits_for_a_transfer_instead_of_spinning(model, seed):
+    """Regression (found by fuzzing): a request the decode engine preempted cannot come back while a transfer holds
+    its blocks; the decode engine must wait for that transfer to end, not step on the spot forever."""
+    rng = random.Random(seed)
+    cfg = {"max_num_seqs": rng.randint(1, 4), "max_num_batched_tokens": rng.choice([8, 16, 64]),
+           "enable_prefix_caching": rng.random() < 0.5, "preemption_mode": rng.choice(["recompute", "swap"]),
+           "chunked_prefill": rng.random() < 0.5}  # fmt: skip
+    pb, db = rng.randint(10, 24), rng.randint(10, 24)
+    d = DisaggregatedEngine(model, small(pb, **cfg), small(db, **cfg), KVLink(bandwidth=rng.choice([1e8, 1e9, 25e9])))
+    prefixes = [[rng.randrange(512) for _ in range(12)] for _ in range(2)]
+    requests = {}
+    for i in range(rng.randint(1, 8)):
+        shared = prefixes[i % 2][: rng.randint(0, 12)] if i % 3 else []
+        prompt = shared + [rng.randrange(512) for _ in range(rng.randint(1, 36))]
+        n, arrival = rng.randint(1, 9), 0.005 * rng.randint(0, 3) * i
+        try:
+            requests[d.add_request(prompt, SamplingParams(max_tokens=n), arrival_time=arrival)] = (prompt, n)
+        except ValueError:
+            pass
+    done = drain(d)
+    assert any(not r.num_batched_tokens for r in d.decode.metrics.history)  # the decode engine did have to wait
+    assert_all_free(d)
+    for rid, (prompt, n) in requests.items():
+        assert done[rid].output_token_ids == generate_contiguous(model, prompt, n)
