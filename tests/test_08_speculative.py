@@ -244,14 +244,15 @@ class Checker:
 
 
 def drive(engine, requests, rng, abort_prob=0.0, checker=None):
-    """Add requests two per step, abort some at random; return the ids that were aborted."""
+    """Add requests (prompt, max_tokens[, temperature]) two per step, abort some at random; return the aborted ids."""
     checker = checker or Checker(engine)
     pending, aborted = list(enumerate(requests)), set()
     while pending or engine.has_unfinished():
         for _ in range(2):
             if pending:
-                i, (prompt, n) = pending.pop(0)
-                engine.add_request(prompt, SamplingParams(max_tokens=n), request_id=f"r{i}")
+                i, (prompt, n, *temperature) = pending.pop(0)
+                params = SamplingParams(max_tokens=n, temperature=temperature[0] if temperature else 0.0, seed=i)
+                engine.add_request(prompt, params, request_id=f"r{i}")
         live = [rid for rid, s in engine.requests.items() if not s.is_finished]
         if live and rng.random() < abort_prob:
             rid = rng.choice(live)
@@ -506,12 +507,19 @@ def test_random_workloads_match_contiguous_and_keep_the_pool_consistent(seed, k,
                           preemption_mode=mode, enable_prefix_caching=caching, keep_finished=True,
                           watermark=0.0, speculative_config=spec)  # fmt: skip
     engine = Engine(model, config)
-    requests = [(repetitive_prompt(rng)[:20], rng.randint(1, 12)) for _ in range(num_requests)]
+    # Some requests sample (temperature 0.8): they draft and verify by speculative sampling next to greedy ones.
+    requests = [(repetitive_prompt(rng)[:20], rng.randint(1, 12), rng.choice([0.0, 0.0, 0.8]))
+                for _ in range(num_requests)]  # fmt: skip
     aborted = drive(engine, requests, rng, abort_prob=0.05)
     assert engine.cache.allocator.num_used == 0 and not engine.swap_space
-    for i, (prompt, n) in enumerate(requests):
-        if f"r{i}" not in aborted:
-            assert engine.requests[f"r{i}"].output_token_ids == reference(model, prompt, n), f"r{i}"
+    for i, (prompt, n, temperature) in enumerate(requests):
+        seq = engine.requests[f"r{i}"]
+        if f"r{i}" in aborted:
+            continue
+        if temperature == 0:
+            assert seq.output_token_ids == reference(model, prompt, n), f"r{i}"
+        else:
+            assert seq.num_output_tokens == n, f"r{i}"
 
 
 def test_bench_spec_refuses_a_bad_lookup_range_and_builds_prompts_of_the_asked_length():
