@@ -63,6 +63,60 @@ CPU_PARALLELISM = 8
 
 
 @triton.jit
+def load_kv_tile(
+    k_cache_ptr, v_cache_ptr, block_table, tokens, valid, kv_head, dims, dim_ok,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vh, stride_vd,
+    stride_btb,
+    BLOCK_SIZE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """One KV head's K and V rows for a tile of token positions, read through the block table.
+
+    Shared by the decode and the prefill kernel: the paged part of their loops.
+
+    Args:
+        k_cache_ptr, v_cache_ptr: the caches, ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        block_table: this sequence's row of the block table (a pointer to its first entry).
+        tokens: ``[TILE]`` positions in the sequence.
+        valid: ``[TILE]``, the positions to read; the others load zeros, and their block
+            table entries are not looked up.
+        kv_head: the KV head to read.
+        dims: ``tl.arange(0, HEAD_DIM_PAD)``, the head-dim lanes.
+        dim_ok: ``dims < HEAD_DIM``; the padding lanes load zeros.
+        stride_kb, stride_kt, stride_kh, stride_kd: ``k_cache``'s strides (block, slot, head, dim).
+        stride_vb, stride_vt, stride_vh, stride_vd: ``v_cache``'s strides, the same order.
+        stride_btb: the block table's column stride.
+        BLOCK_SIZE: tokens per block; any size, only ever divided by.
+        DOT_FP32: cast the tiles to fp32 for ``tl.dot`` (fp32 inputs, or the interpreter).
+
+    Returns:
+        ``(k, v)``, each ``[TILE, HEAD_DIM_PAD]``, in the cache's dtype (fp32 if ``DOT_FP32``).
+    """
+    # Logical block -> physical block. Only blocks the sequence owns are looked up:
+    # entries past its end may hold anything. int64 before the multiply by the
+    # block stride, so a large pool cannot overflow 32-bit offsets. (The tokens of one
+    # block all load the same entry; repeated addresses are served from cache.)
+    block_ids = tl.load(block_table + (tokens // BLOCK_SIZE) * stride_btb, mask=valid, other=0).to(tl.int64)
+    in_block = tokens % BLOCK_SIZE
+    kv_mask = valid[:, None] & dim_ok[None, :]
+    k = tl.load(
+        k_cache_ptr + block_ids[:, None] * stride_kb + in_block[:, None] * stride_kt
+        + kv_head * stride_kh + dims[None, :] * stride_kd,
+        mask=kv_mask, other=0.0,
+    )
+    v = tl.load(
+        v_cache_ptr + block_ids[:, None] * stride_vb + in_block[:, None] * stride_vt
+        + kv_head * stride_vh + dims[None, :] * stride_vd,
+        mask=kv_mask, other=0.0,
+    )
+    if DOT_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
@@ -113,26 +167,12 @@ def _paged_decode_kernel(
     for tile_start in range(start, end, TILE):
         tokens = tile_start + offs
         valid = tokens < end  # the last tile of a sequence (or split) is partial
-        # Logical block -> physical block. Only blocks the sequence owns are looked up:
-        # entries past its end may hold anything. int64 before the multiply by the
-        # block stride, so a large pool cannot overflow 32-bit offsets. (The tokens of one
-        # block all load the same entry; repeated addresses are served from cache.)
-        block_ids = tl.load(block_table + (tokens // BLOCK_SIZE) * stride_btb, mask=valid, other=0).to(tl.int64)
-        in_block = tokens % BLOCK_SIZE
-        kv_mask = valid[:, None] & dim_ok[None, :]
-        k = tl.load(
-            k_cache_ptr + block_ids[:, None] * stride_kb + in_block[:, None] * stride_kt
-            + kv_head * stride_kh + dims[None, :] * stride_kd,
-            mask=kv_mask, other=0.0,
+        k, v = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, block_table, tokens, valid, kv_head, dims, dim_ok,
+            stride_kb, stride_kt, stride_kh, stride_kd,
+            stride_vb, stride_vt, stride_vh, stride_vd,
+            stride_btb, BLOCK_SIZE, DOT_FP32,
         )
-        v = tl.load(
-            v_cache_ptr + block_ids[:, None] * stride_vb + in_block[:, None] * stride_vt
-            + kv_head * stride_vh + dims[None, :] * stride_vd,
-            mask=kv_mask, other=0.0,
-        )
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
 
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [GROUP_PAD, TILE], fp32
         scores = tl.where(valid[None, :], scores, float("-inf"))

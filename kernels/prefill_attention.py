@@ -46,7 +46,7 @@ import triton.language as tl
 from minipaged._triton import check_device, interpreted
 from minipaged.validation import check_paged_attention, check_scale
 
-from .paged_attention import check_supported, paged_decode_attention
+from .paged_attention import check_supported, load_kv_tile, paged_decode_attention
 
 # Rows (query tokens x the GQA group) one program serves per tl.dot; BLOCK_Q = ROWS // GROUP queries.
 ROWS = 64
@@ -132,22 +132,12 @@ def _paged_prefill_kernel(
     for tile_start in range(0, kv_end, TILE):
         tokens = tile_start + offs
         valid = tokens < kv_end
-        block_ids = tl.load(block_table + (tokens // BLOCK_SIZE) * stride_btb, mask=valid, other=0).to(tl.int64)
-        in_block = tokens % BLOCK_SIZE
-        kv_mask = valid[:, None] & dim_ok[None, :]
-        k = tl.load(
-            k_cache_ptr + block_ids[:, None] * stride_kb + in_block[:, None] * stride_kt
-            + kv_head * stride_kh + dims[None, :] * stride_kd,
-            mask=kv_mask, other=0.0,
+        k, v = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, block_table, tokens, valid, kv_head, dims, dim_ok,
+            stride_kb, stride_kt, stride_kh, stride_kd,
+            stride_vb, stride_vt, stride_vh, stride_vd,
+            stride_btb, BLOCK_SIZE, DOT_FP32,
         )
-        v = tl.load(
-            v_cache_ptr + block_ids[:, None] * stride_vb + in_block[:, None] * stride_vt
-            + kv_head * stride_vh + dims[None, :] * stride_vd,
-            mask=kv_mask, other=0.0,
-        )
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
 
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, TILE]
         visible = valid[None, :] & (tokens[None, :] <= q_pos[:, None])  # causal, aligned to the context's end
