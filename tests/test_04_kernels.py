@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kernel_shapes import SHAPES, shape_id
 
 from minipaged.attention import contiguous_attention
 from minipaged.kernels import paged_decode_attention, paged_prefill_attention, write_kv
@@ -67,21 +68,6 @@ def test_every_block_size(block_size):
     # a block size that is not a power of two leaves tiles that straddle blocks.
     case = make_case([1, 45, 130], block_size=block_size, num_heads=2, num_kv_heads=1, head_dim=16, spare_blocks=1)
     assert_matches_reference(case, paged_decode_attention(*case.decode_args, num_splits=2))
-
-
-GROUPS = [1, 4, 5, 8]
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# Every head size against every block size; the group and the dtype rotate along, so each
-# of them meets several head sizes and block sizes without the whole product.
-SHAPES = [
-    (head_dim, block_size, GROUPS[i % 4], DTYPES[i % 3])
-    for i, (head_dim, block_size) in enumerate((h, b) for h in (32, 64, 80, 96, 128) for b in (1, 3, 16, 48))
-]
-
-
-def shape_id(shape):
-    head_dim, block_size, group, dtype = shape
-    return f"d{head_dim}-bs{block_size}-g{group}-{str(dtype)[6:]}"
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=map(shape_id, SHAPES))

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kernel_shapes import DTYPES, SHAPES, shape_id
 
 from minipaged.attention import paged_prefill_attention as prefill_backend
 from minipaged.kernels import paged_prefill_attention
@@ -21,7 +22,6 @@ pytestmark = pytest.mark.ch04
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def make_case(seq_lens, q_lens, *, head_dim=32, block_size=16, group=4, num_kv_heads=2, dtype=torch.float32, seed=0):
@@ -54,18 +54,6 @@ LAYOUTS = {
 def test_chunk_layouts(layout, dtype):
     case = make_case(*layout, dtype=dtype)
     assert_matches_reference(case, paged_prefill_attention(*case.prefill_args), dtype)
-
-
-GROUPS = [1, 4, 5, 8]
-SHAPES = [
-    (head_dim, block_size, GROUPS[i % 4], DTYPES[i % 3])
-    for i, (head_dim, block_size) in enumerate((h, b) for h in (32, 64, 80, 96, 128) for b in (1, 3, 16, 48))
-]
-
-
-def shape_id(shape):
-    head_dim, block_size, group, dtype = shape
-    return f"d{head_dim}-bs{block_size}-g{group}-{str(dtype)[6:]}"
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=map(shape_id, SHAPES))

@@ -68,31 +68,48 @@ def no_check_of_accepted(table, num_computed_tokens, num_draft_tokens, num_accep
 # -- Task 8.2 ----------------------------------------------------------------------
 
 
-def beam_step(tables, parents, tokens, data):
-    B = tables[0].block_size
+# A beam step is three moves: release the dropped beams, make the children (a parent's first child
+# carries on in its table, the others fork it), then per child copy-on-write before its write.
+# The known-wrong answers below leave out or reorder one move.
+
+
+def release_dropped(tables, parents):
     for i, table in enumerate(tables):
         if i not in parents:
             table.release()
+
+
+def children(tables, parents):
     new, taken = [], set()
     for p in parents:
         new.append(tables[p].fork() if p in taken else tables[p])
         taken.add(p)
+    return new
+
+
+def copy_blocks(table, data):
+    B = table.block_size
+    for src, dst in table.take_pending_copies():
+        data[dst * B : (dst + 1) * B] = data[src * B : (src + 1) * B]
+
+
+def append_and_write(new, tokens, data):
     for table, token in zip(new, tokens):
         slot = int(table.append_tokens(1)[0])
-        for src, dst in table.take_pending_copies():
-            data[dst * B : (dst + 1) * B] = data[src * B : (src + 1) * B]
+        copy_blocks(table, data)
         data[slot] = token
+
+
+def beam_step(tables, parents, tokens, data):
+    release_dropped(tables, parents)
+    new = children(tables, parents)
+    append_and_write(new, tokens, data)
     return new
 
 
 def forgets_the_copy(tables, parents, tokens, data):
-    for i, table in enumerate(tables):
-        if i not in parents:
-            table.release()
-    new, taken = [], set()
-    for p in parents:
-        new.append(tables[p].fork() if p in taken else tables[p])
-        taken.add(p)
+    release_dropped(tables, parents)
+    new = children(tables, parents)
     for table, token in zip(new, tokens):
         data[int(table.append_tokens(1)[0])] = token
         table.take_pending_copies()  # taken, never carried out
@@ -100,62 +117,34 @@ def forgets_the_copy(tables, parents, tokens, data):
 
 
 def copies_after_writing(tables, parents, tokens, data):
-    B = tables[0].block_size
-    for i, table in enumerate(tables):
-        if i not in parents:
-            table.release()
-    new, taken = [], set()
-    for p in parents:
-        new.append(tables[p].fork() if p in taken else tables[p])
-        taken.add(p)
+    release_dropped(tables, parents)
+    new = children(tables, parents)
     for table, token in zip(new, tokens):
         data[int(table.append_tokens(1)[0])] = token
     for table in new:
-        for src, dst in table.take_pending_copies():
-            data[dst * B : (dst + 1) * B] = data[src * B : (src + 1) * B]
+        copy_blocks(table, data)
     return new
 
 
 def releases_the_parent_a_child_carries_on_in(tables, parents, tokens, data):
-    B = tables[0].block_size
-    new, taken = [], set()
-    for p in parents:
-        new.append(tables[p].fork() if p in taken else tables[p])
-        taken.add(p)
+    new = children(tables, parents)
     for table in tables:  # every old beam is "done" now: but the first children still use these tables
         table.release()
-    for table, token in zip(new, tokens):
-        slot = int(table.append_tokens(1)[0])
-        for src, dst in table.take_pending_copies():
-            data[dst * B : (dst + 1) * B] = data[src * B : (src + 1) * B]
-        data[slot] = token
+    append_and_write(new, tokens, data)
     return new
 
 
 def never_frees_dropped_beams(tables, parents, tokens, data):
-    B = tables[0].block_size
-    new, taken = [], set()
-    for p in parents:
-        new.append(tables[p].fork() if p in taken else tables[p])
-        taken.add(p)
-    for table, token in zip(new, tokens):
-        slot = int(table.append_tokens(1)[0])
-        for src, dst in table.take_pending_copies():
-            data[dst * B : (dst + 1) * B] = data[src * B : (src + 1) * B]
-        data[slot] = token
+    new = children(tables, parents)
+    append_and_write(new, tokens, data)
     return new
 
 
 def forks_every_child(tables, parents, tokens, data):  # the same memory, but a fork per child and a release
-    B = tables[0].block_size
     new = [tables[p].fork() for p in parents]
     for table in tables:
         table.release()
-    for table, token in zip(new, tokens):
-        slot = int(table.append_tokens(1)[0])
-        for src, dst in table.take_pending_copies():
-            data[dst * B : (dst + 1) * B] = data[src * B : (src + 1) * B]
-        data[slot] = token
+    append_and_write(new, tokens, data)
     return new
 
 

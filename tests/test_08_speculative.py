@@ -12,6 +12,7 @@ from collections import Counter
 
 import pytest
 import torch
+from engine_state import snapshot
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -405,23 +406,6 @@ def test_no_drafting_without_repetition_and_spec_off_is_plain_decoding(model):
 
 
 # ---- faults ----------------------------------------------------------------------------------------------------
-
-
-def snapshot(engine: Engine) -> dict:
-    alloc, sched = engine.cache.allocator, engine.scheduler
-    seqs = sorted(engine.requests.values(), key=lambda s: str(s.seq_id))
-    return {
-        "free_queue": alloc.free_queue() if hasattr(alloc, "free_queue") else list(alloc.free_block_ids),
-        "refcounts": alloc.refcounts,
-        "keys": [alloc.block_key(b) for b in range(alloc.num_blocks)] if hasattr(alloc, "block_key") else None,
-        "queues": ([s.seq_id for s in sched.waiting], [s.seq_id for s in sched.running]),
-        "seqs": [(s.seq_id, s.status, s.num_computed_tokens, list(s.token_ids), list(s.token_times),
-                  None if s.block_table is None else (list(s.block_table.blocks), s.block_table.num_tokens))
-                 for s in seqs],
-        "swap_space": sorted(map(str, engine.swap_space)),
-        "clock": engine.clock.now(),
-        "metrics": {k: v for k, v in vars(engine.metrics).items() if k not in ("history", "_allocator")},
-    }
 
 
 class Boom(Exception):
