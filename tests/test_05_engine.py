@@ -3,6 +3,7 @@
 import math
 import random
 
+import engine_helpers
 import pytest
 import torch
 
@@ -32,22 +33,14 @@ def random_requests(rng, n, vocab, max_prompt=40, max_out=12):
     ]
 
 
+def add_request(engine, i, request):
+    prompt, n = request
+    engine.add_request(prompt, SamplingParams(max_tokens=n), request_id=f"r{i}")
+
+
 def drive(engine, requests, rng, abort_prob=0.0, arrivals_per_step=2):
-    """Add requests a few per step, abort some at random; return the ids that were aborted."""
-    pending, aborted = list(enumerate(requests)), set()
-    while pending or engine.has_unfinished():
-        for _ in range(arrivals_per_step):
-            if pending:
-                i, (prompt, n) = pending.pop(0)
-                engine.add_request(prompt, SamplingParams(max_tokens=n), request_id=f"r{i}")
-        live = [rid for rid, s in engine.requests.items() if not s.is_finished]
-        if live and rng.random() < abort_prob:
-            rid = rng.choice(live)
-            engine.abort(rid)
-            aborted.add(rid)
-        if engine.has_unfinished():
-            engine.step()
-    return aborted
+    """Add requests (prompt, max_tokens) a few per step, abort some at random; return the ids that were aborted."""
+    return engine_helpers.drive(engine, requests, rng, add_request, abort_prob, arrivals_per_step=arrivals_per_step)
 
 
 @pytest.mark.parametrize("chunked, mode", [(True, "recompute"), (False, "recompute"), (True, "swap"), (False, "swap")])

@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from engine_state import snapshot
+from engine_helpers import snapshot
 
 import minipaged.engine as engine_module
 from minipaged.block_manager import BlockTable

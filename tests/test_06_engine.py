@@ -2,6 +2,7 @@
 
 import random
 
+import engine_helpers
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -43,22 +44,20 @@ def refcounts_match_tables(engine):
     return held == engine.cache.allocator.refcounts
 
 
+def add_request(engine, i, request):
+    prompt, n, salt = request
+    engine.add_request(prompt, SamplingParams(max_tokens=n), request_id=i, cache_salt=salt)
+
+
 def drive(engine, requests, rng, abort_prob=0.0):
     """Add two requests per step, abort some at random, check references every step; return the aborted ids."""
-    pending, aborted = list(enumerate(requests)), set()
-    while pending or engine.has_unfinished():
-        for _ in range(2):
-            if pending:
-                i, (prompt, n, salt) = pending.pop(0)
-                engine.add_request(prompt, SamplingParams(max_tokens=n), request_id=i, cache_salt=salt)
-        live = [rid for rid, s in engine.requests.items() if not s.is_finished]
-        if live and rng.random() < abort_prob:
-            rid = rng.choice(live)
-            engine.abort(rid)
-            aborted.add(rid)
-        if engine.has_unfinished():
-            engine.step()
+
+    def step():
+        engine.step()
         assert refcounts_match_tables(engine)
+
+    aborted = engine_helpers.drive(engine, requests, rng, add_request, abort_prob, step)
+    assert refcounts_match_tables(engine)
     return aborted
 
 

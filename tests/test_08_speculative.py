@@ -10,9 +10,9 @@ token has a prefix-cache key.
 import random
 from collections import Counter
 
+import engine_helpers
 import pytest
 import torch
-from engine_state import snapshot
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -244,24 +244,16 @@ class Checker:
         self.blocks = {s.seq_id: list(s.block_table.blocks) for s in sched.running}
 
 
+def add_request(engine, i, request):
+    prompt, n, *temperature = request
+    params = SamplingParams(max_tokens=n, temperature=temperature[0] if temperature else 0.0, seed=i)
+    engine.add_request(prompt, params, request_id=f"r{i}")
+
+
 def drive(engine, requests, rng, abort_prob=0.0, checker=None):
     """Add requests (prompt, max_tokens[, temperature]) two per step, abort some at random; return the aborted ids."""
     checker = checker or Checker(engine)
-    pending, aborted = list(enumerate(requests)), set()
-    while pending or engine.has_unfinished():
-        for _ in range(2):
-            if pending:
-                i, (prompt, n, *temperature) = pending.pop(0)
-                params = SamplingParams(max_tokens=n, temperature=temperature[0] if temperature else 0.0, seed=i)
-                engine.add_request(prompt, params, request_id=f"r{i}")
-        live = [rid for rid, s in engine.requests.items() if not s.is_finished]
-        if live and rng.random() < abort_prob:
-            rid = rng.choice(live)
-            engine.abort(rid)
-            aborted.add(rid)
-        if engine.has_unfinished():
-            checker.step()
-    return aborted
+    return engine_helpers.drive(engine, requests, rng, add_request, abort_prob, checker.step)
 
 
 @pytest.mark.parametrize("chunked, mode, caching", [(True, "recompute", True), (False, "recompute", False),
@@ -438,7 +430,7 @@ def test_a_fault_in_a_speculative_step_leaves_the_engine_as_before(model, stage,
     for _ in range(400):
         if not engine.has_unfinished():
             break
-        before = snapshot(engine)
+        before = engine_helpers.snapshot(engine)
         with monkeypatch.context() as m:
             if rng.random() < 0.4:
                 owner, name, when = STAGES[stage](engine)
@@ -454,7 +446,7 @@ def test_a_fault_in_a_speculative_step_leaves_the_engine_as_before(model, stage,
                 engine.step()
             except (Boom, KeyboardInterrupt):
                 faults += 1
-                after = snapshot(engine)
+                after = engine_helpers.snapshot(engine)
                 for key in before:
                     assert after[key] == before[key], (stage, key)
     assert not engine.has_unfinished() and faults > 0
