@@ -31,13 +31,12 @@ down for the engine on the tiny model (:data:`TINY_REGIMES`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from minipaged.accounting import BLOCK_TABLE_ENTRY_BYTES, blocks_needed, tail_waste, utilisation
+from minipaged.accounting import BLOCK_TABLE_ENTRY_BYTES, blocks_needed, ceil_div, tail_waste, utilisation
 from minipaged.block_manager import BlockAllocator, BlockTable
 from minipaged.clock import StepCost, VirtualClock
 from minipaged.engine import Engine
@@ -248,7 +247,7 @@ def decode_launch(seq_lens: Sequence[int], block_size: int, num_kv_heads: int, p
     num_splits = check_int(num_splits, "num_splits", minimum=1)
     steps = 0
     for n in lens:
-        per_split = math.ceil(math.ceil(n / tile) / num_splits)
+        per_split = ceil_div(ceil_div(n, tile), num_splits)
         for split in range(num_splits):
             start = split * per_split * tile
             end = min(start + per_split * tile, n)

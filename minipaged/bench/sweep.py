@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from minipaged import tradeoffs as T
-from minipaged.accounting import format_table
+from minipaged.accounting import blocks_needed, format_table
 from minipaged.attention import paged_attention
 from minipaged.bench import best_runs, positive_int
 from minipaged.cache import PagedKVCache
@@ -92,7 +92,7 @@ def swap_recompute_rows(block_sizes, num_tokens: int, repeats: int) -> list[tupl
     prompt = list(range(1, num_tokens + 1))
     rows = []
     for B in block_sizes:
-        n_blocks = -(-num_tokens // B)
+        n_blocks = blocks_needed(num_tokens, B)
         cache = PagedKVCache(config.num_hidden_layers, 2 * n_blocks, B, config.num_key_value_heads, config.head_dim)
         out_ids, in_ids = list(range(n_blocks)), list(range(n_blocks, 2 * n_blocks))
 

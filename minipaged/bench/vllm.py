@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -41,6 +40,7 @@ from pathlib import Path
 import torch
 
 from minipaged import tokenizer
+from minipaged.accounting import blocks_needed
 from minipaged.bench import positive_int
 from minipaged.checkpoint import load_course_model
 from minipaged.engine import Engine
@@ -158,7 +158,7 @@ def run_minipaged(model: LlamaForCausalLM, batches: list[list[dict]], num_blocks
 
 def blocks_for(batches: list[list[dict]]) -> int:
     """Enough KV blocks for every request of the largest batch at once, plus one spare per request."""
-    return max(sum(math.ceil((len(r["prompt_token_ids"]) + r["max_tokens"]) / BLOCK_SIZE) + 1 for r in b)
+    return max(sum(blocks_needed(len(r["prompt_token_ids"]) + r["max_tokens"], BLOCK_SIZE) + 1 for r in b)
                for b in batches)  # fmt: skip
 
 
