@@ -14,7 +14,7 @@ VLLM_VENV     ?= .venv-vllm
 VLLM_STAMP    := $(VLLM_VENV)/.vllm-installed
 VLLM_PIP_ARGS ?=
 
-.PHONY: setup lab test exercises vllm-check clean
+.PHONY: setup lab test nbval-notebooks exercises vllm-check clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,12 @@ test: setup
 	$(PY) -m pytest tests $(wildcard notebooks solutions) \
 		--nbval --nbval-current-env --nbval-sanitize-with nbval_sanitize.cfg \
 		--durations=10 -p no:cacheprovider
+
+# The chapters alone under nbval. CI runs them a second time under ATEN_CPU_CAPABILITY=default
+# (PyTorch's scalar kernels): a checked output must be the same on every x86-64 CPU.
+nbval-notebooks: setup
+	$(PY) -m pytest notebooks --nbval --nbval-current-env --nbval-sanitize-with nbval_sanitize.cfg \
+		--durations=5 -p no:cacheprovider
 
 # Real vLLM serves the course's weights: greedy tokens and prefix-cache hits are compared with
 # minipaged's engine, and notebooks/results/vllm_check.json is written or re-verified.

@@ -29,8 +29,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from minipaged.sequence import Sequence, SequenceStatus
 from minipaged.validation import check_int
 
@@ -189,11 +187,21 @@ class Metrics:
 
 
 def percentiles(values: list[float]) -> dict[int, float]:
-    """p50/p90/p99 by linear interpolation (NaN when there is nothing to summarise)."""
+    """p50/p90/p99 by linear interpolation between order statistics (NaN when there is nothing to summarise).
+
+    Plain Python floats, not ``torch.quantile``: its vectorised interpolation rounds differently on
+    AVX-512, AVX2 and scalar CPUs, and these numbers are printed in checked notebook cells.
+    """
     if not values:
         return {p: float("nan") for p in PERCENTILES}
-    t = torch.tensor(values, dtype=torch.float64)
-    return {p: float(torch.quantile(t, p / 100)) for p in PERCENTILES}
+    ordered = sorted(float(v) for v in values)
+    result = {}
+    for p in PERCENTILES:
+        rank = p / 100 * (len(ordered) - 1)
+        lo = int(rank)
+        hi = min(lo + 1, len(ordered) - 1)
+        result[p] = ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+    return result
 
 
 def request_latencies(seqs: list[Sequence]) -> dict[str, list[float]]:

@@ -6,6 +6,8 @@ import random
 import engine_helpers
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from minipaged.clock import VirtualClock
 from minipaged.engine import Engine
@@ -180,6 +182,14 @@ def test_virtual_clock_runs_are_deterministic_and_metrics_follow_events(model):
 def test_percentiles():
     assert percentiles([1.0, 2.0, 3.0, 4.0, 5.0]) == {50: 3.0, 90: 4.6, 99: pytest.approx(4.96)}
     assert all(math.isnan(v) for v in percentiles([]).values())
+
+
+@given(st.lists(st.floats(min_value=0, max_value=1e6, allow_nan=False), min_size=1, max_size=40))
+def test_percentiles_agree_with_numpy_linear_interpolation(values):
+    import numpy as np
+
+    for p, v in percentiles(values).items():
+        assert v == pytest.approx(float(np.percentile(values, p)), rel=1e-12, abs=1e-9)
 
 
 def test_run_replays_arrivals_and_idles_between_them(model):
