@@ -549,10 +549,11 @@ def test_smollm2_config_is_the_models(smollm2):
 # SmolLM2's vocabulary has no token for six control bytes and for the UTF-8 lead bytes 0xF1 and 0xF2
 # (code points U+40000 to U+BFFFF, unassigned planes): byte-level BPE drops those, in transformers too.
 SMOLLM2_UNSPELLABLE = "\x04\x06\x13\x14\x16\x1d"
+SMOLLM2_SPELLABLE = st.characters(codec="utf-8", max_codepoint=0x3FFFF, exclude_characters=SMOLLM2_UNSPELLABLE)
 
 
 @settings(max_examples=40, deadline=None)
-@given(text=st.text(st.characters(max_codepoint=0x3FFFF, exclude_characters=SMOLLM2_UNSPELLABLE), max_size=60))
+@given(text=st.text(SMOLLM2_SPELLABLE, max_size=60))
 def test_smollm2_tokenizer_round_trips_text(smollm2, text):
     _, tok = smollm2
     assert tok.decode(tok.encode(text)) == text
