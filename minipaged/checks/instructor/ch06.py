@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 from minipaged.block_manager import OutOfBlocks
+from minipaged.checks import plain
 from minipaged.checks.ch06 import HASHES
 from minipaged.checks.instructor import Side
 
@@ -64,7 +65,7 @@ def _cache(prompts, B, hash_name):
     for prompt in prompts:
         for i, key in enumerate(block_keys(prompt, B, HASHES[hash_name])):
             cached.setdefault(key, tuple(prompt[i * B : (i + 1) * B]))
-    return [[key, list(tokens)] for key, tokens in cached.items()]
+    return plain([[key, tokens] for key, tokens in cached.items()])
 
 
 def _hits_cases():

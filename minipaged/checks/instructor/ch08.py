@@ -74,8 +74,8 @@ BEAM_CASES = [{"num_blocks": 9, "block_size": 4, "prompt_len": 6, "first_value":
 def _hidden_beams(rng):
     cases = []
     for _ in range(2):
-        width, steps = 3, []
-        for _ in range(rng.randrange(3, 6)):
+        width, steps = 3, [[0, 0, 0]]  # the prompt is the only beam at first
+        for _ in range(rng.randrange(2, 5)):
             steps.append(sorted(rng.choice(range(width)) for _ in range(width)))
         cases.append({"num_blocks": 40, "block_size": rng.choice([2, 4]), "prompt_len": rng.randrange(2, 9),
                       "first_value": rng.randrange(200, 900), "steps": steps})
