@@ -47,6 +47,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -429,17 +430,19 @@ class References:
     def __init__(self, seed: int):
         self.seed = seed
         self._cache: dict[str, tuple[list, int, dict]] = {}
+        self._lock = threading.Lock()  # notebooks graded at once ask from their own threads
 
     def get(self, check: Check) -> tuple[list, int, dict]:
         """``(cases, number of public ones, reference transcript)`` for ``check``, computed once per run."""
-        if check.name not in self._cache:
-            side = instructor_side(check.name)
-            if side is None:
-                raise RuntimeError("the grader needs minipaged.checks.instructor (an instructor's checkout)")
-            public = side.public()
-            cases = public + side.hidden(random.Random(f"{self.seed}:{check.name}"))
-            self._cache[check.name] = (cases, len(public), reference_transcript(check.name, cases))
-        return self._cache[check.name]
+        with self._lock:
+            if check.name not in self._cache:
+                side = instructor_side(check.name)
+                if side is None:
+                    raise RuntimeError("the grader needs minipaged.checks.instructor (an instructor's checkout)")
+                public = side.public()
+                cases = public + side.hidden(random.Random(f"{self.seed}:{check.name}"))
+                self._cache[check.name] = (cases, len(public), reference_transcript(check.name, cases))
+            return self._cache[check.name]
 
 
 def _probe_code(call: CheckCall, marker: str, cases: list) -> str:

@@ -73,7 +73,7 @@ def _with_args(steps, args):
 
 
 @check("ch02.allocate_many", hint=HINTS["2.1"][0], label=lambda c: f"a pool of {c['num_blocks']} blocks",
-       summary="in pool order, refcount 1 each, all or nothing on a short pool ({n} scripts)")
+       summary="in pool order, refcount 1 each, all or nothing on a short pool")
 def check_allocate_many(case, cls):
     """``case`` = {"num_blocks", "requests"}: ``cls(num_blocks, 4)``, then ``allocate(n)`` for each request."""
     return _steps(cls(case["num_blocks"], 4), "allocate", case["requests"])
@@ -85,8 +85,7 @@ def _judge_allocate(case, got, want):
 
 
 @check("ch02.free_many", hint=HINTS["2.2"][0], label=lambda c: f"a pool of {c['num_blocks']} blocks",
-       summary="shared blocks kept until their last holder, repeated ids counted, nothing changed by a bad list "
-               "({n} scripts)")
+       summary="shared blocks kept until their last holder, repeated ids counted, nothing changed by a bad list")
 def check_free_many(case, cls):
     """``case`` = {"num_blocks", "shared", "frees", "why"}: allocate all but one, share some, then free lists."""
     alloc = cls(case["num_blocks"], 4)
