@@ -53,6 +53,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from minipaged.bench import positive_int
 from minipaged.checks import (
     DEFAULT_TIMEOUT,
     FAIL,
@@ -709,17 +710,6 @@ def seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: a time limit must be positive and finite")
-    return value
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: an int of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
     return value
 
 

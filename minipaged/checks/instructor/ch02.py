@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
 from minipaged.block_manager import BlockError, OutOfBlocks
 from minipaged.checks.instructor import Side
@@ -25,12 +25,12 @@ class Allocator:
         return ids
 
     def free(self, block_ids: list[int]) -> None:
-        for b in block_ids:
-            if not 0 <= b < len(self.refcounts):
-                raise IndexError(b)
-        for b in set(block_ids):
-            if block_ids.count(b) > self.refcounts[b]:
-                raise BlockError(b)
+        outside = [b for b in block_ids if not 0 <= b < len(self.refcounts)]
+        if outside:
+            raise IndexError(f"block {outside[0]} is not in a pool of {len(self.refcounts)}")
+        for b, count in Counter(block_ids).items():
+            if count > self.refcounts[b]:
+                raise BlockError(f"block {b} freed {count} times with {self.refcounts[b]} holder(s)")
         for b in block_ids:
             self.refcounts[b] -= 1
             if self.refcounts[b] == 0:
