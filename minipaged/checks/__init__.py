@@ -247,7 +247,7 @@ class Check:
     Calling it, ``check_x(*answers)``, runs the public cases in this process and prints one status line.
     """
 
-    def __init__(self, name: str, probe, hint: str, timeout: float | None, label, summary: str):
+    def __init__(self, name: str, probe, hint: str, timeout: float | None, label, summary):
         self.name, self.probe, self.hint, self.timeout = name, probe, hint, timeout
         self.label, self.summary = label, summary
         self._judge = _judge_equal
@@ -320,6 +320,8 @@ class Check:
                                        "is not shown; test your code on cases like it)", self.hint)
                 return CheckResult(self.name, FAIL, f"{label}: {exc}", self.hint)
         extra = f", {len(cases) - public} hidden" if len(cases) > public else ""
+        if callable(self.summary):
+            return CheckResult(self.name, PASS, self.summary(cases[:public], observed[:public]) + extra)
         return CheckResult(self.name, PASS, self.summary.format(n=public) + extra)
 
     def __call__(self, *answers) -> CheckResult:
@@ -355,7 +357,7 @@ def transcript_problem(record, name: str) -> str:
     return ""
 
 
-def check(name: str, hint: str = "", timeout: float | None = None, label=None, summary: str = "{n} cases"):
+def check(name: str, hint: str = "", timeout: float | None = None, label=None, summary="{n} cases"):
     """Turn a probe ``fn(case, *answers) -> observation`` into a :class:`Check` named ``name``.
 
     The probe calls the learner's code on one case (plain data) and returns what it saw; anything the
@@ -368,7 +370,8 @@ def check(name: str, hint: str = "", timeout: float | None = None, label=None, s
         timeout: seconds the learner's code may run over all cases (default :data:`DEFAULT_TIMEOUT`;
             :data:`TIMEOUT_ENV` overrides it); past it the check FAILs with "timed out after N s".
         label: ``label(case) -> str``, how a FAIL names the case (only its inputs: it is shown for hidden ones).
-        summary: the PASS line's text; ``{n}`` is the number of public cases.
+        summary: the PASS line's text, where ``{n}`` is the number of public cases; or
+            ``summary(cases, observations) -> str`` on the public cases and the learner's (judged) observations.
     """
 
     def decorate(fn) -> Check:

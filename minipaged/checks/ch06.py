@@ -84,7 +84,8 @@ def _keys_label(case) -> str:
 
 
 @check("ch06.block_keys", hint=HINTS["6.1"][0], label=_keys_label,
-       summary="{n} prompts: one key per full block, chained through the parent, salt in block 0")
+       summary=lambda cases, seen: f"{sum('pair' not in c for c in cases)} prompts: one key per full block, chained "
+                                   "through the parent, salt in block 0")
 def check_block_keys(case, block_keys):
     """``case`` = {"name", "prompt", "block_size", "salt"}, or {"pair": [prompt, prompt]} (keys must not meet)."""
     if "pair" in case:
@@ -149,8 +150,9 @@ def _tokens(table, data, B) -> list:
 
 @check("ch06.cow_append", hint=HINTS["6.3"][0], label=lambda c: f"a script of {len(c['script'])} appends and forks "
        f"on a pool of {c['num_blocks']} blocks of {c['block_size']}",
-       summary="{n} scripts of appends and forks: a shared tail block is copied before the write, unshared and "
-               "full ones are not, OutOfBlocks leaves everything as it was")
+       summary=lambda cases, seen: f"{sum(len(c['script']) for c in cases)} appends and forks: a shared tail block is "
+                                   "copied before the write, unshared and full ones are not, OutOfBlocks leaves "
+                                   "everything as it was")
 def check_cow_append(case, cls):
     """``case`` = {"num_blocks", "block_size", "first_value", "script"}; a step is [seq, "append" | "fork", arg]."""
     B = case["block_size"]
@@ -226,7 +228,8 @@ def _lru_state(pool) -> dict:
 
 @check("ch06.lru", hint=HINTS["6.4"][0], label=lambda c: f"a script of {len(c['script'])} steps on a pool of "
        f"{c['num_blocks']} blocks",
-       summary="{n} scripts: keyless blocks first, then LRU; hits leave the queue; evicted in LRU order")
+       summary=lambda cases, seen: f"{sum(len(c['script']) for c in cases)} steps: keyless blocks first, then LRU; "
+                                   f"hits leave the queue; eviction order {seen[-1][-1]['after']['evicted']}")
 def check_lru(case, cls):
     """``case`` = {"num_blocks", "script": [[op, arg], ...]}; ops: allocate (a count), cache, hit, free (a list)."""
     pool, steps = cls(case["num_blocks"]), []

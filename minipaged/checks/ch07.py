@@ -97,7 +97,7 @@ def _measure_label(case) -> str:
 
 
 @check("ch07.block_size_measures", hint=HINTS["7.2"][0], label=_measure_label,
-       summary="utilisation and whole-block sharing agree with chapters 01 and 06 ({n} cases)")
+       summary="utilisation and whole-block sharing agree with chapters 01 and 06")
 def check_block_size_measures(case, utilisation, shared_prefix_tokens):
     """``case`` = {"utilisation": [lengths, B]} or {"shared": [prefix_len, prompt_len, B]}."""
     if "utilisation" in case:
@@ -117,8 +117,12 @@ def _judge_measure(case, got, want):
     expect_equal(got, want)
 
 
-@check("ch07.block_size_choice", hint=HINTS["7.2"][2], label=lambda c: "choose_block_size()",
-       summary="your block size meets all three requirements: now defend it in words")
+def _choice_summary(cases, seen) -> str:
+    passing = [B for B in CANDIDATES if not cases[0]["missed"][str(B)]]
+    return f"B={seen[0]} meets all three requirements (so do {passing}): now defend it in words"
+
+
+@check("ch07.block_size_choice", hint=HINTS["7.2"][2], label=lambda c: "choose_block_size()", summary=_choice_summary)
 def check_block_size_choice(case, choose_block_size):
     """``case`` = {"missed": {str(B): [requirements B misses]}}, written on the instructor's side."""
     return choose_block_size()
@@ -139,7 +143,7 @@ def _judge_choice(case, got, want):
 
 
 @check("ch07.watermark_prediction", hint=HINTS["7.4"][0], label=lambda c: "predict()",
-       summary=f"all {len(PREDICTED)} directions right")
+       summary=lambda cases, seen: f"all {len(PREDICTED)} directions right: {seen[0]}")
 def check_watermark_prediction(case, predict):
     """``case`` = {}: ``predict()`` returns {measure: "more" | "fewer" | "same"} for a 30% watermark."""
     return predict()

@@ -62,8 +62,8 @@ def _rollback_label(case) -> str:
 
 
 @check("ch08.rollback", hint=HINTS["8.1"][0], label=_rollback_label,
-       summary="{n} verification steps: the counter ends after the accepted drafts, the rejected slots are "
-               "reported, no block is freed, a bad request changes nothing")
+       summary=lambda cases, seen: f"{sum('bad' not in c for c in cases)} verification steps: the counter ends after "
+                                   "the accepted drafts, the rejected slots are reported, no block is freed")
 def check_rollback(case, rollback):
     """``case`` = {"prompt_len", "computed", "drafts", "accepted", "block_size"}, or {"bad": true}."""
     if "bad" in case:  # more accepted than drafted: must raise ValueError and change nothing
@@ -123,8 +123,8 @@ def _reads(table, data) -> list:
 
 @check("ch08.beam_step", hint=HINTS["8.2"][0], label=lambda c: f"a {c['prompt_len']}-token prompt in blocks of "
        f"{c['block_size']}, then beam steps with parents {c['steps']}",
-       summary="{n} scripts of beam steps: dropped beams freed, splits forked, shared half-full blocks copied before "
-               "the write")
+       summary=lambda cases, seen: f"{sum(len(c['steps']) for c in cases)} beam steps: dropped beams freed, splits "
+                                   "forked, shared half-full blocks copied before the write")
 def check_beam_step(case, beam_step):
     """``case`` = {"num_blocks", "block_size", "prompt_len", "first_value", "steps": [parents, ...]}."""
     B, num_blocks = case["block_size"], case["num_blocks"]
