@@ -59,7 +59,7 @@ from minipaged.generate import check_prompt
 from minipaged.metrics import HISTORY_WINDOW, Metrics
 from minipaged.scheduler import EngineConfig, Scheduler, SchedulerOutput
 from minipaged.sequence import SamplingParams, Sequence, SequenceStatus
-from minipaged.validation import check_real
+from minipaged.validation import check_int, check_real
 from minipaged.workload import RequestSpec, prompt_token_ids
 
 
@@ -181,6 +181,10 @@ class Engine:
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         params = sampling_params or SamplingParams()
+        if params.stop:
+            raise ValueError(f"sampling_params.stop={params.stop!r}: the engine sees token ids, never text, so it "
+                             "cannot match stop strings; use the LLM front end (minipaged.llm.LLM), which matches "
+                             "them on the detokenized text and aborts the request here")  # fmt: skip
         prompt_token_ids = check_prompt(self.model.config, prompt_token_ids, params.max_tokens, "prompt_token_ids")
         if arrival_time is not None:
             arrival_time = check_real(arrival_time, "arrival_time")
@@ -208,31 +212,52 @@ class Engine:
             self._next_id += 1
         return request_id
 
-    def abort(self, request_id) -> None:
-        """Drop a waiting or running request (all its samples); its blocks and swapped-out K/V are freed.
+    def abort(self, request_id, sample: int | None = None) -> None:
+        """Drop a waiting or running request (all its samples, or one); its blocks and swapped-out K/V are freed.
 
         Now, or, when called during a step (by an event subscriber), at the end of that step: a
         step never loses a sequence it is running. Unless ``keep_finished``, the engine then
-        forgets the request.
+        forgets the request, once none of its samples is left unfinished.
+
+        Args:
+            request_id: the request.
+            sample: None: every sample; an index in ``[0, n)``: only that sample of the request, the
+                others run on (the LLM front end stops one sample at a stop string this way; sample 0
+                before its prompt is computed takes the samples waiting to fork from it along). A request
+                whose last unfinished sample ends in a step is handed over by that step, aborted samples
+                included; one whose last unfinished sample is aborted is not handed over.
 
         Raises:
             KeyError: no such request (a finished one is forgotten unless ``keep_finished``).
-            ValueError: the request has already finished or been aborted (``keep_finished``).
+            TypeError: ``sample`` is not an int.
+            IndexError: ``sample`` is not one of the request's samples.
+            ValueError: the request (or that sample) has already finished or been aborted.
         """
         if request_id not in self.samples:
             raise KeyError(f"abort: no request with id {request_id!r} (a finished request is handed over by step() "
                            "and forgotten, unless EngineConfig(keep_finished=True))")
         seqs = self.samples[request_id]
-        if all(s.is_finished for s in seqs):
-            raise ValueError(f"abort: request {request_id!r} has already {seqs[0].status.value}")
+        if sample is not None:
+            sample = check_int(sample, "sample")
+            if not 0 <= sample < len(seqs):
+                raise IndexError(f"abort: sample must be in [0, {len(seqs)}) for request {request_id!r}, got {sample}")
+        targets = seqs if sample is None else [seqs[sample]]
+        if all(s.is_finished for s in targets):
+            which = "" if sample is None else f" sample {sample}"
+            raise ValueError(f"abort: request {request_id!r}{which} has already {targets[0].status.value}")
         if self._in_step:
-            self._deferred_aborts.append(request_id)
+            self._deferred_aborts.append((request_id, sample))
             return
-        for seq in seqs:
-            if not seq.is_finished:  # a pending sample is aborted with the sample it would fork from
+        for seq in targets:
+            if seq.is_finished:
+                continue
+            if seq.status is SequenceStatus.WAITING and seq in seqs[0].pending_forks:  # not forked yet: no blocks
+                seqs[0].pending_forks.remove(seq)
+                seq.status = SequenceStatus.ABORTED
+            else:  # a pending sample is aborted with the sample it would fork from
                 self.scheduler.abort(seq)
-                self.swap_space.pop(seq.seq_id, None)
-        if not self.config.keep_finished:
+            self.swap_space.pop(seq.seq_id, None)
+        if not self.config.keep_finished and all(s.is_finished for s in seqs):
             self._forget(request_id)
 
     def _forget(self, request_id) -> None:
@@ -241,10 +266,11 @@ class Engine:
 
     def _apply_deferred_aborts(self) -> None:
         aborts, self._deferred_aborts = self._deferred_aborts, []
-        for request_id in aborts:
+        for request_id, sample in aborts:
             seqs = self.samples.get(request_id, ())
-            if seqs and not all(s.is_finished for s in seqs):  # it may have finished in the step
-                self.abort(request_id)
+            targets = seqs if sample is None or not seqs else [seqs[sample]]
+            if targets and not all(s.is_finished for s in targets):  # it may have finished in the step
+                self.abort(request_id, sample)
 
     # -- handing a prefilled request between engines (chapter 08, minipaged.disagg) ------------
 
@@ -401,7 +427,7 @@ class Engine:
         outputs = []
         for request_id in dict.fromkeys(s.request_id for s in finished):
             seqs = self.samples[request_id]
-            if all(s.status is SequenceStatus.FINISHED for s in seqs):
+            if all(s.is_finished for s in seqs):  # a sample aborted alone (abort(..., sample=i)) comes along
                 outputs.append(RequestOutput(request_id, seqs))
                 if not self.config.keep_finished:
                     self._forget(request_id)

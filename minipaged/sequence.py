@@ -36,7 +36,7 @@ from enum import Enum
 
 import torch
 
-from minipaged.validation import check_int
+from minipaged.validation import check_bool, check_int
 
 
 class SequenceStatus(Enum):
@@ -56,6 +56,10 @@ class SamplingParams:
     seed: int | None = None  # with temperature > 0: a per-request generator makes sampling replayable
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1  # samples of one prompt (parallel sampling); sample i draws with seed + i
+    # Stop strings end a request when its text contains one; text is the front end's business, so only
+    # minipaged.llm.LLM matches them (the token-level Engine refuses them). A str is one stop string.
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False  # keep the matched stop string at the end of the text
 
     def __post_init__(self):
         self.max_tokens = check_int(self.max_tokens, "max_tokens", minimum=1)
@@ -73,6 +77,19 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (list, tuple, set, frozenset)):
             raise TypeError(f"stop_token_ids must be a tuple of token ids, got {type(self.stop_token_ids).__name__}")
         self.stop_token_ids = tuple(check_int(t, f"stop_token_ids[{i}]") for i, t in enumerate(self.stop_token_ids))
+        if self.stop is None:  # vLLM's default spelling of "none"
+            self.stop = ()
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        if not isinstance(self.stop, (list, tuple)):
+            raise TypeError(f"stop must be a str or a tuple of str, got {type(self.stop).__name__}")
+        for i, s in enumerate(self.stop):
+            if not isinstance(s, str):
+                raise TypeError(f"stop[{i}] must be a str, got {type(s).__name__} {s!r}")
+            if not s:
+                raise ValueError(f"stop[{i}] must not be empty (an empty stop string would match before any text)")
+        self.stop = tuple(self.stop)
+        check_bool(self.include_stop_str_in_output, "include_stop_str_in_output")
 
 
 class Sequence:
