@@ -21,6 +21,7 @@ vLLM's names (``outputs[i].text``, ``.token_ids``, ``.finish_reason``, ``.stop_r
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
@@ -30,6 +31,7 @@ from minipaged.detokenizer import IncrementalDetokenizer
 from minipaged.engine import Engine
 from minipaged.generate import check_prompt
 from minipaged.model import LlamaForCausalLM
+from minipaged.pretrained import load_model, load_tokenizer
 from minipaged.scheduler import EngineConfig
 from minipaged.sequence import SamplingParams, Sequence
 
@@ -166,15 +168,10 @@ class LLM:
                 raise ValueError("tokenizer is required when model is a LlamaForCausalLM (a name or a directory "
                                  "brings its own)")  # fmt: skip
         else:
-            from minipaged import pretrained  # the loaders: reached by name only, like the other loaders
-
-            if tokenizer is None:
-                tokenizer = model
-            model = pretrained.load_model(model)
-        if isinstance(tokenizer, str) or hasattr(tokenizer, "__fspath__"):
-            from minipaged import pretrained
-
-            tokenizer = pretrained.load_tokenizer(tokenizer)
+            tokenizer = model if tokenizer is None else tokenizer
+            model = load_model(model)
+        if isinstance(tokenizer, (str, os.PathLike)):
+            tokenizer = load_tokenizer(tokenizer)
         for attr in ("encode", "decode"):
             if not callable(getattr(tokenizer, attr, None)):
                 raise TypeError(f"tokenizer must have an {attr}() method, got {type(tokenizer).__name__}")

