@@ -7,9 +7,12 @@ multibyte text (so some of its tokens end in the middle of a UTF-8 character), w
 """
 
 import importlib.util
+import io
 import json
 import os
+import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +30,8 @@ from minipaged.llm import LLM
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 from minipaged.pretrained import checkpoint_dir, load_tokenizer
 from minipaged.sequence import SamplingParams, SequenceStatus
+from minipaged.serve import main as serve_main
+from minipaged.serve import stream_in_turn
 
 pytestmark = pytest.mark.ch05
 
@@ -563,3 +568,61 @@ def test_smollm2_answers_a_question_and_stops_by_itself():
     assert "Paris" in c.text
     assert c.finish_reason == "stop" and c.token_ids[-1] == llm.tokenizer.eos_token_id and len(c.token_ids) < 48
     assert llm.engine.cache.allocator.num_used == 0
+
+
+# --------------------------------------------------------------------------- python -m minipaged.serve --chat
+
+
+class StepStamps(io.StringIO):
+    """A text stream that records the engine step at which each piece of text was written."""
+
+    def __init__(self, engine):
+        super().__init__()
+        self.engine, self.stamps = engine, []
+
+    def write(self, text):
+        if text:
+            self.stamps.append((self.engine.metrics.num_steps, text))
+        return super().write(text)
+
+
+def test_answers_print_in_turn_as_they_are_generated(model, bpe):
+    llm = make_llm(model, bpe)
+    questions = ["Café?", "東京は", "The capital of"]
+    prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    expected = [o.outputs[0] for o in llm.generate(prompts, params)]
+    out = StepStamps(llm.engine)
+    finals = stream_in_turn(llm, prompts, params, [f">>> {q}" for q in questions], out)
+    assert finals == expected
+    assert out.getvalue() == "\n\n".join(f">>> {q}\n{c.text}" for q, c in zip(questions, expected)) + "\n"
+    second_header = next(i for i, (_, text) in enumerate(out.stamps) if text.startswith("\n\n>>> "))
+    steps = {step for step, _ in out.stamps[1:second_header]}
+    assert len(steps) > 1  # the first answer arrives over several steps: it streams, it is not printed at the end
+
+
+def test_serve_chat_prints_each_answer_and_a_summary(checkpoint, model, bpe):
+    questions = ["What is the capital of France?", "Café?"]
+    run = subprocess.run([sys.executable, "-m", "minipaged.serve", str(checkpoint), "--chat", *questions,
+                          "--max-tokens", "8", "--system", "Be brief."],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    llm = make_llm(model, bpe)
+    convs = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": q}] for q in questions]
+    expected = [o.outputs[0] for o in llm.chat(convs, SamplingParams(max_tokens=8))]
+    answers = "\n\n".join(f">>> {q}\n{c.text}" for q, c in zip(questions, expected))
+    summary = "".join(f"request {i}: {len(c.token_ids)} tokens, finish_reason={c.finish_reason}\n"
+                      for i, c in enumerate(expected))  # fmt: skip
+    assert run.stdout.startswith(answers + "\n\n" + summary), run.stdout
+    rest = run.stdout[len(answers + summary) + 2 :]
+    assert re.fullmatch(r"2 requests, \d+ tokens in [\d.]+ s: [\d.]+ tokens/s\n", rest)
+
+
+def test_serve_refuses_what_does_not_fit(checkpoint, capsys):
+    for argv, message in [([str(checkpoint), "--model", "course", "--chat", "hi"], "give the model once"),
+                          (["--prompt", "x", "--system", "s"], "--system goes with --chat"),
+                          (["--chat", "hi", "--model", "course"], "--chat needs an instruct model"),
+                          (["--chat", "hi", "--model", "no/such/dir"], "neither a model name")]:  # fmt: skip
+        with pytest.raises(SystemExit) as exc:
+            serve_main(argv)
+        assert exc.value.code == 2 and message in capsys.readouterr().err, argv
