@@ -132,7 +132,8 @@ def main(argv=None) -> int:
     for i, c in enumerate(finals):
         print(f"request {i}: {len(c.token_ids)} tokens, finish_reason={c.finish_reason}")
     total = sum(len(c.token_ids) for c in finals)
-    print(f"{len(finals)} requests, {total} tokens in {seconds:.1f} s: {total / seconds:.1f} tokens/s")
+    requests = f"{len(finals)} request" + ("s" if len(finals) != 1 else "")
+    print(f"{requests}, {total} tokens in {seconds:.1f} s: {total / seconds:.1f} tokens/s")
     return 0
 
 
