@@ -58,7 +58,7 @@ def drive(engine: Engine, requests: list, rng, add, abort_prob: float = 0.0, ste
         for _ in range(arrivals_per_step):
             if pending:
                 add(engine, *pending.pop(0))
-        live = [rid for rid, s in engine.requests.items() if not s.is_finished]
+        live = list(dict.fromkeys(s.request_id for s in engine.requests.values() if not s.is_finished))
         if live and rng.random() < abort_prob:
             rid = rng.choice(live)
             engine.abort(rid)
@@ -69,6 +69,11 @@ def drive(engine: Engine, requests: list, rng, add, abort_prob: float = 0.0, ste
 
 
 # ---- stop tokens ---------------------------------------------------------------------------------------------------
+
+
+# Tokens the seed-0 tiny model (LlamaConfig() defaults) often produces: as its checkpoint EOS (the first;
+# the others report their id, as a generation config's further EOS ids do in vLLM), requests end by themselves.
+STOP_EOS = (186, 321, 492)
 
 
 def with_eos(model, eos_token_id):

@@ -30,14 +30,9 @@ def model():
     return LlamaForCausalLM(LlamaConfig(), seed=0).eval()
 
 
-# Tokens the seed-0 tiny model often produces: as its checkpoint EOS (the first; the others report their
-# id, as a generation config's further EOS ids do in vLLM), requests end by themselves.
-STOP_EOS = (186, 321, 492)
-
-
 @pytest.fixture(scope="module")
 def eos_model(model):
-    return engine_helpers.with_eos(model, STOP_EOS)
+    return engine_helpers.with_eos(model, engine_helpers.STOP_EOS)
 
 
 def random_requests(rng, n, vocab, max_prompt=40, max_out=12):
@@ -127,7 +122,8 @@ def test_outputs_with_stops_match_contiguous_under_preemption_and_chunking(eos_m
     assert engine.metrics.num_preemptions > 0
     assert reasons["stop"] >= 3 and reasons["length"] >= 3 and reasons["abort"] >= 1, reasons
     stopped = [s for s in engine.requests.values() if s.finish_reason == "stop"]
-    assert any(s.stop_reason is None or s.stop_reason in STOP_EOS[1:] for s in stopped)  # by the checkpoint's EOS
+    eos_ids = engine_helpers.STOP_EOS
+    assert any(s.stop_reason is None or s.stop_reason in eos_ids[1:] for s in stopped)  # by the checkpoint's EOS
     assert any(s.stop_reason in s.sampling_params.stop_token_ids for s in stopped)  # and by the caller's stop tokens
     masked = [s for s in engine.requests.values() if s.finish_reason != "abort" and s.output_token_ids !=
               engine_helpers.reference(eos_model, s.prompt_token_ids, replace(s.sampling_params, min_tokens=0))]
