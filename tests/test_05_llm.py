@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from minipaged.generate import generate_contiguous
 from minipaged.llm import LLM
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 from minipaged.pretrained import checkpoint_dir, load_tokenizer
+from minipaged.scheduler import EngineConfig
 from minipaged.sequence import SamplingParams, SequenceStatus
 from minipaged.serve import main as serve_main
 from minipaged.serve import stream_in_turn
@@ -297,6 +299,55 @@ def test_abort_one_sample_lets_the_others_run_on(model):
     assert out.request_id == rid and out.finish_reason == ["length", "abort", "abort"]
     assert len(out.output_token_ids[0]) == 10 and rid not in engine.samples
     assert engine.cache.allocator.num_used == 0
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_single_sample_aborts_keep_the_books(model, data):
+    """Requests of 1-3 samples; between steps, abort one sample at random. The books stay straight throughout."""
+    engine = Engine(model, EngineConfig(num_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_tokens=16))
+    requests = data.draw(st.lists(st.tuples(st.lists(st.integers(3, 300), min_size=1, max_size=9),
+                                            st.integers(1, 3), st.integers(1, 8)), min_size=1, max_size=4))  # fmt: skip
+    seqs, aborted, handed = {}, set(), []
+    for prompt, n, max_tokens in requests:
+        rid = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True))
+        seqs[rid] = (prompt, max_tokens, engine.samples[rid])
+    for _ in range(200):
+        if not engine.has_unfinished():
+            break
+        live = [(rid, i) for rid, (_, _, ss) in seqs.items() for i, s in enumerate(ss) if not s.is_finished]
+        if live and data.draw(st.booleans(), label="abort one"):
+            rid, i = data.draw(st.sampled_from(live), label="which")
+            engine.abort(rid, i if len(seqs[rid][2]) > 1 else None)
+            aborted.add((rid, i))
+        handed += engine.step().outputs
+        held = Counter(b for s in engine.scheduler.running for b in s.block_table.blocks)
+        alloc = engine.cache.allocator
+        assert alloc.refcounts == [held[b] for b in range(alloc.num_blocks)]
+        unfinished = {rid for rid, (_, _, ss) in seqs.items() if not all(s.is_finished for s in ss)}
+        assert set(engine.samples) == unfinished  # forgotten once none of its samples is left
+    assert not engine.has_unfinished() and engine.cache.allocator.num_used == 0
+    for out in handed:  # handed over once, when its last sample ended; the aborted ones come along
+        prompt, max_tokens, ss = seqs[out.request_id]
+        assert out.seqs == ss
+        for i, s in enumerate(ss):
+            if (out.request_id, i) in aborted or s.finish_reason == "abort":
+                assert s.status is SequenceStatus.ABORTED and s.finish_reason == "abort"
+            else:
+                assert s.output_token_ids == reference_ids(model, prompt, max_tokens) and s.finish_reason == "length"
+    assert len({out.request_id for out in handed}) == len(handed)
+    never = {rid for rid, (_, _, ss) in seqs.items() if all(s.status is SequenceStatus.ABORTED for s in ss)}
+    assert {out.request_id for out in handed} == set(seqs) - never
+
+
+_reference_ids: dict = {}
+
+
+def reference_ids(model, prompt: list[int], max_tokens: int) -> list[int]:
+    key = (tuple(prompt), max_tokens)
+    if key not in _reference_ids:
+        _reference_ids[key] = generate_contiguous(model, prompt, max_tokens, ignore_eos=True)
+    return _reference_ids[key]
 
 
 # --------------------------------------------------------------------------- the LLM front end
