@@ -131,3 +131,24 @@ def render_chat_template(template: str | None, conversation: list[dict], add_gen
         return compiled.render(**variables)
     except jinja2.TemplateError as exc:  # a ChatTemplateError from raise_exception is not one: it passes through
         raise ChatTemplateError(f"the chat template failed to render the conversation: {exc}") from None
+
+
+def apply_chat_template(tokenizer, conversation: list[dict], add_generation_prompt: bool = True) -> str:
+    """The prompt text of ``conversation`` under ``tokenizer``'s chat template, with its BOS and EOS texts.
+
+    Args:
+        tokenizer: a :class:`~minipaged.pretrained.TextTokenizer` (its ``chat_template``, ``bos_token_id``,
+            ``eos_token_id`` and ``decode``).
+        conversation: the messages, ``[{"role": ..., "content": ...}, ...]``.
+        add_generation_prompt: end with the header of the assistant's turn.
+
+    Raises:
+        NoChatTemplate: the tokenizer has no chat template.
+        ChatTemplateError: the template refused the conversation or failed to render it.
+    """
+    special = {}
+    for name in ("bos_token", "eos_token"):
+        token_id = getattr(tokenizer, f"{name}_id", None)
+        special[name] = None if token_id is None else tokenizer.decode([token_id], skip_special_tokens=False)
+    return render_chat_template(getattr(tokenizer, "chat_template", None), conversation, add_generation_prompt,
+                                **special)  # fmt: skip

