@@ -74,6 +74,11 @@ def stream_in_turn(llm: LLM, prompts: list[str], params: SamplingParams, headers
 
 
 def main(argv=None) -> int:
+    """The command line (see the module docstring); returns the exit status.
+
+    Args:
+        argv: the arguments after ``python -m minipaged.serve`` (None: ``sys.argv[1:]``).
+    """
     p = argparse.ArgumentParser(prog="python -m minipaged.serve", description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", nargs="?", help="the model: a name, a .gguf file or a checkpoint directory "
                    f"(default: {DEFAULT_MODEL} with --chat, else the course model)")  # fmt: skip
