@@ -146,8 +146,8 @@ class LLM:
     """A model, its tokenizer and a paged engine behind one text-in, text-out object (vLLM's ``LLM``).
 
     Args:
-        model: a model name (``"smollm2-135m-instruct"``, ``"course"``) or a Hugging Face checkpoint
-            directory, loaded with :func:`minipaged.pretrained.load_model`; or a
+        model: a model name (``"smollm2-135m-instruct"``, ``"course"``), a ``.gguf`` file or a Hugging Face
+            checkpoint directory, loaded with :func:`minipaged.pretrained.load_model`; or a
             :class:`~minipaged.model.LlamaForCausalLM` already built (then ``tokenizer`` is required).
         tokenizer: None (the model's own, :func:`minipaged.pretrained.load_tokenizer`), a name or a
             directory, or a tokenizer object with ``encode``, ``decode``, ``chat_template``,

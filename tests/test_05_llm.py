@@ -419,9 +419,13 @@ def spanning_stop_string(tok, ids: list[int], avoid: tuple[str, ...] = ()) -> tu
     raise AssertionError(f"no stop string spanning two tokens in {full!r}")
 
 
-@pytest.mark.parametrize("include", [False, True])
-def test_a_stop_string_across_two_tokens_stops_only_its_request_and_frees_its_blocks(model, include, bpe):
-    llm = make_llm(model, bpe)
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+@pytest.mark.parametrize("include, spec", [(False, None), (True, None), (False, SPEC)])
+def test_a_stop_string_across_two_tokens_stops_only_its_request_and_frees_its_blocks(model, include, spec, bpe):
+    """With speculative decoding a step may add several tokens: the ones after the stop string's are dropped."""
+    llm = make_llm(model, bpe, speculative_config=spec)
     free = [reference(model, bpe, p, 20, ignore_eos=True) for p in PROMPTS]
     texts = [bpe.decode(ids, skip_special_tokens=True) for ids in free]
     s, k = spanning_stop_string(bpe, free[1], avoid=(texts[0], *texts[2:]))  # a string only prompt 1 reaches
@@ -440,6 +444,8 @@ def test_a_stop_string_across_two_tokens_stops_only_its_request_and_frees_its_bl
     for i in (0, 2, 3):
         assert finals[i].token_ids == free[i] and finals[i].finish_reason == "length" and finals[i].stop_reason is None
     assert engine.cache.allocator.num_used == 0
+    if spec is not None:
+        assert engine.metrics.num_accepted_tokens > 0  # drafts were accepted: steps added several tokens
 
 
 def test_a_stop_string_ends_every_sample_of_a_request(model, bpe):
