@@ -1,7 +1,8 @@
 """Generate ``exercises/`` from ``solutions/`` so the two never drift apart.
 
-    python -m minipaged.exercises          # regenerate exercises/*.ipynb
-    python -m minipaged.exercises --check  # exit 1 if exercises/ is stale (CI)
+    python -m minipaged.exercises              # regenerate exercises/*.ipynb
+    python -m minipaged.exercises --check      # exit 1 if exercises/ is stale (CI)
+    python -m minipaged.exercises release DIR  # write the learners' handout into DIR
 
 In a solution notebook the learner's part of a code cell sits between two
 markers; the optional text after ``BEGIN SOLUTION`` names the task and gives
@@ -21,13 +22,21 @@ becomes::
 Markdown answers use ``<!-- BEGIN SOLUTION -->`` / ``<!-- END SOLUTION -->``.
 Cells tagged ``solution-only`` are dropped. Outputs are cleared, because the
 learner runs the notebook; the checks then print "not implemented yet".
+
+``release DIR`` writes what learners get (:data:`HANDOUT`): the chapters, the exercises and the
+package, without ``solutions/``, the tests, or the checks' instructor side
+(``minipaged/checks/instructor/``: reference answers and hidden cases). In their place it writes
+``minipaged/checks/expected.json``, each check's public cases and the reference's transcript on
+them, so that a learner's checks still PASS and FAIL with the same messages.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -46,8 +55,18 @@ BANNER = (
 )
 
 
+# What a learner's handout carries, relative to the repository root.
+HANDOUT = ("README.md", "GLOSSARY.md", "pyproject.toml", "constraints.txt", "environment.yml", "Makefile",
+           "kernels", "minipaged", "notebooks", "exercises")
+_LEFT_OUT = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints", "instructor", "expected.json")
+
+
 class MarkerError(ValueError):
     pass
+
+
+class ReleaseError(ValueError):
+    """The handout cannot be written where it was asked for."""
 
 
 def first_hint(task: str) -> str:
@@ -144,10 +163,68 @@ def stale_exercises() -> list[str]:
     return problems
 
 
+def expected_transcripts() -> dict:
+    """Every check's public cases and the reference's transcript on them: a handout's ``expected.json``."""
+    from minipaged.checks import Check, expected
+
+    entries = {}
+    for path in sorted((ROOT / "minipaged" / "checks").glob("ch[0-9][0-9].py")):
+        module = importlib.import_module(f"minipaged.checks.{path.stem}")
+        for value in vars(module).values():
+            if isinstance(value, Check) and value.name not in entries:
+                cases, want = expected(value.name)
+                entries[value.name] = {"cases": cases, "want": want}
+    return entries
+
+
+def release(target: Path) -> list[Path]:
+    """Write the learners' handout into ``target`` (new or empty); return the top-level paths written.
+
+    Args:
+        target: a folder that does not exist yet, or an empty one.
+    """
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise ReleaseError(f"{target}: exists and is not an empty folder; release into a new one")
+    stale = stale_exercises()
+    if stale:
+        raise ReleaseError(f"exercises/ is out of sync with solutions/ ({stale[0]}): "
+                           "run `python -m minipaged.exercises`")
+    entries = expected_transcripts()
+    target.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in HANDOUT:
+        source = ROOT / name
+        if source.is_dir():
+            shutil.copytree(source, target / name, ignore=_LEFT_OUT)
+        elif source.exists():
+            shutil.copy2(source, target / name)
+        else:
+            continue
+        written.append(target / name)
+    pyproject = target / "pyproject.toml"
+    if pyproject.exists():  # the handout has no instructor package to install
+        pyproject.write_text(pyproject.read_text().replace('"minipaged.checks.instructor", ', ""))
+    checks = target / "minipaged" / "checks" / "expected.json"
+    checks.write_text(json.dumps(entries, ensure_ascii=False) + "\n", encoding="utf-8")
+    return written
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minipaged.exercises", description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="only report whether exercises/ is in sync")
+    sub = parser.add_subparsers(dest="cmd")
+    rel = sub.add_parser("release", help="write the learners' handout (no solutions, no instructor side) into DIR")
+    rel.add_argument("dir", type=Path, help="a new or empty folder")
     args = parser.parse_args(argv)
+    if args.cmd == "release":
+        try:
+            written = release(args.dir)
+        except ReleaseError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote the handout to {args.dir}: {', '.join(p.name for p in written)} (no solutions/, no tests/, "
+              "no minipaged/checks/instructor/)")
+        return 0
     if args.check:
         problems = stale_exercises()
         for p in problems:

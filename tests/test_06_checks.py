@@ -10,6 +10,7 @@ teaches the idea without printing the answer, so those must FAIL too.
 import pytest
 
 from minipaged.checks import FAIL, PASS, TODO, ch06
+from minipaged.checks.instructor.ch06 import PrefixPool  # the check's own reference; mutants break it one way each
 
 pytestmark = pytest.mark.ch06
 
@@ -173,7 +174,6 @@ class FreesBeforeAllocating(CowTable):  # on a full pool the old reference is go
 # -- Task 6.4 ----------------------------------------------------------------------
 
 
-PrefixPool = ch06._RefPrefixPool  # the check's own reference; the mutations below break it one way each
 
 
 class EvictsReferencedBlocks(PrefixPool):  # a hit leaves the block in the free queue

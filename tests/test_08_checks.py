@@ -7,6 +7,7 @@ later step needs, rolling back past the prompt, forgetting the copy before a div
 import pytest
 
 from minipaged.checks import FAIL, PASS, TODO, ch08
+from minipaged.checks.instructor.ch08 import beam_step as beam_step_reference
 
 pytestmark = pytest.mark.ch08
 
@@ -195,6 +196,6 @@ def test_the_reference_beam_step_matches_beam_search_events():
     alloc.subscribe(lambda e: kinds.append(e.kind))
     tables, data = [BlockTable(alloc, "b0")], ["·"] * 36
     tables[0].append_tokens(6)
-    tables = ch08._ref_beam_step(tables, [0, 0, 0], [1, 2, 3], data)
+    tables = beam_step_reference(tables, [0, 0, 0], [1, 2, 3], data)
     assert kinds.count("fork") == 2 and kinds.count("cow") == 2  # the third holder writes in place
     assert alloc.num_used == 4

@@ -1,64 +1,207 @@
-"""The check framework: one status line, never a traceback, a time limit, signed records for the grader."""
+"""The check framework: one status line, never a traceback, a time limit, plain data judged against the reference."""
 
 import json
+import random
 
+import numpy as np
 import pytest
 import torch
 
 from minipaged import checks
-from minipaged.accounting import ceil_div
-from minipaged.checks import CheckFailed, CheckResult, check, expect_close, expect_equal, expect_tensor_close
+from minipaged.checks import (
+    FAIL,
+    PASS,
+    SCHEMA,
+    TODO,
+    CheckFailed,
+    CheckResult,
+    NotPlainData,
+    as_tensor,
+    ch01,
+    ch02,
+    expect_close,
+    expect_equal,
+    expect_tensor_close,
+    expected,
+    find,
+    instructor_side,
+    plain,
+    reference_transcript,
+    same,
+)
 
 pytestmark = pytest.mark.exercises
 
 
-@check("demo.ceil_div", hint="a partly filled block is still a block")
-def check_ceil_div(fn):
-    for n, b in [(0, 4), (1, 4), (4, 4), (5, 4), (37, 16)]:
-        expect_equal(fn(n, b), ceil_div(n, b), f"ceil_div({n}, {b})")
-    return "5 cases"
+def new_blocks(n, k, b):
+    return -(-(n + k) // b) - -(-n // b)
 
 
 def test_pass_prints_one_line(capsys):
-    result = check_ceil_div(ceil_div)
+    result = ch01.check_new_blocks(new_blocks)
     assert result.passed and bool(result)
-    assert capsys.readouterr().out == "✅ PASS   demo.ceil_div: 5 cases\n"
+    assert capsys.readouterr().out == (
+        "✅ PASS   ch01.new_blocks: 14 appends, partly filled last blocks and 2**60-scale lengths included\n")
 
 
 def test_wrong_answer_names_the_case_and_gives_the_hint(capsys):
-    result = check_ceil_div(lambda n, b: n // b)
+    result = ch01.check_new_blocks(lambda n, k, b: (n + k) // b - n // b)
     out = capsys.readouterr().out
-    assert not result.passed and result.status == "FAIL"
-    assert "ceil_div(1, 4) returned 0, expected 1" in out
-    assert "hint: a partly filled block is still a block" in out
-    assert "Traceback" not in out
+    assert not result.passed and result.status == FAIL
+    assert "new_blocks(0, 1, 16): returned 0, expected 1" in out
+    assert f"hint: {ch01.HINTS['1.2'][0]}" in out and "Traceback" not in out
 
 
 def test_not_implemented_is_its_own_status(capsys):
-    def stub(n, b):
-        raise NotImplementedError("Task 1.1 is not implemented yet.")
+    def stub(n, k, b):
+        raise NotImplementedError("Task 1.2 is not implemented yet.")
 
-    result = check_ceil_div(stub)
-    out = capsys.readouterr().out
-    assert result.status == "NOT IMPLEMENTED YET"
-    assert out.startswith("⏳ NOT IMPLEMENTED YET   demo.ceil_div: Task 1.1")
+    result = ch01.check_new_blocks(stub)
+    assert result.status == TODO
+    assert capsys.readouterr().out.startswith("⏳ NOT IMPLEMENTED YET   ch01.new_blocks: Task 1.2")
 
 
 def test_crash_in_learner_code_is_summarised_not_dumped(capsys):
-    def crashes(n, b):
+    def crashes(n, k, b):
         return n / undefined_name  # noqa: F821
 
-    result = check_ceil_div(crashes)
+    result = ch01.check_new_blocks(crashes)
     out = capsys.readouterr().out
-    assert result.status == "FAIL"
-    assert "your code raised NameError" in out and "in crashes, line" in out
-    assert "Traceback" not in out
+    assert result.status == FAIL
+    assert "your code raised NameError" in out and "in crashes, line" in out and "Traceback" not in out
+
+
+def test_an_infinite_loop_times_out_inside_the_notebook_too(monkeypatch, capsys):
+    monkeypatch.setenv(checks.TIMEOUT_ENV, "0.5")
+
+    def loops(n, k, b):
+        while True:
+            try:
+                pass
+            except Exception:  # a learner's catch-all does not swallow the time limit
+                pass
+
+    result = ch01.check_new_blocks(loops)
+    assert result.status == FAIL and result.message.startswith("timed out after 0.5 s")
+    assert ch01.check_new_blocks(new_blocks).passed  # the alarm is gone afterwards
+
+
+class Yes(int):
+    def __eq__(self, other):
+        return True
+
+    def __ne__(self, other):
+        return False
+
+    __hash__ = int.__hash__
+
+
+class YesList(list):
+    def __eq__(self, other):
+        return True
+
+
+@pytest.mark.parametrize("answer", [lambda n, k, b: Yes(0), lambda n, k, b: np.int64(new_blocks(n, k, b)),
+                                    lambda n, k, b: bool(new_blocks(n, k, b)),
+                                    lambda n, k, b: float(new_blocks(n, k, b))],
+                         ids=["int subclass that equals anything", "numpy int", "bool", "float"])
+def test_only_the_exact_type_passes(answer, capsys):
+    """Kind 1: a value that says it is equal, or is equal only by Python's loose ``==``, is not an int."""
+    assert ch01.check_new_blocks(answer).status == FAIL
+
+
+def test_a_list_that_equals_anything_is_refused(capsys):
+    result = ch02.check_chunk_slots(lambda blocks, start, n, b: YesList())
+    assert result.status == FAIL
+
+
+def test_plain_data_is_checked_by_exact_type():
+    assert plain((1, [2.5, "x", None, True], {"k": (3,)})) == [1, [2.5, "x", None, True], {"k": [3]}]
+    for bad in (Yes(1), [Yes(1)], {1: 2}, np.float64(1.0), object(), YesList([1])):
+        with pytest.raises(NotPlainData):
+            plain(bad)
+    deep = []
+    for _ in range(checks.MAX_DEPTH + 1):
+        deep = [deep]
+    with pytest.raises(NotPlainData, match="deeper"):
+        plain(deep)
+    t = torch.tensor([[1.5, float("nan")]], dtype=torch.bfloat16)
+    back = as_tensor(json.loads(json.dumps(plain(t))))
+    assert back.dtype == torch.bfloat16 and back.shape == t.shape and back[0, 0] == 1.5 and back[0, 1].isnan()
+    assert as_tensor({"tensor": [1], "dtype": "os.system", "shape": [1]}) is None
+    assert same([1, {"a": 2.0}], [1, {"a": 2.0}]) and not same(1, 1.0) and not same(True, 1) and not same([1], [1, 2])
+
+
+@pytest.mark.parametrize("forged", [
+    "PASS", None, [], {"schema": SCHEMA, "check": "ch01.other", "observations": [], "end": {"kind": "done"}},
+    {"schema": SCHEMA, "check": "ch01.new_blocks", "observations": {}, "end": {"kind": "done"}},
+    {"schema": SCHEMA, "check": "ch01.new_blocks", "observations": [], "end": {"kind": "passed"}},
+    {"schema": SCHEMA, "check": "ch01.new_blocks", "observations": [], "end": {"kind": "done"}},
+], ids=["a word", "null", "a list", "another check", "observations not a list", "an unknown end", "empty"])
+def test_a_forged_or_empty_transcript_fails_and_never_crashes(forged):
+    cases, want = expected("ch01.new_blocks")
+    result = ch01.check_new_blocks.verdict(cases, forged, want, len(cases))
+    assert result.status == FAIL and result.message
+
+
+def test_a_malformed_observation_fails_and_never_crashes():
+    cases, want = expected("ch02.free_many")
+    got = json.loads(json.dumps(want))
+    got["observations"][0][0] = {"outcome": 3}
+    result = ch02.check_free_many.verdict(cases, got, want, len(cases))
+    assert result.status == FAIL and "unexpected shape" in result.message
+
+
+def test_a_hidden_case_fails_without_its_expected_value():
+    """Kind 6: in grading, a hidden case's FAIL names its inputs but not the value the reference gave."""
+    side = instructor_side("ch01.new_blocks")
+    public = side.public()
+    hidden = [[2**60 + 5, 3, 16]]
+    cases = public + hidden
+    want = reference_transcript("ch01.new_blocks", cases)
+    table = {tuple(c): new_blocks(*c) for c in public}
+    got = ch01.check_new_blocks.transcript(cases, (lambda n, k, b: table.get((n, k, b), 7),))
+    result = ch01.check_new_blocks.verdict(cases, got, want, len(public))
+    assert result.status == FAIL and result.message.startswith("hidden case 1 (new_blocks(1152921504606846981, 3, 16))")
+    assert "returned" not in result.message and str(new_blocks(*hidden[0])) not in result.message.split(")")[-1]
+    assert ch01.check_new_blocks.verdict(public, got | {"observations": got["observations"][:-1]},
+                                         reference_transcript("ch01.new_blocks", public), len(public)).passed
+
+
+def test_the_kernels_entry_point_prints_one_parsable_transcript(capsys):
+    cases, _ = expected("ch01.new_blocks")
+    checks.probe_json("@@m@@", "ch01.new_blocks", json.dumps(cases), new_blocks)
+    line = capsys.readouterr().out.strip()
+    transcript = json.loads(line.removeprefix("@@m@@"))
+    assert transcript["check"] == "ch01.new_blocks" and len(transcript["observations"]) == len(cases)
+
+
+CHECK_NAMES = ["ch01.blocks_that_fit", "ch01.new_blocks", "ch01.best_block_size", "ch02.allocate_many",
+               "ch02.free_many", "ch02.chunk_slots", "ch03.chunk_attention", "ch04.window_decode_kernel",
+               "ch05.prefill_chunk", "ch05.pick_victims", "ch06.block_keys", "ch06.hit_tokens", "ch06.cow_append",
+               "ch06.lru", "ch07.kv_blocks", "ch07.block_size_measures", "ch07.block_size_choice", "ch08.rollback",
+               "ch08.beam_step"]
+
+
+@pytest.mark.parametrize("name", CHECK_NAMES)
+def test_the_reference_passes_its_public_and_hidden_cases(name):
+    """Every hidden-case generator gives plain-data cases the reference can run, the same for the same seed."""
+    side, check = instructor_side(name), find(name)
+    for seed in range(3):
+        hidden = side.hidden(random.Random(f"{seed}:{name}"))
+        assert hidden == side.hidden(random.Random(f"{seed}:{name}")) and plain(hidden) == hidden
+        cases = side.public() + hidden
+        want = reference_transcript(name, cases)
+        assert want["end"] == {"kind": "done"}, want["end"]
+        assert check.verdict(cases, check.transcript(cases, side.reference()), want, len(side.public())).passed
 
 
 def test_expect_helpers():
     expect_close(0.1 + 0.2, 0.3, "sum")
     with pytest.raises(CheckFailed, match="not a number"):
         expect_close("x", 1.0, "f()")
+    with pytest.raises(CheckFailed, match="returned True, expected 1"):
+        expect_equal(True, 1)
     expect_tensor_close(torch.ones(2), torch.ones(2), "t")
     with pytest.raises(CheckFailed, match="shape"):
         expect_tensor_close(torch.ones(3), torch.ones(2), "t")
@@ -69,39 +212,8 @@ def test_expect_helpers():
 
 
 def test_result_str_hides_hint_on_pass():
-    assert "hint" not in str(CheckResult("x", "PASS", "ok", hint="h"))
-    assert "hint: h" in str(CheckResult("x", "FAIL", "bad", hint="h"))
-
-
-def test_an_infinite_loop_times_out_inside_the_notebook_too(monkeypatch, capsys):
-    monkeypatch.setenv(checks.TIMEOUT_ENV, "0.5")
-
-    def loops(n, b):
-        while True:
-            try:
-                pass
-            except Exception:  # a learner's catch-all does not swallow the time limit
-                pass
-
-    result = check_ceil_div(loops)
-    assert result.status == "FAIL" and result.message.startswith("timed out after 0.5 s")
-    assert check_ceil_div(ceil_div).passed  # the alarm is gone afterwards
-
-
-def test_results_are_recorded_signed_only_for_the_grader(tmp_path, monkeypatch, capsys):
-    path = tmp_path / "results.jsonl"
-    monkeypatch.setattr(checks, "_RESULTS", str(path))
-    monkeypatch.setattr(checks, "_SECRET", b"")
-    check_ceil_div(ceil_div)
-    assert not path.exists(), "no secret, no record"
-    monkeypatch.setattr(checks, "_SECRET", b"k")
-    check_ceil_div(ceil_div)
-    check_ceil_div(lambda n, b: 0)
-    first, second = (json.loads(line) for line in path.read_text().splitlines())
-    assert (first["status"], second["status"]) == ("PASS", "FAIL") and second["seq"] > first["seq"]
-    assert first["sig"] == checks.sign(b"k", first) != checks.sign(b"other", first)
-    forged = dict(second, status="PASS")
-    assert forged["sig"] != checks.sign(b"k", forged)
+    assert "hint" not in str(CheckResult("x", PASS, "ok", hint="h"))
+    assert "hint: h" in str(CheckResult("x", FAIL, "bad", hint="h"))
 
 
 def test_staged_hints(capsys):
@@ -116,9 +228,9 @@ def test_staged_hints(capsys):
 
 
 def test_stub_hint_is_not_repeated(capsys):
-    def stub(n, b):
-        raise NotImplementedError("Task 1.1 is not implemented yet. Hint: round up")
+    def stub(n, k, b):
+        raise NotImplementedError("Task 1.2 is not implemented yet. Hint: round up")
 
-    check_ceil_div(stub)
+    ch01.check_new_blocks(stub)
     out = capsys.readouterr().out
-    assert "Hint: round up" in out and "hint: a partly filled block" not in out
+    assert "Hint: round up" in out and f"hint: {ch01.HINTS['1.2'][0]}" not in out

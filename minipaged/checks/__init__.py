@@ -1,37 +1,44 @@
-"""Exercise checks that never dump a traceback on the learner.
+"""Exercise checks that never dump a traceback on the learner, and whose verdict the learner's kernel never decides.
 
 Every check prints exactly one line that starts with a fixed status:
 
     ✅ PASS   ch01.blocks_needed: 9 cases
-    ❌ FAIL   ch01.blocks_needed: blocks_needed(37, 16) returned 2, expected 3
+    ❌ FAIL   ch01.blocks_needed: blocks_needed(37, 16): returned 2, expected 3
               hint: a partly filled block still counts as a whole block
     ⏳ NOT IMPLEMENTED YET   ch01.blocks_needed: replace `raise NotImplementedError`
               hint: ...
 
-The printed line is for the learner only. The grader (``python -m
-minipaged.checks grade``) never reads it: it starts the kernel with a results
-file and a per-run secret in the environment (:data:`RESULTS_ENV`,
-:data:`SECRET_ENV`). On import this module takes the secret out of the
-environment, and every check appends one JSON record, signed with it, to the
-file. Printing cannot forge such a record; see the README's threat model.
+A check has two halves, so that the half that decides can run where the learner's code cannot reach it:
 
-Every check runs under a time limit (:data:`DEFAULT_TIMEOUT` seconds unless
-the check or :data:`TIMEOUT_ENV` says otherwise): an infinite loop in the
-learner's code fails the check with "timed out after N s".
+- the **probe** calls the learner's code on one case and returns what it observed as plain data
+  (:func:`plain`: ``None``, ``bool``, ``int``, ``float``, ``str``, lists and dicts with string keys,
+  tensors as ``{"tensor": values, "dtype": ..., "shape": ...}``). :meth:`Check.transcript` runs it on
+  every case and gives a :data:`SCHEMA` transcript (CONTRIBUTING.md describes it);
+- the **judge** compares one case's observation with the reference's, which the same probe gives on
+  the reference answer, and raises :class:`CheckFailed` with a teaching message.
 
-Per-chapter checks live in ``minipaged.checks.chNN`` and are written with the
-:func:`check` decorator. A chapter module may also define ``HINTS``,
-``{"N.M": [first, second, ...]}``: staged hints that :func:`hint` prints, the
-first naming the concept and later ones coming closer to code.
+The cases, the reference answers and the hidden cases live on the instructor's side
+(``minipaged.checks.instructor``), which a learner's handout does not carry: there, the public
+cases and their reference transcript come from ``expected.json``, written by
+``python -m minipaged.exercises release``. A learner's call ``check_x(answer)`` runs both halves in
+its own process on the public cases. The grader (``python -m minipaged.checks grade``) runs only the
+probe in the learner's kernel, through :func:`probe_json`, on the public cases and on hidden ones
+drawn from a seed the kernel never sees, and judges the transcript in its own process.
+
+Every check runs under a time limit (:data:`DEFAULT_TIMEOUT` seconds unless the check or
+:data:`TIMEOUT_ENV` says otherwise): an infinite loop in the learner's code fails the check with
+"timed out after N s".
+
+Per-chapter checks live in ``minipaged.checks.chNN`` and are written with :func:`check`. A chapter
+module may also define ``HINTS``, ``{"N.M": [first, second, ...]}``: staged hints that :func:`hint`
+prints, the first naming the concept and later ones coming closer to code.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import hashlib
-import hmac
 import importlib
+import inspect
 import json
 import math
 import os
@@ -39,19 +46,16 @@ import signal
 import threading
 import traceback
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 _PACKAGE_DIR = str(Path(__file__).resolve().parent.parent)
+EXPECTED = Path(__file__).resolve().parent / "expected.json"  # public cases and reference transcripts (handouts)
 
-RESULTS_ENV = "MINIPAGED_CHECK_RESULTS"  # path of the file the grader reads results from
-SECRET_ENV = "MINIPAGED_CHECK_SECRET"  # per-run key that signs each result record
-TIMEOUT_ENV = "MINIPAGED_CHECK_TIMEOUT"  # seconds; overrides every check's own limit
+TIMEOUT_ENV = "MINIPAGED_CHECK_TIMEOUT"  # seconds; overrides every check's own limit in the learner's kernel
 DEFAULT_TIMEOUT = 60.0
-
-# Taken out of the environment at import, so learner code that reads os.environ finds nothing.
-_SECRET = os.environ.pop(SECRET_ENV, "").encode()
-_RESULTS = os.environ.pop(RESULTS_ENV, "")
-_SEQ = 0  # numbers the records, so the grader can reject a replayed one
+SCHEMA = "minipaged-transcript/1"
+MAX_DEPTH = 32  # nesting a transcript may have
 
 PASS, FAIL, TODO = "PASS", "FAIL", "NOT IMPLEMENTED YET"
 _ICONS = {PASS: "✅", FAIL: "❌", TODO: "⏳"}
@@ -59,6 +63,10 @@ _ICONS = {PASS: "✅", FAIL: "❌", TODO: "⏳"}
 
 class CheckFailed(AssertionError):
     """A learner's answer disagrees with the reference."""
+
+
+class NotPlainData(TypeError):
+    """A probe observed a value that is not plain data (an ``int`` subclass, a NumPy array, an object)."""
 
 
 @dataclass
@@ -84,22 +92,109 @@ class CheckResult:
         return self.passed
 
 
-def sign(secret: bytes, record: dict) -> str:
-    """The HMAC-SHA256 of a result record (without its ``sig``), as the grader recomputes it."""
-    body = json.dumps({k: v for k, v in record.items() if k != "sig"}, sort_keys=True)
-    return hmac.new(secret, body.encode(), hashlib.sha256).hexdigest()
+# ---------------------------------------------------------------------------
+# Plain data: what crosses from the learner's kernel to the grader
+# ---------------------------------------------------------------------------
 
 
-def _record(result: CheckResult) -> None:
-    """Append the result to the grader's file, signed; a no-op outside the grader."""
-    if not (_SECRET and _RESULTS):
+def plain(value, depth: int = 0):
+    """``value`` as plain data, checked by exact type (``type(x) is int``, never ``isinstance``).
+
+    Tuples become lists; a ``torch.Tensor`` becomes ``{"tensor": nested lists, "dtype": "float32",
+    "shape": [...]}``. Anything else, an ``int`` subclass included, raises :class:`NotPlainData`.
+
+    Args:
+        value: what the probe observed.
+        depth: the nesting so far (at most :data:`MAX_DEPTH`).
+    """
+    kind = type(value)
+    if value is None or kind in (bool, int, float, str):
+        return value
+    if depth >= MAX_DEPTH:
+        raise NotPlainData(f"nested deeper than {MAX_DEPTH} levels")
+    if kind in (list, tuple):
+        return [plain(v, depth + 1) for v in value]
+    if kind is dict:
+        if any(type(k) is not str for k in value):
+            raise NotPlainData("a dict whose keys are not all str")
+        return {k: plain(v, depth + 1) for k, v in value.items()}
+    torch = _torch()
+    if torch is not None and kind in (torch.Tensor, torch.nn.Parameter):
+        t = value.detach().cpu()
+        return {"tensor": t.tolist(), "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+    raise NotPlainData(f"a {kind.__module__}.{kind.__qualname__}")
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        return None
+    return torch
+
+
+def check_plain(value, depth: int = 0) -> None:
+    """Raise :class:`NotPlainData` unless ``value`` is JSON-decoded plain data (the grader's side of :func:`plain`).
+
+    Args:
+        value: a decoded JSON value.
+        depth: the nesting so far.
+    """
+    kind = type(value)
+    if value is None or kind in (bool, int, float, str):
         return
-    global _SEQ
-    _SEQ += 1
-    record = {"name": result.name, "status": result.status, "message": result.message, "seq": _SEQ}
-    record["sig"] = sign(_SECRET, record)
-    with open(_RESULTS, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
+    if depth >= MAX_DEPTH:
+        raise NotPlainData(f"nested deeper than {MAX_DEPTH} levels")
+    if kind is list:
+        for v in value:
+            check_plain(v, depth + 1)
+    elif kind is dict:
+        for k, v in value.items():
+            if type(k) is not str:
+                raise NotPlainData("a dict whose keys are not all str")
+            check_plain(v, depth + 1)
+    else:
+        raise NotPlainData(f"a {kind.__name__}")
+
+
+def as_tensor(observed):
+    """The tensor a probe recorded with :func:`plain`, rebuilt; ``None`` if ``observed`` is not one."""
+    import torch
+
+    if type(observed) is not dict or set(observed) != {"tensor", "dtype", "shape"}:
+        return None
+    dtype = getattr(torch, str(observed["dtype"]), None)
+    if not isinstance(dtype, torch.dtype):
+        return None
+    try:
+        t = torch.tensor(observed["tensor"], dtype=torch.float64 if dtype.is_floating_point else dtype)
+        return t.reshape([int(s) for s in observed["shape"]]).to(dtype)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
+def outcome(fn, *args):
+    """Call ``fn(*args)`` for a probe: ``{"returned": plain value}`` or ``{"raised": [exception class names]}``.
+
+    ``NotImplementedError`` passes through, so an unfinished task still reads NOT IMPLEMENTED YET.
+    """
+    try:
+        value = fn(*args)
+    except NotImplementedError:
+        raise
+    except Exception as exc:
+        return {"raised": [c.__name__ for c in type(exc).__mro__], "message": str(exc)[:300]}
+    return {"returned": plain(value)}
+
+
+def to_tuples(value):
+    """Lists back to tuples, all the way down (a probe rebuilds tuple-valued inputs this way)."""
+    return tuple(to_tuples(v) for v in value) if type(value) is list else value
+
+
+# ---------------------------------------------------------------------------
+# Time limits
+# ---------------------------------------------------------------------------
 
 
 class CheckTimeout(BaseException):
@@ -141,77 +236,244 @@ def _where(exc: BaseException) -> str:
     return ""
 
 
-def check(name: str, hint: str = "", timeout: float | None = None):
-    """Turn ``fn(*answers) -> summary`` into a check that prints one status line.
+# ---------------------------------------------------------------------------
+# Checks
+# ---------------------------------------------------------------------------
 
-    ``fn`` raises :class:`CheckFailed` (or uses :func:`expect_equal` /
-    :func:`expect_close`) on a wrong answer and returns a short summary on
-    success. Anything else the learner's code raises becomes a FAIL line that
-    names the exception, never a traceback.
+
+class Check:
+    """One exercise check: a probe (runs the learner's code), a judge (compares with the reference), a label.
+
+    Calling it, ``check_x(*answers)``, runs the public cases in this process and prints one status line.
+    """
+
+    def __init__(self, name: str, probe, hint: str, timeout: float | None, label, summary):
+        self.name, self.probe, self.hint, self.timeout = name, probe, hint, timeout
+        self.label, self.summary = label, summary
+        self._judge = _judge_equal
+        self.__name__ = probe.__name__
+        self.__doc__ = probe.__doc__
+        params = list(inspect.signature(probe).parameters.values())[1:]  # the case comes first
+        self.__signature__ = inspect.Signature(params)
+
+    def judge(self, fn):
+        """Decorator: ``fn(case, got, want)`` raises :class:`CheckFailed` when the observation ``got`` is wrong."""
+        self._judge = fn
+        return fn
+
+    def transcript(self, cases: list, answers: tuple) -> dict:
+        """Run the probe on each case; the :data:`SCHEMA` transcript, plain data, JSON round-tripped."""
+        observations, end = [], {"kind": "done"}
+        for index, case in enumerate(cases):
+            try:
+                observations.append(plain(self.probe(case, *answers)))
+            except NotImplementedError as exc:
+                end = {"kind": "todo", "case": index, "message": str(exc)}
+                break
+            except NotPlainData as exc:
+                end = {"kind": "not_plain", "case": index, "message": str(exc)}
+                break
+            except Exception as exc:  # the learner's code crashed: summarise, don't dump
+                end = {"kind": "raised", "case": index, "message": f"{type(exc).__name__}: {exc}{_where(exc)}"}
+                break
+        record = {"schema": SCHEMA, "check": self.name, "observations": observations, "end": end}
+        return json.loads(json.dumps(record))
+
+    def verdict(self, cases: list, got, want: dict, public: int) -> CheckResult:
+        """Judge the transcript ``got`` against the reference's ``want``; cases from ``public`` on are hidden.
+
+        Args:
+            cases: the cases both transcripts ran, public ones first.
+            got: the learner's transcript (decoded JSON, not trusted: its shape is checked here).
+            want: the reference's transcript on the same cases.
+            public: how many of ``cases`` are public; a hidden case's FAIL does not show its expected value.
+        """
+        problem = transcript_problem(got, self.name)
+        if problem:
+            return CheckResult(self.name, FAIL, f"no usable answer came back ({problem})", self.hint)
+        if want["end"]["kind"] != "done" or len(want["observations"]) != len(cases):
+            raise RuntimeError(f"{self.name}: the reference failed its own cases: {want['end']}")
+        observed, end = got["observations"], got["end"]
+        for index, case in enumerate(cases):
+            hidden = index >= public
+            label = f"hidden case {index - public + 1} ({self.label(case)})" if hidden else self.label(case)
+            if index >= len(observed):
+                if end["kind"] == "todo" and end.get("message") is not None:
+                    message = str(end["message"]) or "replace the `raise NotImplementedError` with your code"
+                    return CheckResult(self.name, TODO, message, "" if "Hint:" in message else self.hint)
+                if end["kind"] == "not_plain":
+                    message = (f"{label}: your code returned {end.get('message')}; return plain Python values "
+                               "(int, float, str, bool, None, lists, dicts, tensors)")
+                elif end["kind"] == "raised":
+                    message = f"{label}: your code raised {end.get('message')}"
+                else:
+                    message = f"{label}: no answer came back for this case"
+                return CheckResult(self.name, FAIL, message, self.hint)
+            try:
+                self._judge(case, observed[index], want["observations"][index])
+            except (KeyError, TypeError, IndexError, AttributeError, ValueError) as exc:  # a malformed observation
+                exc = CheckFailed(f"the observation has an unexpected shape ({type(exc).__name__}: {exc})")
+                return CheckResult(self.name, FAIL, f"{label}: {exc}", self.hint)
+            except CheckFailed as exc:
+                if hidden:
+                    return CheckResult(self.name, FAIL, f"{label}: a wrong answer (a hidden case's expected value "
+                                       "is not shown; test your code on cases like it)", self.hint)
+                return CheckResult(self.name, FAIL, f"{label}: {exc}", self.hint)
+        extra = f", {len(cases) - public} hidden" if len(cases) > public else ""
+        if callable(self.summary):
+            return CheckResult(self.name, PASS, self.summary(cases[:public], observed[:public]) + extra)
+        return CheckResult(self.name, PASS, self.summary.format(n=public) + extra)
+
+    def __call__(self, *answers) -> CheckResult:
+        cases, want = expected(self.name)
+        try:
+            with _time_limit(_timeout(self.timeout)):
+                got = self.transcript(cases, answers)
+        except CheckTimeout as exc:
+            result = CheckResult(self.name, FAIL, f"{exc}: is there an infinite loop?", self.hint)
+        else:
+            result = self.verdict(cases, got, want, len(cases))
+        print(result)
+        return result
+
+
+def _judge_equal(case, got, want) -> None:
+    expect_equal(got, want)
+
+
+def transcript_problem(record, name: str) -> str:
+    """Why ``record`` is not a transcript of check ``name`` (``""`` when it is one)."""
+    try:
+        check_plain(record)
+    except NotPlainData as exc:
+        return f"not plain data: {exc}"
+    if type(record) is not dict or record.get("schema") != SCHEMA or record.get("check") != name:
+        return f"not a {SCHEMA} transcript of {name}"
+    end = record.get("end")
+    if type(record.get("observations")) is not list or type(end) is not dict:
+        return "a transcript needs a list of observations and an end"
+    if end.get("kind") not in ("done", "todo", "raised", "not_plain"):
+        return f"an unknown end {end.get('kind')!r}"
+    return ""
+
+
+def check(name: str, hint: str = "", timeout: float | None = None, label=None, summary="{n} cases"):
+    """Turn a probe ``fn(case, *answers) -> observation`` into a :class:`Check` named ``name``.
+
+    The probe calls the learner's code on one case (plain data) and returns what it saw; anything the
+    learner's code raises becomes a FAIL line that names the exception, never a traceback. Add the
+    judge with ``@check_x.judge``; without one, the observation must equal the reference's.
 
     Args:
         name: the check's id, ``chNN.what``; the grader's gradebook column.
         hint: printed under a FAIL line.
-        timeout: seconds the whole check may run (default :data:`DEFAULT_TIMEOUT`;
-            :data:`TIMEOUT_ENV` overrides it); past it the check FAILs with
-            "timed out after N s".
+        timeout: seconds the learner's code may run over all cases (default :data:`DEFAULT_TIMEOUT`;
+            :data:`TIMEOUT_ENV` overrides it); past it the check FAILs with "timed out after N s".
+        label: ``label(case) -> str``, how a FAIL names the case (only its inputs: it is shown for hidden ones).
+        summary: the PASS line's text, where ``{n}`` is the number of public cases; or
+            ``summary(cases, observations) -> str`` on the public cases and the learner's (judged) observations.
     """
 
-    def decorate(fn):
-        @functools.wraps(fn)
-        def run(*args, **kwargs) -> CheckResult:
-            try:
-                with _time_limit(_timeout(timeout)):
-                    summary = fn(*args, **kwargs)
-            except CheckTimeout as exc:
-                result = CheckResult(name, FAIL, f"{exc}: is there an infinite loop?", hint)
-            except NotImplementedError as exc:
-                where = str(exc) or "replace the `raise NotImplementedError` with your code"
-                # A generated stub already carries the task's hint; don't print two.
-                result = CheckResult(name, TODO, where, "" if "Hint:" in where else hint)
-            except CheckFailed as exc:
-                result = CheckResult(name, FAIL, str(exc), hint)
-            except Exception as exc:  # the learner's code crashed: summarise, don't dump
-                msg = f"your code raised {type(exc).__name__}: {exc}{_where(exc)}"
-                result = CheckResult(name, FAIL, msg, hint)
-            else:
-                result = CheckResult(name, PASS, summary or "")
-            print(result)
-            _record(result)
-            return result
-
-        return run
+    def decorate(fn) -> Check:
+        return Check(name, fn, hint, timeout, label or (lambda case: f"case {case!r}"), summary)
 
     return decorate
 
 
-def expect_equal(actual, expected, what: str) -> None:
-    if actual != expected:
-        raise CheckFailed(f"{what} returned {actual!r}, expected {expected!r}")
+def find(name: str) -> Check:
+    """The :class:`Check` called ``name`` (``"ch01.new_blocks"``), from its chapter's module."""
+    chapter, _, short = name.partition(".")
+    module = importlib.import_module(f"minipaged.checks.{chapter}")
+    for value in vars(module).values():
+        if isinstance(value, Check) and value.name == name:
+            return value
+    raise KeyError(f"no check called {name!r} in minipaged.checks.{chapter}")
 
 
-def expect_raises(exc_type, fn, what: str) -> None:
-    """``fn()`` must raise ``exc_type``; another exception or a normal return is a FAIL that says which.
-
-    ``NotImplementedError`` passes through, so an unfinished task still reads NOT IMPLEMENTED YET.
-    """
+def instructor_side(name: str):
+    """The instructor's side of check ``name`` (its cases, hidden cases, reference), or ``None`` in a handout."""
+    chapter, _, short = name.partition(".")
     try:
-        fn()
-    except exc_type:
-        return
-    except NotImplementedError:
+        module = importlib.import_module(f"minipaged.checks.instructor.{chapter}")
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.startswith("minipaged.checks.instructor"):
+            return None
         raise
-    except Exception as exc:
-        raise CheckFailed(f"{what} raised {type(exc).__name__}: {exc}; expected {exc_type.__name__}") from None
-    raise CheckFailed(f"{what} returned normally; expected it to raise {exc_type.__name__}")
+    return module.SIDES[short]
+
+
+@cache
+def _expected_file() -> dict:
+    return json.loads(EXPECTED.read_text(encoding="utf-8")) if EXPECTED.exists() else {}
+
+
+def expected(name: str) -> tuple[list, dict]:
+    """The public cases of check ``name`` and the reference's transcript on them.
+
+    From the instructor's side where it is installed, else from a handout's ``expected.json``.
+    """
+    side = instructor_side(name)
+    if side is None:
+        entry = _expected_file().get(name)
+        if entry is None:
+            raise RuntimeError(f"{name}: neither minipaged.checks.instructor nor {EXPECTED.name} knows its cases")
+        return entry["cases"], entry["want"]
+    cases = side.public()
+    return cases, reference_transcript(name, cases)
+
+
+def reference_transcript(name: str, cases: list) -> dict:
+    """The transcript of the reference answer of check ``name`` on ``cases`` (the instructor's side only)."""
+    side = instructor_side(name)
+    return find(name).transcript(cases, side.reference())
+
+
+def probe_json(marker: str, name: str, cases_json: str, *answers) -> None:
+    """The grader's entry point in the learner's kernel: print ``marker`` and the transcript as JSON.
+
+    Nothing here decides a verdict: whatever this prints is compared, in the grader's process, with
+    the grader's own reference. A kernel that lies about it only changes the answer being judged.
+    """
+    print(marker + json.dumps(find(name).transcript(json.loads(cases_json), answers)), flush=True)
+
+
+def same(a, b) -> bool:
+    """Plain data ``a`` equals ``b`` with the same exact types all the way down (``True`` is not ``1``, nor ``1.0``)."""
+    if type(a) is not type(b):
+        return False
+    if type(a) is list:
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if type(a) is dict:
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return a == b or (type(a) is float and math.isnan(a) and math.isnan(b))
+
+
+def expect_equal(actual, expected, what: str = "") -> None:
+    """Raise :class:`CheckFailed` "``what`` returned X, expected Y" unless :func:`same`."""
+    if not same(actual, expected):
+        raise CheckFailed(f"{what + ' ' if what else ''}returned {actual!r}, expected {expected!r}")
+
+
+def expect_int(value, what: str = "") -> None:
+    """An exact ``int`` (not a ``bool``), or :class:`CheckFailed`."""
+    if type(value) is not int:
+        raise CheckFailed(f"{what + ' ' if what else ''}returned {value!r}; return an int")
+
+
+def expect_raised(observed, exc_name: str, what: str) -> None:
+    """The probe's :func:`outcome` ``observed`` must be a raise of ``exc_name`` (or a subclass)."""
+    raised = observed.get("raised") if type(observed) is dict else None
+    if type(raised) is list and exc_name in raised:
+        return
+    if type(raised) is list and raised:
+        raise CheckFailed(f"{what} raised {raised[0]}: {observed.get('message', '')}; expected {exc_name}")
+    raise CheckFailed(f"{what} returned normally; expected it to raise {exc_name}")
 
 
 def expect_close(actual, expected, what: str, rel: float = 1e-9, abs_: float = 1e-12) -> None:
-    try:
-        ok = math.isclose(float(actual), float(expected), rel_tol=rel, abs_tol=abs_)
-    except (TypeError, ValueError):
-        raise CheckFailed(f"{what} returned {actual!r}, which is not a number") from None
-    if not ok:
+    if type(actual) not in (int, float):
+        raise CheckFailed(f"{what} returned {actual!r}, which is not a number")
+    if not math.isclose(float(actual), float(expected), rel_tol=rel, abs_tol=abs_):
         raise CheckFailed(f"{what} returned {actual!r}, expected {expected!r}")
 
 

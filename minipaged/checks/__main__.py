@@ -1,71 +1,105 @@
 """Grade a class: ``python -m minipaged.checks grade submissions/``.
 
-    python -m minipaged.checks grade PATH [PATH ...] [--gradebook PREFIX] [--instructor]
-        [--check-timeout S] [--notebook-timeout S]
+    python -m minipaged.checks grade PATH [PATH ...] [--gradebook PREFIX] [--instructor] [--jobs N]
+        [--check-timeout S] [--notebook-timeout S] [--seed N]
 
-A PATH is a notebook or a folder searched for notebooks. A notebook's learner
-is the name of its parent folder (``submissions/<learner>/NN_name.ipynb``) and
-its exercise is the solution whose name starts with the same two digits.
+A PATH is a notebook or a folder of submissions. Under a folder, a notebook's learner is the first
+folder below it (``submissions/<learner>/.../NN_name.ipynb``); a notebook named on its own belongs
+to its parent folder. Its exercise is the solution whose name starts with the same two digits.
 
 For each notebook, the grader:
 
-1. learns the exercise's checks from its solution: every code cell whose saved
-   output shows a check line is a *check cell*, known by its cell id;
-2. restores each check cell's source from the solution (an edited cell gets its
-   source back, a deleted one is put back after the cell it followed, a copy of
-   one is dropped), as nbgrader's autograder restores its locked cells;
-3. executes the notebook in a fresh kernel, each cell under a time limit and
-   the whole notebook under a budget, with a results file and a per-run secret
-   in the kernel's environment;
-4. takes each check's result from the signed records the check framework
-   wrote to that file *while that check's own cell ran*, never from printed
-   text. A check with no such record FAILs.
+1. learns the exercise's checks from its solution: every code cell that calls ``chNN.check_x(...)``
+   is a *check cell*, known by its cell id;
+2. restores each check cell from the solution (an edited cell gets its source back, a deleted one
+   is put back after the cell it followed, a copy of one is dropped);
+3. runs the learner's cells in a kernel process of its own, with a working directory of its own,
+   against a copy of the package without its instructor side (``minipaged.checks.instructor``) and
+   without ``solutions/``. In place of each check cell it runs a cell of its own, which calls the
+   learner's code through the check's probe on the public cases and on hidden ones drawn from the
+   grading seed, and prints the probe's transcript as JSON;
+4. decides each verdict in its own process: it checks the transcript's exact types, runs the
+   reference on the same cases and compares. Nothing the kernel prints, reads or writes is a verdict.
 
-It prints one table (a row per learner, a column per check) and writes it as
-``PREFIX.csv`` and ``PREFIX.json``; the JSON also holds every failure message,
-the notes on each notebook, and the model answer to every free-text question
-beside each learner's answer (``--instructor`` prints those too). The exit
-status is 0 when every check passed, 1 when some did not, 2 when an input
-could not be graded.
+A cell past its limit is interrupted; if it does not stop within :data:`KILL_GRACE` s the kernel is
+killed. The check FAILs with "timed out after N s", a dead kernel FAILs the rest of its notebook,
+and the batch goes on. It prints one table (a row per learner, a column per check) and writes it
+as ``PREFIX.csv`` and ``PREFIX.json``; the JSON also holds every failure message, the notes and
+flags on each notebook, and the model answer to every free-text question beside each learner's
+answer (``--instructor`` prints those too). The exit status is 0 when every check passed, 1 when
+some did not, 2 when an input could not be graded, 3 when the grader itself failed on a notebook.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import asyncio
 import csv
-import hmac
 import json
+import math
 import os
+import queue
+import random
 import re
 import secrets
+import shutil
+import subprocess
 import sys
 import tempfile
+import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from minipaged.checks import FAIL, PASS, RESULTS_ENV, SECRET_ENV, TIMEOUT_ENV, TODO, sign
+from minipaged.bench import positive_int
+from minipaged.checks import (
+    DEFAULT_TIMEOUT,
+    FAIL,
+    PASS,
+    TODO,
+    Check,
+    CheckResult,
+    instructor_side,
+    reference_transcript,
+)
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 SOLUTIONS = ROOT / "solutions"
-_LINE = re.compile(rf"^\S+ ({PASS}|{FAIL}|{TODO})\s+(\S+?)(?::|$)", re.M)
 _ANSWER = re.compile(r"<!-- BEGIN SOLUTION -->(.*?)<!-- END SOLUTION -->", re.S)
 _ANSWER_HERE = "*Your answer here.*"
+_CHECK_CALL = re.compile(r"^ch\d\d$")
 MISSING = "MISSING"
+KILL_GRACE = 5.0  # seconds a cell gets to stop after an interrupt before its kernel is killed
+CELL_SLACK = 15.0  # a learner's own cell may run this much longer than a check
+MAX_OUTPUT = 32 * 2**20  # characters of a cell's stdout the grader keeps (the last ones)
+_CSV_FORMULA = ("=", "+", "-", "@", "\t", "\r")
 
 
 class GradeError(ValueError):
-    """A path that cannot be graded: missing, not a notebook, or no exercise for its chapter."""
+    """A path that cannot be graded: missing, not a notebook, no exercise for its chapter, or a duplicate."""
+
+
+@dataclass
+class CheckCall:
+    """One ``chNN.check_x(arg, ...)`` call of a check cell: the check and its arguments' source."""
+
+    check: Check
+    args: list[str]
 
 
 @dataclass
 class CheckCell:
-    """A check cell of an exercise: its id in the solution, its pristine source, the checks it runs."""
+    """A check cell of an exercise: its id in the solution, its pristine source, the checks it calls."""
 
     cell_id: str
     source: str
-    names: list[str]
+    calls: list[CheckCall]
+
+    @property
+    def names(self) -> list[str]:
+        return [call.check.name for call in self.calls]
 
 
 @dataclass
@@ -77,6 +111,7 @@ class Exercise:
     previous: dict[str, str | None]  # check cell id -> id of the solution cell before it
     questions: dict[str, tuple[str, str]]  # markdown cell id -> (question title, model answer)
     framing: dict[str, tuple[str, str]] = field(default_factory=dict)  # question cell id -> text around the answer
+    solution_shapes: dict[str, str] = field(default_factory=dict)  # renamed AST of a task cell -> its cell id
 
     @property
     def checks(self) -> list[str]:
@@ -90,6 +125,14 @@ class Outcome:
 
 
 @dataclass
+class Submission:
+    """One notebook to grade, and whose it is."""
+
+    learner: str
+    path: Path
+
+
+@dataclass
 class Graded:
     """One graded notebook."""
 
@@ -99,6 +142,21 @@ class Graded:
     results: dict[str, Outcome]
     notes: list[str] = field(default_factory=list)
     answers: dict[str, str] = field(default_factory=dict)  # question cell id -> the learner's answer
+    flags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Limits:
+    """The grading run's settings: time limits (seconds; ``check`` None means each check's own) and the seed."""
+
+    check: float | None
+    notebook: float
+    seed: int
+
+
+# ---------------------------------------------------------------------------
+# Reading exercises and submissions
+# ---------------------------------------------------------------------------
 
 
 def _read(path: Path):
@@ -114,24 +172,92 @@ def _read(path: Path):
         raise GradeError(f"{path}: not a notebook ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
 
 
-def _printed(cell) -> str:
-    return "".join(out.get("text", "") for out in cell.get("outputs", []) if out.get("output_type") == "stream")
+def _code(source: str) -> str:
+    """A cell's source with IPython ``%`` and ``!`` lines blanked, so that ``ast`` can parse it."""
+    return "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines())
+
+
+def check_calls(source: str) -> list[CheckCall]:
+    """The ``chNN.check_x(...)`` calls in a cell, resolved to the grader's own :class:`Check` objects."""
+    import importlib
+
+    try:
+        tree = ast.parse(_code(source))
+    except SyntaxError:
+        return []
+    calls = []
+    for node in ast.walk(tree):
+        func = getattr(node, "func", None)
+        if not (isinstance(node, ast.Call) and isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
+                and _CHECK_CALL.match(func.value.id) and func.attr.startswith("check_")):
+            continue
+        target = getattr(importlib.import_module(f"minipaged.checks.{func.value.id}"), func.attr, None)
+        if isinstance(target, Check):
+            calls.append(CheckCall(target, [ast.get_source_segment(_code(source), a) for a in node.args]))
+    return calls
+
+
+class _Renamer(ast.NodeTransformer):
+    """Every identifier replaced by its order of first appearance, so that renaming does not change the shape."""
+
+    def __init__(self):
+        self.names: dict[str, str] = {}
+
+    def _name(self, name: str) -> str:
+        return self.names.setdefault(name, f"v{len(self.names)}")
+
+    def visit_Name(self, node):
+        return ast.copy_location(ast.Name(self._name(node.id), node.ctx), node)
+
+    def visit_arg(self, node):
+        node.arg = self._name(node.arg)
+        node.annotation = None
+        return node
+
+    def visit_Attribute(self, node):
+        self.generic_visit(node)
+        node.attr = self._name(node.attr)
+        return node
+
+    def visit_FunctionDef(self, node):
+        node.name = self._name(node.name)
+        node.returns = None
+        if node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant):
+            node.body = node.body[1:] or [ast.Pass()]  # a docstring is not code
+        self.generic_visit(node)
+        return node
+
+    def visit_ClassDef(self, node):
+        node.name = self._name(node.name)
+        self.generic_visit(node)
+        return node
+
+
+def shape(source: str) -> str | None:
+    """The cell's AST with identifiers renamed and docstrings dropped, as text; ``None`` if it does not parse."""
+    try:
+        tree = ast.parse(_code(source))
+    except SyntaxError:
+        return None
+    return ast.dump(_Renamer().visit(tree), annotate_fields=False)
 
 
 def load_exercise(solution_path: Path) -> Exercise:
-    """The check cells and free-text questions of the exercise whose solution is ``solution_path``."""
+    """The check cells, free-text questions and task cells of the exercise whose solution is ``solution_path``."""
     nb = _read(solution_path)
-    check_cells, previous, questions, framing, before = [], {}, {}, {}, None
+    check_cells, previous, questions, framing, shapes, before = [], {}, {}, {}, {}, None
     title = ""
     for cell in nb.cells:
         if cell.cell_type == "markdown" and cell.source.startswith("#"):
             title = cell.source.splitlines()[0].lstrip("# ").strip()
-        names = [name for _, name in _LINE.findall(_printed(cell))] if cell.cell_type == "code" else []
-        if names:
+        calls = check_calls(cell.source) if cell.cell_type == "code" else []
+        if calls:
             if "BEGIN SOLUTION" in cell.source:
                 raise GradeError(f"{solution_path}: check cell {cell.id} also holds a solution; split the cell")
-            check_cells.append(CheckCell(cell.id, cell.source, names))
+            check_cells.append(CheckCell(cell.id, cell.source, calls))
             previous[cell.id] = before
+        elif cell.cell_type == "code" and "### BEGIN SOLUTION" in cell.source and shape(cell.source):
+            shapes[shape(cell.source)] = cell.id
         if cell.cell_type == "markdown":
             for answer in _ANSWER.findall(cell.source):
                 questions[cell.id] = (title, answer.strip())
@@ -139,8 +265,8 @@ def load_exercise(solution_path: Path) -> Exercise:
                 framing[cell.id] = (before_answer.strip(), after_answer.strip())
         before = cell.id
     if not check_cells:
-        raise GradeError(f"{solution_path}: no check cell has a saved check line; execute the solution first")
-    return Exercise(solution_path, check_cells, previous, questions, framing)
+        raise GradeError(f"{solution_path}: no code cell calls a chNN.check_* function")
+    return Exercise(solution_path, check_cells, previous, questions, framing, shapes)
 
 
 def find_exercise(path: Path, exercises: dict[str, Exercise]) -> Exercise:
@@ -196,105 +322,216 @@ def syntax_errors(nb) -> list[str]:
     for index, cell in enumerate(nb.cells):
         if cell.cell_type != "code":
             continue
-        source = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in cell.source.splitlines())
         try:
-            ast.parse(source)
+            ast.parse(_code(cell.source))
         except SyntaxError as exc:
             notes.append(f"cell {index} (id {cell.get('id')}) has a syntax error at line {exc.lineno}: {exc.msg}")
     return notes
 
 
-def _records(path: Path, offset: int, secret: bytes) -> tuple[list[dict], int, int]:
-    """Signed records appended to ``path`` since ``offset``; also the new offset and the number rejected."""
-    with open(path, encoding="utf-8") as f:
-        f.seek(offset)
-        text = f.read()
-        offset = f.tell()
-    good, bad = [], 0
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-            ok = hmac.compare_digest(str(record.get("sig", "")), sign(secret, record))
-        except (ValueError, AttributeError, TypeError):
-            ok = False
-        if ok:
-            good.append(record)
-        else:
-            bad += 1
-    return good, offset, bad
+def copied_solutions(nb, exercise: Exercise) -> list[str]:
+    """A flag for every code cell whose AST equals a model solution's once identifiers are renamed."""
+    check_ids = {c.cell_id for c in exercise.check_cells}
+    flags = []
+    for cell in nb.cells:
+        if cell.cell_type == "code" and cell.get("id") not in check_ids:
+            twin = exercise.solution_shapes.get(shape(cell.source) or "")
+            if twin is not None:
+                flags.append(f"cell {cell.get('id')} is the model solution's cell {twin} with identifiers renamed")
+    return flags
 
 
-def execute(nb, exercise: Exercise, cwd: Path, check_timeout: float, notebook_timeout: float):
-    """Run ``nb`` (already restored) and collect each check's outcome from its signed records."""
-    from nbclient import NotebookClient
-    from nbformat.v4 import new_code_cell
+# ---------------------------------------------------------------------------
+# Running a notebook in a kernel of its own
+# ---------------------------------------------------------------------------
 
+
+@dataclass
+class CellRun:
+    """How one cell ended: ``ok``, ``error``, ``timeout`` (interrupted), ``killed`` or ``dead``; its stdout."""
+
+    status: str
+    stdout: str = ""
+    error: str = ""
+
+
+class Kernel:
+    """One learner's kernel process: run a cell under a limit; interrupt, then kill, a cell that will not stop."""
+
+    def __init__(self, cwd: Path, env: dict):
+        self.cwd, self.env = cwd, env
+        self.km = self.kc = None
+
+    async def start(self) -> None:
+        from jupyter_client import AsyncKernelManager
+
+        self.km = AsyncKernelManager(kernel_name="python3")
+        # The kernel's own stdout and stderr (start-up warnings, a crash's last words) are not the grader's.
+        await self.km.start_kernel(env=self.env, cwd=str(self.cwd), stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        await self.kc.wait_for_ready(timeout=120)
+
+    async def stop(self) -> None:
+        if self.kc is not None:
+            self.kc.stop_channels()
+        if self.km is not None and self.km.has_kernel:
+            await self.km.shutdown_kernel(now=True)
+
+    async def run(self, code: str, limit: float) -> CellRun:
+        """Execute ``code``; past ``limit`` seconds interrupt it; kill the kernel if it runs :data:`KILL_GRACE` more."""
+        msg_id = self.kc.execute(code, store_history=False, allow_stdin=False)
+        loop = asyncio.get_running_loop()
+        deadline, interrupted, out, error = loop.time() + limit, None, [], ""
+        size = 0
+        while True:
+            now = loop.time()
+            if interrupted is None and now >= deadline:
+                await self.km.interrupt_kernel()
+                interrupted = now
+            if interrupted is not None and now >= interrupted + KILL_GRACE:
+                await self.km.shutdown_kernel(now=True)
+                return CellRun("killed", "".join(out), error)
+            try:
+                msg = await self.kc.get_iopub_msg(timeout=0.25)
+            except queue.Empty:
+                if not await self.km.is_alive():
+                    return CellRun("dead", "".join(out), error)
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream" and content.get("name") == "stdout":
+                out.append(content.get("text", ""))
+                size += len(out[-1])
+                while size > MAX_OUTPUT and len(out) > 1:
+                    size -= len(out.pop(0))
+            elif kind == "error":
+                error = f"{content.get('ename')}: {content.get('evalue')}"[:500]
+            elif kind == "status" and content.get("execution_state") == "idle":
+                return CellRun("timeout" if interrupted is not None else ("error" if error else "ok"), "".join(out),
+                               error)
+
+
+def handout_package(target: Path) -> Path:
+    """Copy the package into ``target`` as a learner's handout has it: no instructor side, no solutions."""
+    package = ROOT / "minipaged"
+    shutil.copytree(package, target / "minipaged",
+                    ignore=shutil.ignore_patterns("__pycache__", "instructor", "expected.json"))
+    if (ROOT / "kernels").is_dir():  # installed as minipaged.kernels
+        shutil.copytree(ROOT / "kernels", target / "minipaged" / "kernels",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    return target
+
+
+class References:
+    """The grading run's cases (public, then hidden from the seed) and the reference transcripts, per check."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self._cache: dict[str, tuple[list, int, dict]] = {}
+        self._lock = threading.Lock()  # notebooks graded at once ask from their own threads
+
+    def get(self, check: Check) -> tuple[list, int, dict]:
+        """``(cases, number of public ones, reference transcript)`` for ``check``, computed once per run."""
+        with self._lock:
+            if check.name not in self._cache:
+                side = instructor_side(check.name)
+                if side is None:
+                    raise RuntimeError("the grader needs minipaged.checks.instructor (an instructor's checkout)")
+                public = side.public()
+                cases = public + side.hidden(random.Random(f"{self.seed}:{check.name}"))
+                self._cache[check.name] = (cases, len(public), reference_transcript(check.name, cases))
+            return self._cache[check.name]
+
+
+def _probe_code(call: CheckCall, marker: str, cases: list) -> str:
+    args = "".join(f", {a}" for a in call.args)
+    return (f"from minipaged.checks import probe_json as _minipaged_probe\n"
+            f"_minipaged_probe({marker!r}, {call.check.name!r}, {json.dumps(cases)!r}{args})")
+
+
+def _transcript(stdout: str, marker: str):
+    """The last transcript the probe printed, or ``None``."""
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(marker):
+            try:
+                return json.loads(line[len(marker):])
+            except ValueError:
+                return None
+    return None
+
+
+async def execute(nb, exercise: Exercise, cwd: Path, env: dict, limits: Limits, refs: References):
+    """Run ``nb`` (already restored) in a fresh kernel; judge each check from its probe's transcript."""
     check_of = {c.cell_id: c for c in exercise.check_cells}
     results: dict[str, Outcome] = {}
     notes: list[str] = []
-    secret = secrets.token_hex(32)
-    with tempfile.TemporaryDirectory(prefix="minipaged-grade-") as tmp:
-        results_path = Path(tmp) / "results.jsonl"
-        results_path.touch()
-        env = dict(os.environ)
-        env.update({RESULTS_ENV: str(results_path), SECRET_ENV: secret, TIMEOUT_ENV: f"{check_timeout:g}"})
-        cell_limit = check_timeout + 15  # the check's own alarm should fire first
-        client = NotebookClient(
-            nb, timeout=cell_limit, allow_errors=True, interrupt_on_timeout=True, kernel_name="python3",
-            resources={"metadata": {"path": str(cwd)}},
-        )
-        offset, last_seq, outside, forged = 0, 0, 0, 0
-        start = time.monotonic()
-        with client.setup_kernel(env=env):
-            # Before any learner code: importing the framework takes the secret out of os.environ.
-            # (execute_cell stores the cell at its index, so the preamble gets a slot of its own.)
-            nb.cells.insert(0, new_code_cell("import minipaged.checks"))
-            client.execute_cell(nb.cells[0], 0)
-            del nb.cells[0]
-            for index, cell in enumerate(nb.cells):
-                if cell.cell_type != "code":
-                    continue
-                left = notebook_timeout - (time.monotonic() - start)
-                if left <= 0:
-                    notes.append(f"the notebook timed out after {notebook_timeout:g} s; later cells did not run")
-                    break
-                client.timeout = max(1, int(min(cell_limit, left)))
-                began = time.monotonic()
-                client.execute_cell(cell, index)
-                took = time.monotonic() - began
-                records, offset, bad = _records(results_path, offset, secret.encode())
-                forged += bad
-                fresh = [r for r in records if r.get("seq", 0) > last_seq]
-                forged += len(records) - len(fresh)
-                last_seq = max([last_seq] + [r["seq"] for r in fresh])
-                expected = check_of.get(cell.get("id"))
-                if expected is None:
-                    outside += len(fresh)
-                    continue
-                for record in fresh:  # the last record of each expected check is the one the check wrote
-                    if record["name"] in expected.names and record["status"] in (PASS, FAIL, TODO):
-                        results[record["name"]] = Outcome(record["status"], record["message"])
+    kernel = Kernel(cwd, env)
+    marker = f"@@minipaged-transcript-{secrets.token_hex(8)}@@"
+    stopped = ""  # why the rest of the notebook did not run
+    start = time.monotonic()
+    try:
+        await kernel.start()
+        for index, cell in enumerate(nb.cells):
+            if cell.cell_type != "code" or stopped:
+                continue
+            left = limits.notebook - (time.monotonic() - start)
+            if left <= 0:
+                stopped = f"did not run: the notebook ran past its {limits.notebook:g} s budget"
+                notes.append(f"the notebook timed out after {limits.notebook:g} s; later cells did not run")
+                break
+            check_cell = check_of.get(cell.get("id"))
+            if check_cell is None:
+                limit = min((limits.check or DEFAULT_TIMEOUT) + CELL_SLACK, left)
+                run = await kernel.run(cell.source, limit)
+                stopped = _after(run, index, limit, notes)
+                continue
+            for call in check_cell.calls:
+                check = call.check
+                limit = min(limits.check or check.timeout or DEFAULT_TIMEOUT, left)
+                cases, public, want = await asyncio.to_thread(refs.get, check)
+                run = await kernel.run(_probe_code(call, marker, cases), limit)
+                if run.status in ("timeout", "killed"):
+                    results[check.name] = Outcome(FAIL, f"timed out after {limit:g} s")
+                elif run.status == "dead":
+                    results[check.name] = Outcome(FAIL, "the kernel died while this check ran")
+                else:
+                    got = _transcript(run.stdout, marker)
+                    if got is None:
+                        why = f": {run.error}" if run.error else ""
+                        results[check.name] = Outcome(FAIL, f"did not run: its check cell raised before the check{why}")
                     else:
-                        outside += 1
-                for name in expected.names:
-                    if name not in results and took >= client.timeout - 1:
-                        results[name] = Outcome(FAIL, f"timed out after {client.timeout} s")
-    if outside:
-        notes.append(f"{outside} check result(s) from outside their check cells were ignored")
-    if forged:
-        notes.append(f"{forged} unsigned or replayed result record(s) were rejected")
+                        verdict: CheckResult = await asyncio.to_thread(check.verdict, cases, got, want, public)
+                        results[check.name] = Outcome(verdict.status, verdict.message)
+                stopped = _after(run, index, limit, notes)
+                if stopped:
+                    break
+    finally:
+        await kernel.stop()
     for name in exercise.checks:
         if name not in results:
-            results[name] = Outcome(FAIL, "did not run: its check cell raised before the check, or never ran")
+            results[name] = Outcome(FAIL, stopped or "did not run: its check cell never ran")
     return results, notes
 
 
-def grade_notebook(path: Path, exercises: dict[str, Exercise], check_timeout: float = 60,
-                   notebook_timeout: float = 600) -> Graded:
-    """Restore, execute and grade one submission."""
-    nb = _read(path)
-    exercise = find_exercise(path, exercises)
-    notes = syntax_errors(nb) + restore(nb, exercise)
+def _after(run: CellRun, index: int, limit: float, notes: list[str]) -> str:
+    """Note how cell ``index`` ended; return why the notebook cannot go on (``""`` when it can)."""
+    if run.status == "timeout":
+        notes.append(f"cell {index} timed out after {limit:g} s and was interrupted")
+    elif run.status == "killed":
+        notes.append(f"cell {index} timed out after {limit:g} s and did not stop within {KILL_GRACE:g} s of an "
+                     "interrupt: the kernel was killed, and the cells after it did not run")
+        return f"did not run: the kernel was killed after cell {index} timed out after {limit:g} s"
+    elif run.status == "dead":
+        notes.append(f"the kernel died while running cell {index} (os._exit, a crash or out of memory); "
+                     "the cells after it did not run")
+        return f"did not run: the kernel died in cell {index}"
+    return ""
+
+
+def _answers(nb, exercise: Exercise) -> dict[str, str]:
     answers = {}
     for cell in nb.cells:
         if cell.get("id") in exercise.questions:
@@ -302,39 +539,104 @@ def grade_notebook(path: Path, exercises: dict[str, Exercise], check_timeout: fl
             for around in exercise.framing[cell.id]:  # keep only what the learner wrote
                 answer = answer.replace(around, "") if around else answer
             answers[cell.id] = answer.strip()
-    results, run_notes = execute(nb, exercise, path.parent, check_timeout, notebook_timeout)
-    return Graded(path.resolve().parent.name, path, exercise, results, notes + run_notes, answers)
+    return answers
 
 
-def collect(paths: list[Path]) -> tuple[list[Path], list[str]]:
-    """The notebooks named by ``paths`` (folders are searched), and an error for each path that is missing."""
+async def grade_notebook(submission: Submission, exercise: Exercise, limits: Limits, refs: References,
+                         package: Path) -> Graded:
+    """Restore, execute and grade one submission, in a working directory of its own."""
+    nb = _read(submission.path)
+    notes = syntax_errors(nb) + restore(nb, exercise)
+    env = dict(os.environ, PYTHONPATH=str(package))
+    with tempfile.TemporaryDirectory(prefix="minipaged-learner-") as cwd:
+        results, run_notes = await execute(nb, exercise, Path(cwd), env, limits, refs)
+    return Graded(submission.learner, submission.path, exercise, results, notes + run_notes, _answers(nb, exercise),
+                  copied_solutions(nb, exercise))
+
+
+def _failed(submission: Submission, exercise: Exercise, note: str) -> Graded:
+    results = {name: Outcome(FAIL, "not graded: the grader failed on this notebook") for name in exercise.checks}
+    return Graded(submission.learner, submission.path, exercise, results, [note])
+
+
+async def grade_all(submissions: list[Submission], exercises: dict[str, Exercise], limits: Limits, jobs: int):
+    """Grade every submission, ``jobs`` at a time; an internal failure on one is noted and the batch goes on."""
+    refs = References(limits.seed)
+    gate = asyncio.Semaphore(jobs)
+    crashed = []
+    with tempfile.TemporaryDirectory(prefix="minipaged-handout-") as tmp:
+        package = handout_package(Path(tmp))
+
+        async def one(submission: Submission) -> Graded:
+            exercise = exercises[submission.path.name[:2]]
+            async with gate:
+                try:
+                    return await grade_notebook(submission, exercise, limits, refs, package)
+                except Exception as exc:  # a grader bug: say so, keep grading the others
+                    traceback.print_exc()
+                    crashed.append(submission.path)
+                    return _failed(submission, exercise, f"the grader failed: {type(exc).__name__}: {exc}")
+
+        graded = await asyncio.gather(*(one(s) for s in submissions))
+    return list(graded), crashed
+
+
+# ---------------------------------------------------------------------------
+# Inputs and outputs
+# ---------------------------------------------------------------------------
+
+
+def collect(paths: list[Path]) -> tuple[list[Submission], list[str]]:
+    """The notebooks named by ``paths`` and whose they are; an error for each path that cannot be graded.
+
+    Under a folder the learner is the first folder below it; a notebook named directly belongs to its
+    parent folder. Two notebooks of one learner for one chapter are an error naming both, and neither is graded.
+    """
     found, errors = [], []
     for path in paths:
         if path.is_dir():
             notebooks = sorted(p for p in path.rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
             if not notebooks:
                 errors.append(f"{path}: a folder with no notebook in it")
-            found += notebooks
+            for notebook in notebooks:
+                parts = notebook.relative_to(path).parts
+                if len(parts) < 2:
+                    errors.append(f"{notebook}: a notebook directly in {path}; put it in a folder named after "
+                                  "its learner")
+                else:
+                    found.append(Submission(parts[0], notebook))
         elif path.exists():
-            found.append(path)
+            found.append(Submission(path.resolve().parent.name, path))
         else:
             errors.append(f"{path}: no such file or folder")
-    return found, errors
+    by_key: dict[tuple[str, str], list[Submission]] = {}
+    for submission in found:
+        by_key.setdefault((submission.learner, submission.path.name[:2]), []).append(submission)
+    kept = []
+    for (learner, chapter), group in by_key.items():
+        if len(group) > 1:
+            errors.append(f"learner {learner!r} has {len(group)} notebooks for chapter {chapter}: "
+                          + ", ".join(str(s.path) for s in group) + "; keep one")
+        else:
+            kept.append(group[0])
+    return sorted(kept, key=lambda s: (s.learner, s.path.name)), errors
 
 
 _SHORT = {PASS: "PASS", FAIL: "FAIL", TODO: "TODO", MISSING: "MISSING"}
 
 
-def gradebook(graded: list[Graded]) -> dict:
-    """One row per learner, one column per check, plus messages, notes and the free-text answers."""
+def gradebook(graded: list[Graded], seed: int) -> dict:
+    """One row per learner, one column per check, plus messages, notes, flags and the free-text answers."""
     exercises = sorted({g.exercise.path: g.exercise for g in graded}.values(), key=lambda e: e.path.name)
     columns = [name for e in exercises for name in e.checks]
     learners: dict[str, dict] = {}
     for g in sorted(graded, key=lambda g: (g.learner, g.path.name)):
-        row = learners.setdefault(g.learner, {"checks": {}, "notes": {}, "answers": {}})
+        row = learners.setdefault(g.learner, {"checks": {}, "notes": {}, "flags": {}, "answers": {}})
         row["checks"].update({n: {"status": o.status, "message": o.message} for n, o in g.results.items()})
         if g.notes:
             row["notes"][g.path.name] = g.notes
+        if g.flags:
+            row["flags"][g.path.name] = g.flags
         row["answers"].update(g.answers)
     for row in learners.values():
         for name in columns:
@@ -346,7 +648,13 @@ def gradebook(graded: list[Graded]) -> dict:
         for e in exercises
         for cell_id, (title, answer) in e.questions.items()
     }
-    return {"checks": columns, "learners": learners, "questions": questions}
+    return {"seed": seed, "checks": columns, "learners": learners, "questions": questions}
+
+
+def csv_cell(value) -> str:
+    """A CSV cell a spreadsheet shows as text: one starting with ``=``, ``+``, ``-``, ``@``, tab or CR gets a ``'``."""
+    text = str(value)
+    return "'" + text if text.startswith(_CSV_FORMULA) else text
 
 
 def write_gradebook(book: dict, prefix: Path) -> tuple[Path, Path]:
@@ -357,7 +665,7 @@ def write_gradebook(book: dict, prefix: Path) -> tuple[Path, Path]:
         writer.writerow(["learner", *book["checks"], "passed", "total"])
         for learner, row in book["learners"].items():
             statuses = [row["checks"][n]["status"] for n in book["checks"]]
-            writer.writerow([learner, *statuses, row["passed"], row["total"]])
+            writer.writerow([csv_cell(v) for v in (learner, *statuses, row["passed"], row["total"])])
     json_path.write_text(json.dumps(book, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     return csv_path, json_path
 
@@ -382,6 +690,8 @@ def format_details(book: dict, instructor: bool) -> str:
                 lines.append(f"{learner} · {name}: {outcome['status']}: {outcome['message']}")
         for notebook, notes in row["notes"].items():
             lines += [f"{learner} · {notebook}: {note}" for note in notes]
+        for notebook, flags in row["flags"].items():
+            lines += [f"{learner} · {notebook}: FLAG: {flag}" for flag in flags]
     if instructor:
         for cell_id, q in book["questions"].items():
             lines.append(f"\n{q['exercise']} · {q['question']}\n  model answer: {q['model_answer']}")
@@ -392,37 +702,59 @@ def format_details(book: dict, instructor: bool) -> str:
     return "\n".join(lines)
 
 
+def seconds(text: str) -> float:
+    """An argparse type: a positive, finite number of seconds; fractions allowed."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a time limit must be positive and finite")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minipaged.checks", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("grade", help="restore the check cells, execute the notebooks and write a gradebook")
     g.add_argument("paths", nargs="+", type=Path, help="notebooks, or folders of submissions/<learner>/NN_x.ipynb")
     g.add_argument("--gradebook", type=Path, default=Path("gradebook"), help="writes PREFIX.csv and PREFIX.json")
-    g.add_argument("--check-timeout", type=float, default=60.0, help="seconds per check (default 60)")
-    g.add_argument("--notebook-timeout", type=float, default=600.0, help="seconds per notebook (default 600)")
+    g.add_argument("--check-timeout", type=seconds, default=None,
+                   help=f"seconds per check (default: each check's own, {DEFAULT_TIMEOUT:g} s unless it says)")
+    g.add_argument("--notebook-timeout", type=seconds, default=600.0, help="seconds per notebook (default 600)")
+    g.add_argument("--jobs", type=positive_int, default=1, help="notebooks graded at once (default 1)")
+    g.add_argument("--seed", type=int, default=None, help="the hidden cases' seed (default: a fresh random one)")
     g.add_argument("--instructor", action="store_true", help="also print the model answers beside the learners'")
     args = parser.parse_args(argv)
 
-    notebooks, errors = collect(args.paths)
+    submissions, errors = collect(args.paths)
     exercises: dict[str, Exercise] = {}
-    graded = []
-    for path in notebooks:
+    gradable = []
+    for submission in submissions:
         try:
-            graded.append(grade_notebook(path, exercises, args.check_timeout, args.notebook_timeout))
+            _read(submission.path)
+            find_exercise(submission.path, exercises)
+            gradable.append(submission)
         except GradeError as exc:
             errors.append(str(exc))
+    seed = secrets.randbits(64) if args.seed is None else args.seed
+    limits = Limits(args.check_timeout, args.notebook_timeout, seed)
+    graded, crashed = asyncio.run(grade_all(gradable, exercises, limits, args.jobs)) if gradable else ([], [])
     for error in errors:
         print(f"error: {error}", file=sys.stderr)
     if not graded:
         print("error: nothing to grade", file=sys.stderr)
         return 2
-    book = gradebook(graded)
+    book = gradebook(graded, seed)
     csv_path, json_path = write_gradebook(book, args.gradebook)
     print(format_table(book))
     details = format_details(book, args.instructor)
     if details:
         print("\n" + details)
     print(f"\ngradebook: {csv_path} and {json_path}")
+    if crashed:
+        print(f"error: the grader failed on {len(crashed)} notebook(s); see the tracebacks above", file=sys.stderr)
+        return 3
     if errors:
         return 2
     return 0 if all(row["passed"] == row["total"] for row in book["learners"].values()) else 1

@@ -3,16 +3,14 @@
 Chapter 02 shows :class:`~minipaged.block_manager.BlockAllocator`, which hands out
 and frees one block per call. The exercise's allocator does it for a whole list,
 all or nothing, which is where reference counts and repeated ids bite; and its
-slot mapping starts at any position, not at the sequence's end.
+slot mapping starts at any position, not at the sequence's end. The probes run a
+script on the learner's allocator and record each call's outcome and the pool's
+state; the reference (``minipaged.checks.instructor.ch02``) runs the same script.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from functools import partial
-
-from minipaged.block_manager import BlockError, OutOfBlocks
-from minipaged.checks import CheckFailed, check, expect_equal, expect_raises
+from minipaged.checks import CheckFailed, check, expect_equal, expect_raised, outcome
 
 HINTS = {
     "2.1": [
@@ -33,124 +31,101 @@ HINTS = {
 }
 
 
-def _state(alloc) -> tuple:
-    return list(alloc.free_block_ids), list(alloc.refcounts)
+def _state(alloc) -> list:
+    return [list(alloc.free_block_ids), list(alloc.refcounts)]
 
 
-class _Reference:
-    """The exercise's allocator as the checks expect it to behave."""
-
-    def __init__(self, num_blocks: int):
-        self.free_block_ids = deque(range(num_blocks))
-        self.refcounts = [0] * num_blocks
-
-    def allocate(self, num_blocks: int) -> list[int]:
-        if num_blocks > len(self.free_block_ids):
-            raise OutOfBlocks(f"{num_blocks} blocks asked, {len(self.free_block_ids)} free")
-        ids = [self.free_block_ids.popleft() for _ in range(num_blocks)]
-        for b in ids:
-            self.refcounts[b] = 1
-        return ids
-
-    def free(self, block_ids: list[int]) -> None:
-        for b in block_ids:
-            if not 0 <= b < len(self.refcounts):
-                raise IndexError(b)
-        for b in set(block_ids):
-            if block_ids.count(b) > self.refcounts[b]:
-                raise BlockError(b)
-        for b in block_ids:
-            self.refcounts[b] -= 1
-            if self.refcounts[b] == 0:
-                self.free_block_ids.append(b)
+def _steps(alloc, method: str, args: list) -> list[dict]:
+    """Call ``alloc.<method>(arg)`` for each arg; record the outcome and the pool before and after."""
+    steps = []
+    for arg in args:
+        before = _state(alloc)
+        result = outcome(getattr(alloc, method), list(arg) if type(arg) is list else arg)
+        steps.append({"outcome": result, "before": before, "after": _state(alloc)})
+    return steps
 
 
-def _ids(result, what: str) -> list[int]:
-    if not isinstance(result, list):
-        raise CheckFailed(f"{what} returned {result!r}; return a list of block ids")
+def _judge_steps(steps, want_steps, call: str, why: dict) -> None:
+    if type(steps) is not list or len(steps) != len(want_steps):
+        raise CheckFailed("the probe's record of the script is incomplete")
+    for step, want in zip(steps, want_steps):
+        arg = want["arg"]
+        what = f"{call}({arg}){' (' + why[str(arg)] + ')' if str(arg) in why else ''} with " \
+               f"{len(want['before'][0])} free blocks"
+        if "raised" in want["outcome"]:
+            expect_raised(step["outcome"], want["outcome"]["raised"][0], what)
+            if step["after"] != step["before"]:
+                advice = ("validate the whole list first" if call == "free"
+                          else "check that the whole request fits first")
+                raise CheckFailed(f"{what} changed free_block_ids or refcounts before raising; {advice}")
+            continue
+        got = step["outcome"].get("returned") if "returned" in step["outcome"] else step["outcome"]
+        if "raised" in step["outcome"]:
+            raise CheckFailed(f"{what} raised {step['outcome']['raised'][0]}: {step['outcome'].get('message')}")
+        if call == "allocate" and type(got) is not list:
+            raise CheckFailed(f"{what} returned {got!r}; return a list of block ids")
+        expect_equal(got, want["outcome"]["returned"], what)
+        expect_equal(step["after"], want["after"], f"(free_block_ids, refcounts) after {what}:")
+
+
+def _with_args(steps, args):
+    return [dict(step, arg=arg) for step, arg in zip(steps, args)]
+
+
+@check("ch02.allocate_many", hint=HINTS["2.1"][0], label=lambda c: f"a pool of {c['num_blocks']} blocks",
+       summary="in pool order, refcount 1 each, all or nothing on a short pool")
+def check_allocate_many(case, cls):
+    """``case`` = {"num_blocks", "requests"}: ``cls(num_blocks, 4)``, then ``allocate(n)`` for each request."""
+    return _steps(cls(case["num_blocks"], 4), "allocate", case["requests"])
+
+
+@check_allocate_many.judge
+def _judge_allocate(case, got, want):
+    _judge_steps(got, _with_args(want, case["requests"]), "allocate", {})
+
+
+@check("ch02.free_many", hint=HINTS["2.2"][0], label=lambda c: f"a pool of {c['num_blocks']} blocks",
+       summary="shared blocks kept until their last holder, repeated ids counted, nothing changed by a bad list")
+def check_free_many(case, cls):
+    """``case`` = {"num_blocks", "shared", "frees", "why"}: allocate all but one, share some, then free lists."""
+    alloc = cls(case["num_blocks"], 4)
+    alloc.allocate(case["num_blocks"] - 1)
+    for b in case["shared"]:
+        alloc.refcounts[b] += 1  # a second holder
+    return _steps(alloc, "free", case["frees"])
+
+
+@check_free_many.judge
+def _judge_free(case, got, want):
+    _judge_steps(got, _with_args(want, case["frees"]), "free", case.get("why", {}))
+
+
+def _slots_label(case) -> str:
+    blocks, start, n, b = case
+    return f"chunk_slots({blocks}, start={start}, num_tokens={n}, block_size={b})"
+
+
+@check("ch02.chunk_slots", hint=HINTS["2.3"][0], label=_slots_label,
+       summary=lambda cases, seen: f"{sum('returned' in s for s in seen)} chunks, mid-block starts and boundaries "
+                                   "crossed, IndexError past the table")
+def check_chunk_slots(case, fn):
+    """``case`` = (blocks, start, num_tokens, block_size)."""
+    blocks, start, n, b = case
+    result = outcome(lambda: [int(s) for s in fn(list(blocks), start, n, b)])
     return result
 
 
-@check("ch02.allocate_many", hint=HINTS["2.1"][0])
-def check_allocate_many(cls):
-    mine, ref = cls(6, 4), _Reference(6)
-    for n in (2, 0, 3):
-        what = f"allocate({n}) with {len(ref.free_block_ids)} free blocks"
-        expect_equal(_ids(mine.allocate(n), what), ref.allocate(n), what)
-        expect_equal(list(mine.refcounts), ref.refcounts, f"refcounts after {what}")
-    before = _state(mine)
-    expect_raises(OutOfBlocks, partial(mine.allocate, 2), "allocate(2) with 1 free block")
-    if _state(mine) != before:
-        raise CheckFailed("allocate(2) with 1 free block changed free_block_ids or refcounts before raising; "
-                          "check that the whole request fits first")
-    expect_equal(mine.allocate(1), ref.allocate(1), "allocate(1) with 1 free block")
-    return "in pool order, refcount 1 each, all or nothing on a short pool"
-
-
-@check("ch02.free_many", hint=HINTS["2.2"][0])
-def check_free_many(cls):
-    mine, ref = cls(5, 4), _Reference(5)
-    for alloc in (mine, ref):
-        alloc.allocate(4)
-        alloc.refcounts[1] += 1  # block 1 is shared by two holders
-        alloc.refcounts[2] += 1
-    steps = [[1], [3, 0], [2, 2]]  # one holder of a shared block; two blocks; both holders of block 2 at once
-    for ids in steps:
-        mine.free(list(ids))
-        ref.free(list(ids))
-        expect_equal(_state(mine), _state(ref), f"(free_block_ids, refcounts) after free({ids})")
-    bad = [
-        ([1, 1], BlockError, "block 1 twice while it has one holder"),
-        ([0], BlockError, "block 0, already free"),
-        ([1, 5], IndexError, "block 5 in a 5-block pool"),
-        ([-1], IndexError, "block -1"),
-    ]
-    for ids, error, why in bad:
-        before = _state(mine)
-        expect_raises(error, partial(mine.free, list(ids)), f"free({ids}) ({why})")
-        if _state(mine) != before:
-            raise CheckFailed(f"free({ids}) ({why}) changed the pool before raising: validate the whole list first")
-    mine.free([1])
-    ref.free([1])
-    expect_equal(_state(mine), _state(ref), "(free_block_ids, refcounts) after the last holder frees block 1")
-    return "shared blocks kept until their last holder, repeated ids counted, nothing changed by a bad list"
-
-
-# (blocks, start, num_tokens, block_size)
-SLOT_CASES = [
-    ([7, 2, 9], 0, 4, 4),
-    ([7, 2, 9], 2, 5, 4),  # starts mid-block, crosses into the next block
-    ([7, 2, 9], 3, 6, 4),  # crosses two boundaries
-    ([5, 0], 5, 1, 4),
-    ([3, 8, 1], 4, 0, 4),  # an empty chunk
-    ([4, 1, 6, 0], 6, 6, 3),
-    ([11], 3, 1, 16),
-    ([2**40, 3], 1, 2, 2**20),  # large block ids and block size
-]
-
-
-def _chunk(blocks, start, num_tokens, block_size) -> list[int]:
-    return [blocks[p // block_size] * block_size + p % block_size for p in range(start, start + num_tokens)]
-
-
-@check("ch02.chunk_slots", hint=HINTS["2.3"][0])
-def check_chunk_slots(fn):
-    for blocks, start, n, b in SLOT_CASES:
-        what = f"chunk_slots({blocks}, start={start}, num_tokens={n}, block_size={b})"
-        got = fn(list(blocks), start, n, b)
-        try:
-            got = [int(s) for s in got]
-        except (TypeError, ValueError):
-            raise CheckFailed(f"{what} returned {got!r}; return a list of slots") from None
-        want = _chunk(blocks, start, n, b)
-        first = blocks[start // b] * b + start % b
-        if n and got == list(range(first, first + n)) and got != want:
-            raise CheckFailed(
-                f"{what} returned {got}, expected {want}: the slots run on past the end of block "
-                f"{blocks[start // b]}; the next position lives in the next block of the table"
-            )
-        expect_equal(got, want, what)
-    for blocks, start, n, b in [([7, 2], 6, 3, 4), ([7], 0, 5, 4), ([], 0, 1, 4)]:
-        what = f"chunk_slots({blocks}, start={start}, num_tokens={n}, block_size={b}) (past the table's blocks)"
-        expect_raises(IndexError, partial(fn, list(blocks), start, n, b), what)
-    return f"{len(SLOT_CASES)} chunks, mid-block starts and boundaries crossed, IndexError past the table"
+@check_chunk_slots.judge
+def _judge_slots(case, got, want):
+    blocks, start, n, b = case
+    if "raised" in want:
+        expect_raised(got, "IndexError", "past the table's blocks, it")
+        return
+    if "raised" in got:
+        raise CheckFailed(f"raised {got['raised'][0]}: {got.get('message')}")
+    slots, right = got["returned"], want["returned"]
+    first = blocks[start // b] * b + start % b
+    if n and slots == list(range(first, first + n)) and slots != right:
+        raise CheckFailed(f"returned {slots}, expected {right}: the slots run on past the end of block "
+                          f"{blocks[start // b]}; the next position lives in the next block of the table")
+    expect_equal(slots, right)

@@ -6,7 +6,8 @@ token. The exercise asks for a *chunk* of queries at positions
 ``0 .. start + i`` only. The cases are :func:`minipaged.testing.make_paged_case`'s:
 shuffled blocks and NaN in every slot the sequence did not write. The check also
 catches the classic mistakes by name: the wrong KV head under GQA, a causal mask
-that forgets ``start``, a shared cache changed in place, a dtype not preserved.
+that forgets ``start``, a shared cache changed in place, a dtype not preserved. The
+reference and the hidden cases are in ``minipaged.checks.instructor.ch03``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from minipaged.attention import contiguous_attention
-from minipaged.checks import CheckFailed, check, expect_tensor_close
+from minipaged.checks import CheckFailed, as_tensor, check, expect_tensor_close
 from minipaged.testing import make_paged_case
 
 HINTS = {
@@ -28,15 +29,15 @@ HINTS = {
     ],
 }
 
-# (name, total tokens, start, block_size, num_heads, num_kv_heads, dtype)
-CASES = [
-    ("a whole prompt, MHA", 7, 0, 4, 2, 2, torch.float32),
-    ("a chunk starting mid-block, GQA", 13, 6, 4, 4, 2, torch.float32),
-    ("a chunk of one token, MQA", 10, 9, 3, 4, 1, torch.float32),
-    ("a chunk crossing two blocks, GQA", 20, 5, 4, 8, 2, torch.float32),
-    ("bfloat16, GQA", 11, 3, 4, 4, 2, torch.bfloat16),
-]
 HEAD_DIM = 8
+
+
+def paged_case(case):
+    """The :func:`~minipaged.testing.make_paged_case` a case names (its inputs only; deterministic)."""
+    n = case["total"] - case["start"]
+    return make_paged_case([case["total"]], num_new_tokens=[n], block_size=case["block_size"],
+                           num_heads=case["num_heads"], num_kv_heads=case["num_kv_heads"], head_dim=HEAD_DIM,
+                           dtype=getattr(torch, case["dtype"]), seed=case["seed"])
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -50,40 +51,50 @@ def _wrong_head(q, k, v):
     return contiguous_attention(q.double(), k.double().repeat(1, group, 1), v.double().repeat(1, group, 1))
 
 
-@check("ch03.chunk_attention", hint=HINTS["3.1"][0])
-def check_chunk_attention(fn):
-    for name, total, start, block_size, num_heads, num_kv_heads, dtype in CASES:
-        n = total - start
-        case = make_paged_case([total], num_new_tokens=[n], block_size=block_size, num_heads=num_heads,
-                               num_kv_heads=num_kv_heads, head_dim=HEAD_DIM, dtype=dtype, seed=len(name))
-        k_before, v_before = case.k_cache.clone(), case.v_cache.clone()
-        table = case.block_tables[0].clone()
-        what = f"{name} (start={start}, {n} new tokens, block_size={block_size})"
-        out = fn(case.q, case.k_cache, case.v_cache, table, start)
-        if not (_same(case.k_cache, k_before) and _same(case.v_cache, v_before)):
-            raise CheckFailed(f"{what}: your function changed k_cache or v_cache. The pool is shared by every "
-                              "sequence: compute on copies (torch.where, masked_fill without _), never in place")
-        if isinstance(out, torch.Tensor) and out.dtype != dtype:
-            raise CheckFailed(f"{what}: the output is {out.dtype} for {dtype} inputs; return q.dtype")
-        expected = case.reference()
-        tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-4)
-        if isinstance(out, torch.Tensor) and out.shape == expected.shape:
-            if out.isnan().any():
-                rows = sorted({int(i) for i in out.isnan().nonzero()[:, 0]})
-                raise CheckFailed(
-                    f"{what}: query row(s) {rows} hold NaN. Unwritten slots hold NaN here: something read past "
-                    "the sequence's tokens or through a padding entry, or multiplied NaN by a 0 weight"
-                )
-            k, v = case.keys[0], case.values[0]
-            if 1 < num_kv_heads < num_heads and torch.allclose(out.double(), _wrong_head(case.q, k, v), **tol):
-                raise CheckFailed(f"{what}: query head h read KV head h % num_kv_heads; with GQA it must read "
-                                  "KV head h // (num_heads // num_kv_heads), the group it belongs to")
-            if start and torch.allclose(out.double(), contiguous_attention(case.q.double(), k[:n].double(),
-                                                                            v[:n].double()), **tol):
-                raise CheckFailed(f"{what}: query i saw positions 0..i; it sits at position start + i and "
-                                  "must see everything up to there")
-        expect_tensor_close(out, expected, f"{what}: your attention", **tol)
-    case = make_paged_case([9], num_new_tokens=[4], block_size=4, num_heads=2, num_kv_heads=1, head_dim=HEAD_DIM)
-    got = fn(case.q, case.k_cache, case.v_cache, case.block_tables[0].clone(), 5, scale=0.5)
-    expect_tensor_close(got, case.reference(scale=0.5), "with scale=0.5: your attention", atol=1e-5, rtol=1e-4)
-    return f"{len(CASES) + 1} chunks: mid-block starts, MHA/GQA/MQA, bfloat16, NaN in every unwritten slot"
+def _label(case) -> str:
+    scale = f", scale={case['scale']}" if case["scale"] is not None else ""
+    return (f"{case['name']} (start={case['start']}, {case['total'] - case['start']} new tokens, "
+            f"block_size={case['block_size']}{scale})")
+
+
+@check("ch03.chunk_attention", hint=HINTS["3.1"][0], label=_label,
+       summary="{n} chunks: mid-block starts, MHA/GQA/MQA, bfloat16, NaN in every unwritten slot")
+def check_chunk_attention(case, fn):
+    """``case`` = {"name", "total", "start", "block_size", "num_heads", "num_kv_heads", "dtype", "seed", "scale"}."""
+    paged = paged_case(case)
+    k_before, v_before = paged.k_cache.clone(), paged.v_cache.clone()
+    args = (paged.q, paged.k_cache, paged.v_cache, paged.block_tables[0].clone(), case["start"])
+    out = fn(*args) if case["scale"] is None else fn(*args, scale=case["scale"])
+    return {"out": out if isinstance(out, torch.Tensor) else repr(out)[:200],
+            "cache_unchanged": _same(paged.k_cache, k_before) and _same(paged.v_cache, v_before)}
+
+
+@check_chunk_attention.judge
+def _judge(case, got, want):
+    if got["cache_unchanged"] is not True:
+        raise CheckFailed("your function changed k_cache or v_cache. The pool is shared by every sequence: compute "
+                          "on copies (torch.where, masked_fill without _), never in place")
+    out, expected = as_tensor(got["out"]), as_tensor(want["out"])
+    if out is None:
+        raise CheckFailed(f"returned {got['out']}, expected a torch.Tensor")
+    dtype = expected.dtype
+    if out.dtype != dtype:
+        raise CheckFailed(f"the output is {out.dtype} for {dtype} inputs; return q.dtype")
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-4)
+    if out.shape == expected.shape:
+        if out.isnan().any():
+            rows = sorted({int(i) for i in out.isnan().nonzero()[:, 0]})
+            raise CheckFailed(f"query row(s) {rows} hold NaN. Unwritten slots hold NaN here: something read past the "
+                              "sequence's tokens or through a padding entry, or multiplied NaN by a 0 weight")
+        paged = paged_case(case)
+        n, start = case["total"] - case["start"], case["start"]
+        k, v = paged.keys[0], paged.values[0]
+        if 1 < case["num_kv_heads"] < case["num_heads"] and torch.allclose(out.double(), _wrong_head(paged.q, k, v),
+                                                                           **tol):
+            raise CheckFailed("query head h read KV head h % num_kv_heads; with GQA it must read KV head "
+                              "h // (num_heads // num_kv_heads), the group it belongs to")
+        if start and torch.allclose(out.double(), contiguous_attention(paged.q.double(), k[:n].double(),
+                                                                       v[:n].double()), **tol):
+            raise CheckFailed("query i saw positions 0..i; it sits at position start + i and must see everything "
+                              "up to there")
+    expect_tensor_close(out, expected, "your attention", **tol)

@@ -1,7 +1,8 @@
 """Checks for chapter 06: block keys and prefix hits, copy-on-write on append, LRU eviction.
 
-Each check runs the learner's code and a small reference (private to this
-module) through the same script and compares them step by step. The scripts
+Each probe runs the learner's code through a script and records what it returned and the state
+after each step; the reference (``minipaged.checks.instructor.ch06``) runs the same script, and the
+judge compares the two step by step. The scripts
 are built so that the classic mistakes of prefix sharing show up as a wrong
 value, not as a crash:
 
@@ -18,11 +19,8 @@ that collides.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from functools import partial
-
-from minipaged.block_manager import BlockAllocator, OutOfBlocks
-from minipaged.checks import CheckFailed, check, expect_equal, expect_raises
+from minipaged.block_manager import BlockAllocator
+from minipaged.checks import CheckFailed, check, expect_equal, expect_raised, outcome, to_tuples
 
 # Staged hints: the first names the idea (stubs carry it), later ones come closer to code on request,
 # `hint("6.1", 2)`. None of them is the solution.
@@ -70,101 +68,68 @@ def weak_hash(parent, token_ids, extra):
     return ((parent or 0) * 7 + sum(token_ids) + len(extra)) % 5
 
 
+HASHES = {"transparent": transparent_hash, "weak": weak_hash}
+
+
 # ---------------------------------------------------------------------------
 # Task 6.1 and 6.2: block keys and hits
 # ---------------------------------------------------------------------------
 
 
-def _ref_block_keys(token_ids, block_size, hash_fn, salt=None):
-    keys, parent = [], None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        extra = (salt,) if start == 0 and salt is not None else ()
-        parent = hash_fn(parent, tuple(token_ids[start : start + block_size]), extra)
-        keys.append(parent)
-    return keys
+def _keys_label(case) -> str:
+    if "pair" in case:
+        return "block_keys of two prompts that differ in block 0 only"
+    return f"block_keys(prompt {case['name']} of {len(case['prompt'])} tokens, block_size={case['block_size']}, " \
+           f"salt={case['salt']!r})"
 
 
-def _ref_hit_tokens(token_ids, block_size, hash_fn, cached, salt=None):
-    limit = (len(token_ids) - 1) // block_size  # the last prompt token is always computed
-    hits = 0
-    for i, key in enumerate(_ref_block_keys(token_ids, block_size, hash_fn, salt)[:limit]):
-        if cached.get(key) != tuple(token_ids[i * block_size : (i + 1) * block_size]):
-            break
-        hits += 1
-    return hits * block_size
+@check("ch06.block_keys", hint=HINTS["6.1"][0], label=_keys_label,
+       summary=lambda cases, seen: f"{sum('pair' not in c for c in cases)} prompts: one key per full block, chained "
+                                   "through the parent, salt in block 0")
+def check_block_keys(case, block_keys):
+    """``case`` = {"name", "prompt", "block_size", "salt"}, or {"pair": [prompt, prompt]} (keys must not meet)."""
+    if "pair" in case:
+        return [block_keys(list(p), 4, transparent_hash, None) for p in case["pair"]]
+    keys = block_keys(list(case["prompt"]), case["block_size"], transparent_hash, case["salt"])
+    if not isinstance(keys, list | tuple):
+        return {"not a list": repr(keys)[:200]}
+    return list(keys)
 
 
-def _keys(result, what: str) -> list:
-    if not isinstance(result, list | tuple):
-        raise CheckFailed(f"{what} returned {result!r}; return a list with one key per full block")
-    return list(result)
+@check_block_keys.judge
+def _judge_keys(case, got, want):
+    if type(got) is dict:
+        raise CheckFailed(f"returned {got['not a list']}; return a list with one key per full block")
+    if "pair" in case:
+        first, second = ({repr(k) for k in keys} for keys in got)
+        if first & second:
+            raise CheckFailed("prompts a and c differ in block 0 but share a key: every key must chain through "
+                              "its parent")
+        return
+    if len(got) != len(want):
+        raise CheckFailed(
+            f"gave {len(got)} keys for {len(want)} full blocks"
+            + (" (a partly filled block has no key: its tokens are not final)" if len(got) > len(want) else ""))
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            if type(g) is list and len(g) == 3 and g[0] != w[0]:
+                raise CheckFailed(f"key {i} was hashed with parent {g[0]!r}, expected the key of block {i - 1} "
+                                  "(block 0's parent is None)")
+            raise CheckFailed(f"key {i} is {g!r}, expected {w!r}")
 
 
-# Prompts of block size 4. a and b share two blocks; c differs from a in its first block only, so
-# its later blocks hold the same tokens as a's but sit behind a different parent.
-_SYSTEM = [11, 12, 13, 14, 21, 22, 23, 24]
-_PROMPTS = {
-    "a": _SYSTEM + [31, 32, 33, 34, 41, 42],
-    "b": _SYSTEM + [51, 52, 53, 54, 61, 62, 63, 64],
-    "c": [99, 12, 13, 14, 21, 22, 23, 24, 31, 32, 33, 34],
-    "short": [11, 12, 13],
-}
+def _hits_label(case) -> str:
+    extra = f", salt={case['salt']!r}" if case["salt"] is not None else ""
+    return f"hit_tokens(prompt {case['name']} of {len(case['prompt'])} tokens, block_size={case['block_size']}, " \
+           f"{case['hash']} hash{extra})"
 
 
-@check("ch06.block_keys", hint=HINTS["6.1"][0])
-def check_block_keys(block_keys):
-    cases = [(name, p, 4, None) for name, p in _PROMPTS.items()]
-    cases += [("a", _PROMPTS["a"], 8, None), ("a", _PROMPTS["a"], 4, "tenant-1"), ("empty", [], 4, None)]
-    for name, prompt, B, salt in cases:
-        what = f"block_keys(prompt {name} of {len(prompt)} tokens, block_size={B}, salt={salt!r})"
-        got = _keys(block_keys(list(prompt), B, transparent_hash, salt), what)
-        want = _ref_block_keys(prompt, B, transparent_hash, salt)
-        if len(got) != len(want):
-            raise CheckFailed(
-                f"{what} gave {len(got)} keys for {len(prompt) // B} full blocks"
-                + (" (a partly filled block has no key: its tokens are not final)" if len(got) > len(want) else "")
-            )
-        for i, (g, w) in enumerate(zip(got, want)):
-            if g != w:
-                if isinstance(g, tuple) and len(g) == 3 and g[0] != w[0]:
-                    raise CheckFailed(f"{what}: key {i} was hashed with parent {g[0]!r}, expected the key of block "
-                                      f"{i - 1} (block 0's parent is None)")
-                raise CheckFailed(f"{what}: key {i} is {g!r}, expected {w!r}")
-    # Same later blocks, different first block: with the parent in the key, nothing after block 0 agrees.
-    ka = block_keys(list(_PROMPTS["a"]), 4, transparent_hash, None)
-    kc = block_keys(list(_PROMPTS["c"]), 4, transparent_hash, None)
-    if set(ka) & set(kc):
-        raise CheckFailed("prompts a and c differ in block 0 but share a key: every key must chain through its parent")
-    return f"{len(cases)} prompts: one key per full block, chained through the parent, salt in block 0"
-
-
-@check("ch06.hit_tokens", hint=HINTS["6.2"][0])
-def check_hit_tokens(hit_tokens):
-    B = 4
-    cached = {}
-    for name in ("a",):  # request a ran first and left its full blocks in the cache
-        prompt = _PROMPTS[name]
-        for i, key in enumerate(_ref_block_keys(prompt, B, transparent_hash)):
-            cached[key] = tuple(prompt[i * B : (i + 1) * B])
-    exact = _SYSTEM + [31, 32, 33, 34]  # exactly three blocks, all cached: the third is recomputed
-    cases = [("a", _PROMPTS["a"]), ("b", _PROMPTS["b"]), ("c", _PROMPTS["c"]), ("short", _PROMPTS["short"]),
-             ("exactly 3 blocks", exact), ("system prompt alone", _SYSTEM)]
-    for name, prompt in cases:
-        what = f"hit_tokens(prompt {name} of {len(prompt)} tokens, block_size=4)"
-        got = hit_tokens(list(prompt), B, transparent_hash, dict(cached))
-        expect_equal(got, _ref_hit_tokens(prompt, B, transparent_hash, cached), what)
-    # A weak hash: prompt d's first block collides with a's, but its tokens differ. The token check refuses it.
-    weak = {}
-    for i, key in enumerate(_ref_block_keys(_PROMPTS["a"], B, weak_hash)):
-        weak.setdefault(key, tuple(_PROMPTS["a"][i * B : (i + 1) * B]))
-    # d's first block has the same sum as a's, so the same weak key; its second block then collides with a's
-    # first one, tokens and all. Only the tokens of the first block tell the two apart, and a miss ends the prefix.
-    d = [12, 11, 14, 13, 11, 12, 13, 14, 1]
-    expect_equal(hit_tokens(list(d), B, weak_hash, dict(weak)), _ref_hit_tokens(d, B, weak_hash, weak),
-                 "hit_tokens with a weak hash whose first key collides (a hit must compare the tokens)")
-    salted = hit_tokens(list(_PROMPTS["b"]), B, transparent_hash, dict(cached), "tenant-2")
-    expect_equal(salted, 0, "hit_tokens(prompt b, salt='tenant-2') against blocks cached without a salt")
-    return f"{len(cases) + 2} prompts: hits stop at the first miss, collisions refused, last token always computed"
+@check("ch06.hit_tokens", hint=HINTS["6.2"][0], label=_hits_label,
+       summary="{n} prompts: hits stop at the first miss, collisions refused, last token always computed")
+def check_hit_tokens(case, hit_tokens):
+    """``case`` = {"name", "prompt", "block_size", "hash", "cached": [[key, tokens], ...], "salt"}."""
+    cached = {to_tuples(key): tuple(tokens) for key, tokens in case["cached"]}
+    return hit_tokens(list(case["prompt"]), case["block_size"], HASHES[case["hash"]], cached, case["salt"])
 
 
 # ---------------------------------------------------------------------------
@@ -174,84 +139,80 @@ def check_hit_tokens(hit_tokens):
 _EMPTY = "·"
 
 
-class _RefCowTable:
-    def __init__(self, allocator, data, seq_id=None):
-        self.allocator, self.data, self.seq_id = allocator, data, seq_id
-        self.blocks, self.num_tokens = [], 0
-
-    def fork(self, seq_id=None):
-        child = _RefCowTable(self.allocator, self.data, seq_id)
-        for b in self.blocks:
-            self.allocator.incref(b, seq_id)
-        child.blocks, child.num_tokens = list(self.blocks), self.num_tokens
-        return child
-
-    def append(self, value):
-        B, offset = self.allocator.block_size, self.num_tokens % self.allocator.block_size
-        if offset == 0:
-            self.blocks.append(self.allocator.allocate(self.seq_id))
-        elif self.allocator.refcount(self.blocks[-1]) > 1:
-            old, new = self.blocks[-1], self.allocator.allocate(self.seq_id)
-            self.data[new * B : new * B + offset] = self.data[old * B : old * B + offset]
-            self.allocator.free(old, self.seq_id)
-            self.blocks[-1] = new
-        slot = self.blocks[-1] * B + offset
-        self.data[slot] = value
-        self.num_tokens += 1
-        return slot
+def _cow_state(table, alloc, data) -> dict:
+    return {"blocks": list(table.blocks), "num_tokens": table.num_tokens, "refcounts": list(alloc.refcounts),
+            "data": list(data)}
 
 
 def _tokens(table, data, B) -> list:
     return [data[table.blocks[p // B] * B + p % B] for p in range(table.num_tokens)]
 
 
-@check("ch06.cow_append", hint=HINTS["6.3"][0])
-def check_cow_append(cls):
-    B, num_blocks = 4, 6
-    mine_alloc, ref_alloc = BlockAllocator(num_blocks, B), BlockAllocator(num_blocks, B)
-    mine_data, ref_data = [_EMPTY] * (num_blocks * B), [_EMPTY] * (num_blocks * B)
-    mine = {"p": cls(mine_alloc, mine_data, "p")}
-    ref = {"p": _RefCowTable(ref_alloc, ref_data, "p")}
-    # p writes 6 tokens; c1 forks (block 1 is shared and half full); c1 and p each append once (the first copies,
-    # the second then owns block 1 alone and writes in place); c2 forks at a block boundary and appends
-    # (a new block, no copy); c3 forks c2 mid-block and copies the last free block; c4 forks c2 and finds the
-    # pool empty, as does c2 itself, whose tail block c4 now shares.
-    script = [("p", "append", 6), ("p", "fork", "c1"), ("c1", "append", 1), ("p", "append", 1),
-              ("c1", "append", 3), ("p", "append", 1), ("p", "fork", "c2"), ("c2", "append", 2),
-              ("c2", "fork", "c3"), ("c3", "append", 1), ("c2", "append", 1), ("c2", "fork", "c4"),
-              ("c4", "append", 1), ("c2", "append", 1)]
-    counter = iter(range(100, 1000))
-    for seq, op, arg in script:
+@check("ch06.cow_append", hint=HINTS["6.3"][0], label=lambda c: f"a script of {len(c['script'])} appends and forks "
+       f"on a pool of {c['num_blocks']} blocks of {c['block_size']}",
+       summary=lambda cases, seen: f"{sum(len(c['script']) for c in cases)} appends and forks: a shared tail block is "
+                                   "copied before the write, unshared and full ones are not, OutOfBlocks leaves "
+                                   "everything as it was")
+def check_cow_append(case, cls):
+    """``case`` = {"num_blocks", "block_size", "first_value", "script"}; a step is [seq, "append" | "fork", arg]."""
+    B = case["block_size"]
+    alloc, data = BlockAllocator(case["num_blocks"], B), [_EMPTY] * (case["num_blocks"] * B)
+    tables, steps, value = {"p": cls(alloc, data, "p")}, [], case["first_value"]
+    for seq, op, arg in case["script"]:
+        if seq not in tables:
+            steps.append({"missing": seq})
+            continue
         if op == "fork":
-            mine[arg], ref[arg] = mine[seq].fork(arg), ref[seq].fork(arg)
+            try:
+                tables[arg] = tables[seq].fork(arg)
+            except NotImplementedError:
+                raise
+            except Exception as exc:
+                steps.append({"fork": arg, "raised": f"{type(exc).__name__}: {exc}"})
+            else:
+                steps.append({"fork": arg})
             continue
         for _ in range(arg):
-            value = next(counter)
-            what = f"{seq}.append({value}) with {ref[seq].num_tokens} tokens in blocks {ref[seq].blocks}"
-            last = ref[seq].blocks[-1] if ref[seq].blocks else None
-            shared = last is not None and ref_alloc.refcount(last) > 1 and ref[seq].num_tokens % B
-            before = list(mine_data[last * B : last * B + B]) if last is not None else None
-            if ref_alloc.num_free == 0 and (shared or ref[seq].num_tokens % B == 0):
-                state = (list(mine[seq].blocks), mine[seq].num_tokens, list(mine_alloc.refcounts), list(mine_data))
-                expect_raises(OutOfBlocks, partial(mine[seq].append, value), what + " on a full pool")
-                if (list(mine[seq].blocks), mine[seq].num_tokens, list(mine_alloc.refcounts), list(mine_data)) != state:
-                    raise CheckFailed(f"{what} on a full pool raised OutOfBlocks but changed the table, refcounts "
-                                      "or the cache first")
-                continue
-            want = ref[seq].append(value)
-            got = mine[seq].append(value)
-            if shared and mine_data[last * B : last * B + B] != before:
-                raise CheckFailed(f"{what}: the shared block {last} changed (was {before}, now "
-                                  f"{mine_data[last * B:last * B + B]}); its other holders read it, so copy it "
-                                  "and write into the copy")
-            expect_equal(got, want, what)
-            expect_equal(list(mine[seq].blocks), ref[seq].blocks, f"blocks after {what}")
-            expect_equal(mine[seq].num_tokens, ref[seq].num_tokens, f"num_tokens after {what}")
-            expect_equal(list(mine_alloc.refcounts), ref_alloc.refcounts, f"the pool's refcounts after {what}")
-    for seq, table in ref.items():
-        expect_equal(_tokens(mine[seq], mine_data, B), _tokens(table, ref_data, B), f"the tokens sequence {seq} reads")
-    return (f"{len(script)} appends and forks: a shared tail block is copied before the write, unshared and "
-            "full ones are not, OutOfBlocks leaves everything as it was")
+            table, before = tables[seq], _cow_state(tables[seq], alloc, data)
+            steps.append({"seq": seq, "append": value, "before": before, "outcome": outcome(table.append, value),
+                          "after": _cow_state(table, alloc, data)})
+            value += 1
+    steps.append({"reads": {seq: _tokens(table, data, B) for seq, table in tables.items()}})
+    return steps
+
+
+@check_cow_append.judge
+def _judge_cow(case, got, want):
+    B = case["block_size"]
+    if len(got) != len(want):
+        raise CheckFailed(f"the script ran {len(got)} steps, expected {len(want)}")
+    for step, right in zip(got, want):
+        if "missing" in step or "raised" in step:
+            raise CheckFailed(f"fork({right.get('fork')!r}) raised {step.get('raised')}" if "raised" in step
+                              else f"sequence {step['missing']} was never forked")
+        if "fork" in right or "reads" in right:
+            expect_equal(step, right, "the tokens each sequence reads:" if "reads" in right else "fork")
+            continue
+        before, value = right["before"], right["append"]
+        what = f"{right['seq']}.append({value}) with {before['num_tokens']} tokens in blocks {before['blocks']}"
+        mine = step["before"]
+        if "raised" in right["outcome"]:
+            expect_raised(step["outcome"], "OutOfBlocks", what + " on a full pool")
+            if step["after"] != mine:
+                raise CheckFailed(f"{what} on a full pool raised OutOfBlocks but changed the table, refcounts or "
+                                  "the cache first")
+            continue
+        if "raised" in step["outcome"]:
+            raise CheckFailed(f"{what} raised {step['outcome']['raised'][0]}: {step['outcome'].get('message')}")
+        last = before["blocks"][-1] if before["blocks"] else None
+        shared = last is not None and before["refcounts"][last] > 1 and before["num_tokens"] % B
+        if shared and step["after"]["data"][last * B : last * B + B] != mine["data"][last * B : last * B + B]:
+            raise CheckFailed(f"{what}: the shared block {last} changed (was {mine['data'][last * B:last * B + B]}, "
+                              f"now {step['after']['data'][last * B:last * B + B]}); its other holders read it, so "
+                              "copy it and write into the copy")
+        expect_equal(step["outcome"], right["outcome"], f"{what}:")
+        for key in ("blocks", "num_tokens", "refcounts"):
+            expect_equal(step["after"][key], right["after"][key], f"{what}: then {key}")
 
 
 # ---------------------------------------------------------------------------
@@ -259,105 +220,56 @@ def check_cow_append(cls):
 # ---------------------------------------------------------------------------
 
 
-class _RefPrefixPool:
-    def __init__(self, num_blocks):
-        self.refcounts = [0] * num_blocks
-        self.key_of = [None] * num_blocks
-        self.block_of = {}
-        self.keyless_free = deque(range(num_blocks))
-        self.cached_free = OrderedDict()
-        self.evicted = []
-
-    def cache(self, block_id, key):
-        self.key_of[block_id], self.block_of[key] = key, block_id
-
-    def allocate(self):
-        if self.keyless_free:
-            block_id = self.keyless_free.popleft()
-        elif self.cached_free:
-            block_id, _ = self.cached_free.popitem(last=False)
-            self._evict(block_id)
-        else:
-            raise OutOfBlocks("every block is in use")
-        self.refcounts[block_id] = 1
-        return block_id
-
-    def _evict(self, block_id):
-        del self.block_of[self.key_of[block_id]]
-        self.key_of[block_id] = None
-        self.evicted.append(block_id)
-
-    def free(self, block_id):
-        self.refcounts[block_id] -= 1
-        if self.refcounts[block_id] == 0:
-            if self.key_of[block_id] is None:
-                self.keyless_free.append(block_id)
-            else:
-                self.cached_free[block_id] = None
-
-    def hit(self, key):
-        block_id = self.block_of.get(key)
-        if block_id is None:
-            return None
-        if self.refcounts[block_id] == 0:
-            del self.cached_free[block_id]
-        self.refcounts[block_id] += 1
-        return block_id
+def _lru_state(pool) -> dict:
+    return {"refcounts": list(pool.refcounts), "keyless_free": list(pool.keyless_free),
+            "cached_free": list(pool.cached_free), "evicted": list(pool.evicted),
+            "block_of": {str(k): v for k, v in dict(pool.block_of).items()}}
 
 
-def _lru_state(pool) -> tuple:
-    return (list(pool.refcounts), list(pool.keyless_free), list(pool.cached_free), list(pool.evicted))
-
-
-@check("ch06.lru", hint=HINTS["6.4"][0])
-def check_lru(cls):
-    mine, ref = cls(6), _RefPrefixPool(6)
-    # Two requests share a 2-block prefix (keys p0, p1); A also caches a0, B holds a partial block.
-    # They free tail first. Then C hits p0 and p1 again, and new blocks must come from elsewhere.
-    script = [
-        ("allocate", 4), ("cache", (0, "p0")), ("cache", (1, "p1")), ("cache", (2, "a0")),  # A: 0 1 2, plus B's tail 3
-        ("hit", "p0"), ("hit", "p1"),  # B shares A's prefix
-        ("free", [3, 1, 0]),  # B finishes, tail first
-        ("free", [2, 1, 0]),  # A finishes, tail first
-        ("hit", "p0"), ("hit", "p1"),  # C finds the prefix, sitting in the free queue
-        ("allocate", 4),  # keyless 4, 5, 3 first, then the least recently freed cached block: a0 is evicted
-        ("hit", "a0"),  # gone
-        ("allocate", 1),  # nothing is free: C holds p0 and p1, the rest are in use
-        ("free", [1, 0]), ("allocate", 2),  # p1 was freed before p0: evict p1, then p0
-    ]
-    for step, (op, arg) in enumerate(script, 1):
-        what = f"step {step}, {op}({arg!r})"
+@check("ch06.lru", hint=HINTS["6.4"][0], label=lambda c: f"a script of {len(c['script'])} steps on a pool of "
+       f"{c['num_blocks']} blocks",
+       summary=lambda cases, seen: f"{sum(len(c['script']) for c in cases)} steps: keyless blocks first, then LRU; "
+                                   f"hits leave the queue; eviction order {seen[-1][-1]['after']['evicted']}")
+def check_lru(case, cls):
+    """``case`` = {"num_blocks", "script": [[op, arg], ...]}; ops: allocate (a count), cache, hit, free (a list)."""
+    pool, steps = cls(case["num_blocks"]), []
+    for op, arg in case["script"]:
         if op == "cache":
-            mine.cache(*arg)
-            ref.cache(*arg)
+            results = [outcome(pool.cache, *arg)]
         elif op == "free":
-            for b in arg:
-                mine.free(b)
-                ref.free(b)
+            results = [outcome(pool.free, b) for b in arg]
         elif op == "hit":
-            expect_equal(mine.hit(arg), ref.hit(arg), f"hit({arg!r})")
+            results = [outcome(pool.hit, arg)]
         else:
-            for _ in range(arg):
-                if not ref.keyless_free and not ref.cached_free:
-                    before = _lru_state(mine)
-                    expect_raises(OutOfBlocks, mine.allocate, "allocate() with every block held")
-                    if _lru_state(mine) != before:
-                        raise CheckFailed("allocate() with every block held raised OutOfBlocks but changed the state")
-                    continue
-                want = ref.allocate()
-                got = mine.allocate()
-                if got != want and mine.refcounts[got] > 1:
-                    raise CheckFailed(f"allocate() returned block {got}, which a sequence still holds "
-                                      f"(refcount {mine.refcounts[got]}): a hit must take it out of the free queue")
-                expect_equal(got, want, f"allocate() ({'keyless' if want not in ref.evicted else 'evicting'})")
-        held = [b for b in mine.cached_free if mine.refcounts[b] > 0]
+            results = [outcome(pool.allocate) for _ in range(arg)]
+        steps.append({"results": results, "after": _lru_state(pool)})
+    return steps
+
+
+@check_lru.judge
+def _judge_lru(case, got, want):
+    if len(got) != len(want):
+        raise CheckFailed(f"the script ran {len(got)} steps, expected {len(want)}")
+    for index, (step, right, (op, arg)) in enumerate(zip(got, want, case["script"]), 1):
+        what = f"step {index}, {op}({arg!r})"
+        mine = step["after"]
+        for result, expected in zip(step["results"], right["results"]):
+            if "raised" in expected:
+                expect_raised(result, "OutOfBlocks", f"{what}: allocate() with every block held")
+                continue
+            if "raised" in result:
+                raise CheckFailed(f"{what} raised {result['raised'][0]}: {result.get('message')}")
+            got_id, want_id = result["returned"], expected["returned"]
+            if op == "allocate" and got_id != want_id and type(got_id) is int and 0 <= got_id < len(
+                    mine["refcounts"]) and mine["refcounts"][got_id] > 1:
+                raise CheckFailed(f"{what}: allocate() returned block {got_id}, which a sequence still holds "
+                                  f"(refcount {mine['refcounts'][got_id]}): a hit must take it out of the free queue")
+            expect_equal(got_id, want_id, f"{what}:")
+        held = [b for b in mine["cached_free"] if type(b) is int and 0 <= b < len(mine["refcounts"])
+                and mine["refcounts"][b] > 0]
         if held:
-            raise CheckFailed(f"after {what}, block {held[0]} is held (refcount {mine.refcounts[held[0]]}) but "
-                              "still in cached_free, so allocate() could evict it: a hit must take it out of the "
-                              "free queue")
-        expect_equal(_lru_state(mine)[0], _lru_state(ref)[0], f"refcounts after {what}")
-        expect_equal(list(mine.keyless_free), list(ref.keyless_free), f"keyless_free after {what}")
-        expect_equal(list(mine.cached_free), list(ref.cached_free), f"cached_free (LRU first) after {what}")
-        expect_equal(list(mine.evicted), list(ref.evicted), f"the eviction order after {what}")
-        expect_equal(dict(mine.block_of), dict(ref.block_of), f"block_of (the keys still cached) after {what}")
-    return f"{len(script)} steps: keyless blocks first, then LRU; hits leave the queue; eviction order {ref.evicted}"
+            raise CheckFailed(f"after {what}, block {held[0]} is held (refcount {mine['refcounts'][held[0]]}) but "
+                              "still in cached_free, so allocate() could evict it: a hit must take it out of the free "
+                              "queue")
+        for key in ("refcounts", "keyless_free", "cached_free", "evicted", "block_of"):
+            expect_equal(mine[key], right["after"][key], f"{key} after {what}:")
