@@ -515,7 +515,8 @@ class Engine:
         Records the counts in ``engine.metrics``.
 
         Args:
-            logits: what :meth:`execute` returned: per sequence whose chunk ends, ``1 + k`` rows.
+            logits: what :meth:`execute` returned (stop tokens masked before ``min_tokens`` by
+                :func:`mask_stop_tokens`): per sequence whose chunk ends, ``1 + k`` rows.
             seqs: those sequences, in order.
             spec: seq_id -> drafts (``SchedulerOutput.spec_token_ids``).
 
