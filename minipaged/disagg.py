@@ -473,8 +473,9 @@ class DisaggregatedEngine:
     def _arrive(self, time: float) -> DisaggStepOutput:
         a = self.arrivals[0]
         params = replace(a.params, max_tokens=min(a.params.max_tokens, 2))  # the prefill engine stops after token 1
-        if not self.prefill.has_unfinished():  # idle: its clock gets to the arrival first (no request from the future)
-            self.prefill.clock.wait_until(time)
+        # An idle or stalled prefill engine's clock lags: it gets to the arrival first (a busy one is there already),
+        # so the request is never from its future and no latency comes out negative.
+        self.prefill.clock.wait_until(time)
         self.prefill.add_request(a.prompt, params, a.request_id, arrival_time=a.time, cache_salt=a.cache_salt)
         self.arrivals.popleft()
         return DisaggStepOutput("arrive", time, [a.request_id])
