@@ -117,6 +117,16 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
 class Engine:
     """A continuous-batching engine over one paged KV cache.
 
+    Memory is bounded over a long run: unless ``keep_finished``, each finished request is forgotten
+    as :meth:`step` hands it over, and the metrics keep the latest
+    :data:`~minipaged.metrics.HISTORY_WINDOW` step records. Once warmed up (the window full), the
+    process's RSS grows by less than 1 MiB over 10,000 requests (``python -m minipaged.bench memory``
+    measures it; CI checks 1,000 requests).
+
+    An event subscriber called during a step may read everything and call :meth:`abort`, which
+    waits for the step's end; any call that would change the engine, its scheduler, its pool or
+    a table raises :class:`~minipaged.block_manager.ReentrantCallError` and changes nothing.
+
     Args:
         model: a :class:`~minipaged.model.LlamaForCausalLM` (its config sizes the cache).
         config: the pool and the scheduler's knobs (:class:`EngineConfig` defaults if None).
