@@ -384,6 +384,7 @@ class DisaggregatedEngine:
         the transfer would have ended: the bytes are already on their way).
 
         Raises:
+            TypeError: ``request_id`` is not hashable.
             KeyError: no unfinished request has this id.
         """
         if check_hashable(request_id, "request_id") not in self._max_tokens:
