@@ -26,7 +26,7 @@ from numbers import Integral
 import numpy as np
 
 from minipaged.validation import check_int
-from minipaged.workload import WorkloadPreset, get_length_preset
+from minipaged.workload import MAX_DRAWS, WorkloadPreset, check_num_draws, get_length_preset
 
 # ----------------------------------------------------------------------------
 # input checking: every error names the argument it is about
@@ -272,11 +272,12 @@ def sample_lengths(preset: str | WorkloadPreset, num_seqs: int, max_len: int, se
 
     Args:
         preset: a name in ``workload.LENGTH_PRESETS`` or a ``WorkloadPreset``.
-        num_seqs: how many lengths.
+        num_seqs: how many lengths (at most ``workload.MAX_DRAWS``).
         max_len: the longest sequence the server allows; longer ones stop there.
         seed: the seed of ``np.random.default_rng``.
     """
     preset = get_length_preset(preset)
+    num_seqs = check_num_draws(num_seqs, "num_seqs")
     m = check_int(max_len, "max_len", minimum=1)
     rng = np.random.default_rng(check_int(seed, "seed"))
     return np.minimum(preset.sequence_lengths(num_seqs, rng), m)
@@ -369,7 +370,8 @@ def capacity(model: ModelSpec | str, budget_bytes: int, block_size: int, max_len
         dtype: bytes per number (default: the model's own).
         seed: the seed of the sampled lengths.
 
-    A budget below one sequence is legal: that scheme admits 0 (see :attr:`CapacityReport.gain`).
+    A budget below one sequence is legal: that scheme admits 0 (see :attr:`CapacityReport.gain`). A budget
+    that holds more than ``workload.MAX_DRAWS`` sequences is a ``ValueError``, raised before sampling.
     """
     spec = _spec(model)
     budget = check_int(budget_bytes, "budget_bytes")
@@ -381,6 +383,9 @@ def capacity(model: ModelSpec | str, budget_bytes: int, block_size: int, max_len
     row = BLOCK_TABLE_ENTRY_BYTES * blocks_needed(m, B)
     # Neither scheme can admit more sequences than this, so this many samples suffice.
     limit = budget // min(m * slot, B * slot + row)
+    if limit + 1 > MAX_DRAWS:  # refused before sampling: the array alone would not fit in memory
+        raise ValueError(f"budget_bytes = {budget:,} holds up to {limit:,} sequences, more than the limit of "
+                         f"{MAX_DRAWS:,} sampled sequences (workload.MAX_DRAWS): lower budget_bytes")
     lengths = sample_lengths(preset, limit + 1, m, seed)
 
     k = budget // (m * slot)
@@ -425,7 +430,7 @@ def expected_saving(preset: str | WorkloadPreset, block_size: int, max_len: int,
         seed: the seed of the sampled lengths.
     """
     B = check_int(block_size, "block_size", minimum=1)
-    lengths = sample_lengths(preset, check_int(num_samples, "num_samples", minimum=1), max_len, seed)
+    lengths = sample_lengths(preset, check_num_draws(num_samples, "num_samples", minimum=1), max_len, seed)
     mean_alloc = float(((lengths + B - 1) // B * B).mean())
     return 1.0 - mean_alloc / max_len
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from minipaged.accounting import blocks_needed
 from minipaged.block_manager import BlockTable, block_tables_tensor
-from minipaged.validation import check_paged_attention, check_scale, check_tensor
+from minipaged.validation import check_choice, check_paged_attention, check_scale, check_tensor
 
 BACKENDS = ("loop", "torch", "triton")
 
@@ -91,8 +91,7 @@ def contiguous_attention(q, k, v, *, scale=None, causal=True):
 
 
 def _check_backend(backend):
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_choice(backend, "backend", BACKENDS)
 
 
 def _kernel(name):

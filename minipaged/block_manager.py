@@ -15,7 +15,7 @@ into the allocator, and cannot break the operation by raising (see
 from __future__ import annotations
 
 import warnings
-from collections import deque
+from collections import Counter, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -38,6 +38,15 @@ class BlockError(ValueError):
     A subclass of ``ValueError``: the id is in range, but its value is wrong for the
     pool's state, so code that catches bad values catches it too. An id outside the
     pool is an ``IndexError`` instead, like a position outside a sequence.
+    """
+
+
+class ReentrantCallError(RuntimeError):
+    """A call that may not run now: an event subscriber calling back in to change state mid-operation.
+
+    While an engine steps (:attr:`BlockAllocator.subscriber_guard` is set), a subscriber may read
+    everything and call ``Engine.abort`` (which waits for the step's end); a call that would change
+    the pool, a table, the scheduler or the engine raises this, before changing anything.
     """
 
 
@@ -73,6 +82,20 @@ class BlockAllocator:
         self._held_events: list[BlockEvent] | None = None  # events of the operation in progress (see hold_events)
         self.subscriber_errors: deque[tuple[BlockEvent, object, Exception]] = deque(maxlen=SUBSCRIBER_ERRORS_KEPT)
         self.num_subscriber_errors = 0
+        # What runs now (an engine step sets it): meanwhile a subscriber's change raises ReentrantCallError.
+        self.subscriber_guard: str | None = None
+        self._delivering = False  # subscribers are being called
+
+    def check_not_from_subscriber(self, call: str) -> None:
+        """A :class:`ReentrantCallError` naming ``call`` if a subscriber makes it while :attr:`subscriber_guard` is set.
+
+        Args:
+            call: the call that would change state, for the message.
+        """
+        if self._delivering and self.subscriber_guard is not None:
+            raise ReentrantCallError(f"{call}: not from an event subscriber during {self.subscriber_guard} (it would "
+                                     "change state mid-operation); a subscriber may read, and call Engine.abort, "
+                                     "which waits for the step's end")  # fmt: skip
 
     @property
     def num_free(self) -> int:
@@ -88,6 +111,7 @@ class BlockAllocator:
 
     def allocate(self, seq_id=None) -> int:
         """Take one free block for ``seq_id`` (refcount 1), or raise OutOfBlocks."""
+        self.check_not_from_subscriber("BlockAllocator.allocate")
         if not self.free_block_ids:
             raise OutOfBlocks(f"no free block: all {self.num_blocks} blocks are in use")
         block_id = self.free_block_ids.popleft()
@@ -123,12 +147,14 @@ class BlockAllocator:
 
     def incref(self, block_id: int, seq_id=None) -> None:
         """One more holder of ``block_id`` (a forked sequence sharing it)."""
+        self.check_not_from_subscriber("BlockAllocator.incref")
         block_id = self._check_allocated(block_id, "incref")
         self._refcounts[block_id] += 1
         self.emit("incref", block_id, seq_id, refcount=self._refcounts[block_id])
 
     def free(self, block_id: int, seq_id=None) -> None:
         """Drop one reference; the block returns to the pool when nobody holds it."""
+        self.check_not_from_subscriber("BlockAllocator.free")
         block_id = self._check_allocated(block_id, "free")
         self._refcounts[block_id] -= 1
         if self._refcounts[block_id] == 0:
@@ -146,10 +172,27 @@ class BlockAllocator:
 
         Chapter 06's prefix cache overrides the order (tail first); here the order is not
         observable beyond the free queue.
+
+        Raises (before any block is freed, so an error frees nothing):
+            TypeError: ``block_ids`` is not a list or tuple of ints.
+            IndexError: an id outside the pool.
+            BlockError: an id that is free, or that appears more often than it has references.
         """
+        block_ids = self._check_free_sequence(block_ids)
         with self.hold_events():
             for block_id in block_ids:
                 self.free(block_id, seq_id)
+
+    def _check_free_sequence(self, block_ids) -> list[int]:
+        """``block_ids`` as ints, once every one is known to be freeable as often as it appears."""
+        if not isinstance(block_ids, (list, tuple)):
+            raise TypeError(f"block_ids must be a list of block ids, got {type(block_ids).__name__}")
+        ids = [self._check_allocated(b, "free") for b in block_ids]
+        for block_id, times in Counter(ids).items():
+            if times > self._refcounts[block_id]:
+                raise BlockError(f"cannot free block {block_id} {times} times: it has {self._refcounts[block_id]} "
+                                 "reference(s) (block_ids holds it more than once)")
+        return ids
 
     def refcount(self, block_id: int) -> int:
         """How many sequences hold ``block_id`` (0: it is free)."""
@@ -216,18 +259,22 @@ class BlockAllocator:
             self._deliver(events)
 
     def _deliver(self, events: list[BlockEvent]) -> None:
-        interrupt = None
-        for event in events:
-            for callback in list(self._subscribers):  # a callback may unsubscribe itself
-                try:
-                    callback(event)
-                except Exception as exc:  # isolated: recorded and reported, never breaks the emitter
-                    self.subscriber_errors.append((event, callback, exc))
-                    self.num_subscriber_errors += 1
-                    warnings.warn(f"event subscriber {callback!r} raised {exc!r} on a {event.kind!r} event; "
-                                  "it was skipped (see BlockAllocator.subscriber_errors)", RuntimeWarning, stacklevel=2)
-                except BaseException as exc:  # KeyboardInterrupt and the like: after every callback has the event
-                    interrupt = interrupt or exc
+        interrupt, delivering, self._delivering = None, self._delivering, True
+        try:
+            for event in events:
+                for callback in list(self._subscribers):  # a callback may unsubscribe itself
+                    try:
+                        callback(event)
+                    except Exception as exc:  # isolated: recorded and reported, never breaks the emitter
+                        self.subscriber_errors.append((event, callback, exc))
+                        self.num_subscriber_errors += 1
+                        warnings.warn(f"event subscriber {callback!r} raised {exc!r} on a {event.kind!r} event; it "
+                                      "was skipped (see BlockAllocator.subscriber_errors)", RuntimeWarning,
+                                      stacklevel=2)  # fmt: skip
+                    except BaseException as exc:  # KeyboardInterrupt and the like: after every callback has the event
+                        interrupt = interrupt or exc
+        finally:
+            self._delivering = delivering
         if interrupt is not None:
             raise interrupt
 
@@ -245,9 +292,15 @@ class BlockTable:
     table records each copy in :attr:`pending_copies` and never touches K/V itself: the
     block manager stays bookkeeping only, and whoever runs the forward pass copies the K/V
     (:meth:`minipaged.cache.PagedKVCache.copy_blocks`) before the new tokens are written.
+
+    Args:
+        allocator: the :class:`BlockAllocator` whose pool the table's blocks come from.
+        seq_id: the sequence, for the events.
     """
 
     def __init__(self, allocator: BlockAllocator, seq_id=None):
+        if not isinstance(allocator, BlockAllocator):
+            raise TypeError(f"allocator must be a BlockAllocator, got {type(allocator).__name__} {allocator!r:.60}")
         self.allocator = allocator
         self.seq_id = seq_id
         self.blocks: list[int] = []
@@ -285,6 +338,7 @@ class BlockTable:
         All or nothing: if the pool is short, OutOfBlocks is raised and the table is
         unchanged. A write into a shared last block first gets a copy of it (chapter 06).
         """
+        self.allocator.check_not_from_subscriber("BlockTable.append_tokens")
         n = check_int(num_tokens, "num_tokens")
         need = self.blocks_needed(n)
         if need > self.allocator.num_free:
@@ -315,6 +369,7 @@ class BlockTable:
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """The (src, dst) block copies recorded since the last call, oldest first; clears them."""
+        self.allocator.check_not_from_subscriber("BlockTable.take_pending_copies")
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
@@ -353,6 +408,7 @@ class BlockTable:
 
         Pending copies are dropped too: their destination blocks went back with the rest.
         """
+        self.allocator.check_not_from_subscriber("BlockTable.release")
         with self.allocator.hold_events():  # subscribers hear of the frees once the table is empty
             blocks, self.blocks = self.blocks, []
             self.num_tokens = 0
@@ -369,11 +425,15 @@ class BlockTable:
         Args:
             seq_id: the child's sequence id.
 
-        Raises:
+        Raises (before any reference is taken):
             ValueError: this table was released (it holds nothing to share any more).
+            BlockError: one of its blocks was freed behind its back (through the allocator).
         """
+        self.allocator.check_not_from_subscriber("BlockTable.fork")
         if self.released:
             raise ValueError(f"cannot fork the block table of sequence {self.seq_id!r}: it was released")
+        for block_id in self.blocks:  # all checked before any incref: a block freed behind the table's back leaks none
+            self.allocator._check_allocated(block_id, f"fork the table of sequence {self.seq_id!r}, which holds")
         child = BlockTable(self.allocator, seq_id)
         with self.allocator.hold_events():  # subscribers hear of the increfs once the child holds the blocks
             for block_id in self.blocks:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from minipaged.block_manager import BlockAllocator, BlockTable
-from minipaged.validation import check_fits_memory, check_int, check_kv_write
+from minipaged.validation import check_choice, check_fits_memory, check_int, check_kv_write
 
 WRITE_BACKENDS = ("torch", "triton")
 
@@ -80,8 +80,7 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping, *, backend: str = "torc
     Both backends check their inputs with :func:`minipaged.validation.check_kv_write`
     and raise before anything is written.
     """
-    if backend not in WRITE_BACKENDS:
-        raise ValueError(f"backend must be one of {WRITE_BACKENDS}, got {backend!r}")
+    check_choice(backend, "backend", WRITE_BACKENDS)
     if backend == "triton":
         from minipaged.kernels import write_kv as triton_write_kv  # chapter 04, reached by name only
 

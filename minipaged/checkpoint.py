@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from minipaged.model import LlamaConfig, LlamaForCausalLM, rope_cos_sin
+from minipaged.validation import check_int
 
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
@@ -51,6 +52,47 @@ class UnsupportedCheckpoint(ValueError):
     """The checkpoint asks for something the tiny Llama does not compute."""
 
 
+class BadCheckpoint(ValueError):
+    """A checkpoint file is malformed: not JSON, not a JSON object, a field missing, a truncated weights file."""
+
+
+def _read_json(path: Path) -> dict:
+    """The JSON object in ``path``, or ``BadCheckpoint`` naming the file (invalid JSON, or not an object)."""
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadCheckpoint(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise BadCheckpoint(f"{path} must hold a JSON object, got a JSON {type(value).__name__}")
+    return value
+
+
+# The config.json fields a checkpoint must have, each an int >= 1.
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def _check_fields(hf) -> None:
+    """Refuse a config that is not an object, lacks a required field, or has a size that is not an int >= 1."""
+    if not isinstance(hf, dict):
+        raise BadCheckpoint(f"{CONFIG_NAME} must hold a JSON object, got a JSON {type(hf).__name__}")
+    for field in REQUIRED_FIELDS:
+        if field not in hf:
+            raise BadCheckpoint(f"{CONFIG_NAME} lacks the field {field!r}")
+        check_int(hf[field], field, minimum=1)
+    for field in ("num_key_value_heads", "head_dim"):
+        if hf.get(field) is not None:
+            check_int(hf[field], field, minimum=1)
+    for field in ("rope_scaling", "rope_parameters"):
+        if hf.get(field) is not None and not isinstance(hf[field], dict):
+            raise UnsupportedCheckpoint(f"{field} must be None or an object, got {hf[field]!r}")
+
+
+def _rope_type(rope: dict | None) -> str | None:
+    """A ``rope_scaling`` object's type; None (plain RoPE) for none or ``{"rope_type": "default"}``."""
+    kind = None if rope is None else rope.get("rope_type", rope.get("type"))
+    return None if kind == "default" else kind
+
+
 def config_from_hf(hf: dict) -> LlamaConfig:
     """The :class:`LlamaConfig` of a Hugging Face ``config.json`` dict, or ``UnsupportedCheckpoint``.
 
@@ -63,12 +105,13 @@ def config_from_hf(hf: dict) -> LlamaConfig:
             ``max_position_embeddings``, ``tie_word_embeddings``, ``eos_token_id`` (an id, a list
             of ids, or absent) and ``bos_token_id``.
     """
+    _check_fields(hf)
     architectures = hf.get("architectures") or ["LlamaForCausalLM"]
     if architectures != ["LlamaForCausalLM"]:
         raise UnsupportedCheckpoint(f"architectures must be ['LlamaForCausalLM'], got {architectures!r}")
     for field, value in REQUIRED_VALUES.items():
-        if hf.get(field, value) != value:
-            what = hf[field].get("rope_type", hf[field].get("type")) if field == "rope_scaling" else hf[field]
+        what = _rope_type(hf.get(field)) if field == "rope_scaling" else hf.get(field, value)
+        if what != value:
             raise UnsupportedCheckpoint(f"{field} must be {value!r}, got {what!r}: the tiny Llama does not compute it")
     rope_theta = hf.get("rope_theta", 10000.0)
     if hf.get("rope_parameters") is not None:  # transformers >= 5 moves rope_theta here
@@ -85,7 +128,7 @@ def config_from_hf(hf: dict) -> LlamaConfig:
         num_attention_heads=heads,
         num_key_value_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        rope_theta=float(rope_theta),
+        rope_theta=rope_theta,  # LlamaConfig checks it is a real number
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -164,9 +207,13 @@ def load_pretrained(directory, dtype: torch.dtype = torch.float32, device="cpu")
         device: where the model goes.
 
     Raises ``FileNotFoundError`` for a missing file, ``UnsupportedCheckpoint``
-    for a config field or a tensor the model does not support, and ``ValueError``
-    for a missing tensor or a tensor whose shape disagrees with the config.
+    for a config field or a tensor the model does not support, ``BadCheckpoint`` for a
+    malformed file (invalid JSON, not an object, a required field missing, a truncated
+    weights file), ``TypeError`` / ``ValueError`` for a size of the wrong type or value, and
+    ``ValueError`` for a missing tensor or a tensor whose shape disagrees with the config.
+    Every message about ``config.json`` names the file and the field.
     """
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     directory = Path(directory)
@@ -175,13 +222,20 @@ def load_pretrained(directory, dtype: torch.dtype = torch.float32, device="cpu")
             raise FileNotFoundError(
                 f"{directory / name} does not exist: a checkpoint needs {CONFIG_NAME} and {WEIGHTS_NAME}"
             )
-    hf = json.loads((directory / CONFIG_NAME).read_text())
+    hf = _read_json(directory / CONFIG_NAME)
     if (directory / GENERATION_CONFIG_NAME).is_file():
-        generation = json.loads((directory / GENERATION_CONFIG_NAME).read_text())
+        generation = _read_json(directory / GENERATION_CONFIG_NAME)
         hf |= {name: generation[name] for name in ("eos_token_id", "bos_token_id")
                if generation.get(name) is not None}  # fmt: skip
-    config = config_from_hf(hf)
-    tensors = load_file(str(directory / WEIGHTS_NAME))
+    try:
+        config = config_from_hf(hf)
+    except (TypeError, ValueError) as exc:  # the same error, naming the file as well as the field
+        raise type(exc)(f"{directory / CONFIG_NAME}: {exc}") from None
+    try:
+        tensors = load_file(str(directory / WEIGHTS_NAME))
+    except SafetensorError as exc:
+        raise BadCheckpoint(f"{directory / WEIGHTS_NAME} cannot be read (truncated, or not safetensors): "
+                            f"{exc}") from None
     # Built on the meta device: shapes without storage, so no random init (135M random numbers take
     # seconds); the checkpoint's tensors become the parameters.
     with torch.device("meta"):

@@ -94,9 +94,9 @@ from minipaged.clock import StepCost, VirtualClock
 from minipaged.engine import Engine, RequestOutput, StepOutput
 from minipaged.generate import check_prompt
 from minipaged.metrics import request_latencies, summarize
-from minipaged.scheduler import EngineConfig, can_admit
+from minipaged.scheduler import EngineConfig, can_admit, check_fits_pool
 from minipaged.sequence import SamplingParams, Sequence
-from minipaged.validation import check_int, check_real
+from minipaged.validation import check_hashable, check_int, check_real
 from minipaged.workload import LogNormal, RequestSpec, WorkloadPreset, prompt_token_ids
 
 LLAMA_2_7B_KV_BYTES_PER_TOKEN = kv_bytes_per_token("Llama-2-7B")  # 2 * 32 layers * 32 heads * 128 * 2 B = 512 KiB
@@ -236,18 +236,6 @@ def transfer_kv(seq: Sequence, src: PagedKVCache, dst: PagedKVCache, match=None)
     return new
 
 
-def _check_fits(config: EngineConfig, longest: int, request: str, engine: str) -> None:
-    """The scheduler's admission limits for a request that may hold ``longest`` tokens (see ``Scheduler.add``)."""
-    need = blocks_needed(longest, config.block_size)
-    room = config.num_blocks - config.watermark_blocks
-    if need > room:
-        raise ValueError(f"{request} needs up to {need} blocks in the {engine} engine's pool ({longest} tokens, "
-                         f"block_size {config.block_size}), which has {room} after the watermark")  # fmt: skip
-    if not config.chunked_prefill and longest > config.max_num_batched_tokens:
-        raise ValueError(f"{request} may need to compute {longest} tokens in one {engine} step, more than its "
-                         f"max_num_batched_tokens={config.max_num_batched_tokens}: enable chunked_prefill")  # fmt: skip
-
-
 @dataclass
 class _Arrival:
     time: float
@@ -372,15 +360,12 @@ class DisaggregatedEngine:
                 self._next_id += 1
             request_id = self._next_id
         else:
-            try:
-                hash(request_id)
-            except TypeError:
-                raise TypeError(f"request_id must be hashable, got {type(request_id).__name__}") from None
+            check_hashable(request_id, "request_id")
             if self._in_use(request_id):
                 raise ValueError(f"request_id {request_id!r} is already in use")
         name = f"request {request_id!r}"
-        _check_fits(self.prefill.config, len(prompt) + min(params.max_tokens, 2) - 1, name, "prefill")
-        _check_fits(self.decode.config, len(prompt) + params.max_tokens - 1, name, "decode")
+        check_fits_pool(self.prefill.config, len(prompt), min(params.max_tokens, 2), name, "the prefill engine's pool")
+        check_fits_pool(self.decode.config, len(prompt), params.max_tokens, name, "the decode engine's pool")
         entry = _Arrival(arrival, request_id, prompt, params, cache_salt)
         i = len(self.arrivals)  # keep arrival order; equal times keep the order they were added in
         while i > 0 and self.arrivals[i - 1].time > arrival:
@@ -400,9 +385,10 @@ class DisaggregatedEngine:
         the transfer would have ended: the bytes are already on their way).
 
         Raises:
+            TypeError: ``request_id`` is not hashable.
             KeyError: no unfinished request has this id.
         """
-        if request_id not in self._params:
+        if check_hashable(request_id, "request_id") not in self._params:
             raise KeyError(f"abort: no unfinished request with id {request_id!r}")
         for i, a in enumerate(self.arrivals):
             if a.request_id == request_id:
@@ -490,11 +476,11 @@ class DisaggregatedEngine:
         a = self.arrivals[0]
         first = min(a.params.max_tokens, 2)  # the prefill engine stops after token 1 (it hands the request over)
         params = replace(a.params, max_tokens=first, min_tokens=min(a.params.min_tokens, first))
-        idle = not self.prefill.has_unfinished()
+        # An idle or stalled prefill engine's clock lags: it gets to the arrival first (a busy one is there already),
+        # so the request is never from its future and no latency comes out negative.
+        self.prefill.clock.wait_until(time)
         self.prefill.add_request(a.prompt, params, a.request_id, arrival_time=a.time, cache_salt=a.cache_salt)
         self.arrivals.popleft()
-        if idle:
-            self.prefill.clock.wait_until(time)
         return DisaggStepOutput("arrive", time, [a.request_id])
 
     def _prefill(self, time: float) -> DisaggStepOutput:

@@ -66,11 +66,7 @@ def check_prompt(config, prompt_token_ids, max_new_tokens: int, name: str) -> li
         name: the argument's name in the caller, for the messages.
     """
     ids = check_token_ids(prompt_token_ids, name, config.vocab_size)
-    if len(ids) + max_new_tokens > config.max_position_embeddings:
-        raise ValueError(
-            f"{name} has {len(ids)} tokens and {max_new_tokens} more are asked for: {len(ids) + max_new_tokens} "
-            f"exceeds the model's max_position_embeddings={config.max_position_embeddings}"
-        )
+    check_positions(config, len(ids), max_new_tokens, name)
     return ids
 
 
@@ -95,6 +91,23 @@ def _stop_rules(model: LlamaForCausalLM, max_new_tokens: int, stop_token_ids, ig
     check_bool(ignore_eos, "ignore_eos")
     return StopRules.resolve(max_new_tokens, model.config.eos_token_id, list(stop_token_ids), ignore_eos, min_tokens,
                              model.config.vocab_size)  # fmt: skip
+
+
+def check_positions(config, num_prompt_tokens: int, max_new_tokens: int, name: str) -> None:
+    """A ``ValueError`` naming ``name`` if a prompt and its output would not fit ``max_position_embeddings``.
+
+    Args:
+        config: the model's :class:`~minipaged.model.LlamaConfig`.
+        num_prompt_tokens: the prompt's length.
+        max_new_tokens: the tokens to generate after it.
+        name: the prompt's name in the caller, for the message.
+    """
+    if num_prompt_tokens + max_new_tokens > config.max_position_embeddings:
+        raise ValueError(
+            f"{name} has {num_prompt_tokens} tokens and {max_new_tokens} more are asked for: "
+            f"{num_prompt_tokens + max_new_tokens} exceeds the model's max_position_embeddings="
+            f"{config.max_position_embeddings}"
+        )
 
 
 @torch.no_grad()

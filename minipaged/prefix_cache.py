@@ -102,6 +102,23 @@ def hash_block_tokens(parent_key: bytes | None, token_ids: Sequence[int], extra:
     return key
 
 
+def check_hash_fn(hash_fn, name: str = "hash_fn") -> HashFn:
+    """``hash_fn`` once it has returned bytes for a probe block, else a ``TypeError`` that names ``name``.
+
+    A hash function that returns anything else would make every later step raise: refuse it up front.
+
+    Args:
+        hash_fn: the block-key hash to check, bytes -> bytes.
+        name: the argument's name, as the caller's signature spells it.
+    """
+    if not callable(hash_fn):
+        raise TypeError(f"{name} must be callable (bytes -> bytes), got {type(hash_fn).__name__}")
+    key = hash_fn(encode_block(None, (0,)))
+    if not isinstance(key, bytes):
+        raise TypeError(f"{name} must return bytes, got {type(key).__name__} {key!r:.40} for a probe block")
+    return hash_fn
+
+
 def block_keys(token_ids: Sequence[int], block_size: int, cache_salt: str | bytes | None = None,
                hash_fn: HashFn = sha256) -> list[bytes]:
     """The keys of every full block of ``token_ids``, in order (a partly filled tail has none).
@@ -188,8 +205,7 @@ class PrefixCachingAllocator(BlockAllocator):
     """
 
     def __init__(self, num_blocks: int, block_size: int, hash_fn: HashFn = sha256):
-        if not callable(hash_fn):
-            raise TypeError(f"hash_fn must be callable (bytes -> bytes), got {type(hash_fn).__name__}")
+        check_hash_fn(hash_fn)
         super().__init__(num_blocks, block_size)
         self.hash_fn = hash_fn
         self.evictable_block_ids: OrderedDict[int, None] = OrderedDict()  # free and cached, LRU first
@@ -213,6 +229,7 @@ class PrefixCachingAllocator(BlockAllocator):
 
     def allocate(self, seq_id=None) -> int:
         """Take a keyless free block if any, else evict the least recently used cached one (refcount 1)."""
+        self.check_not_from_subscriber("PrefixCachingAllocator.allocate")
         if self.free_block_ids:
             block_id, evicted = self.free_block_ids.popleft(), None
         elif self.evictable_block_ids:
@@ -230,6 +247,7 @@ class PrefixCachingAllocator(BlockAllocator):
 
     def free(self, block_id: int, seq_id=None) -> None:
         """Drop one reference; at 0 a cached block joins the LRU end, a keyless one the deque."""
+        self.check_not_from_subscriber("PrefixCachingAllocator.free")
         block_id = self._check_allocated(block_id, "free")
         self._refcounts[block_id] -= 1
         if self._refcounts[block_id] > 0:
@@ -251,8 +269,10 @@ class PrefixCachingAllocator(BlockAllocator):
         Args:
             block_ids: the sequence's blocks, logical block 0 first.
             seq_id: the sequence, for the events.
+
+        Raises as :meth:`BlockAllocator.free_sequence` does, before any block is freed.
         """
-        for block_id in reversed(block_ids):
+        for block_id in reversed(self._check_free_sequence(block_ids)):
             self.free(block_id, seq_id)
 
     # ---- keys ----
@@ -336,6 +356,7 @@ class PrefixCachingAllocator(BlockAllocator):
             ValueError: the table is not empty or belongs to another allocator, or the match
                 is stale (one of its blocks lost its key since).
         """
+        self.check_not_from_subscriber("PrefixCachingAllocator.share_prefix")
         if table.allocator is not self:
             raise ValueError("table belongs to another allocator")
         if table.blocks or table.num_tokens:
@@ -374,6 +395,7 @@ class PrefixCachingAllocator(BlockAllocator):
                 and ``table.num_tokens``).
             cache_salt: the request's salt, the same one given to :meth:`match_prefix`.
         """
+        self.check_not_from_subscriber("PrefixCachingAllocator.cache_full_blocks")
         check_salt(cache_salt)
         if table.allocator is not self:
             raise ValueError("table belongs to another allocator")
@@ -403,6 +425,7 @@ class PrefixCachingAllocator(BlockAllocator):
 
     def reset_prefix_cache(self) -> int:
         """Drop every key no sequence holds: free cached blocks become keyless (in LRU order). Returns how many."""
+        self.check_not_from_subscriber("PrefixCachingAllocator.reset_prefix_cache")
         dropped = list(self.evictable_block_ids)
         for block_id in dropped:
             self._drop_key(block_id)

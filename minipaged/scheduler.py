@@ -59,9 +59,11 @@ import torch
 from minipaged.accounting import blocks_needed
 from minipaged.block_manager import BlockAllocator, BlockTable
 from minipaged.sequence import Sequence, SequenceStatus
-from minipaged.validation import check_bool, check_int
+from minipaged.validation import check_bool, check_choice, check_int, check_real
 
 SCHEDULING_POLICIES = ("fcfs", "shortest_prompt_first")
+PREEMPTION_MODES = ("recompute", "swap")
+ENGINE_BACKENDS = ("torch", "triton")  # the attention backends the engine's forward pass may use
 
 
 @dataclass
@@ -91,22 +93,20 @@ class EngineConfig:
     def __post_init__(self):
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             setattr(self, name, check_int(getattr(self, name), f"EngineConfig.{name}", minimum=1))
-        if isinstance(self.watermark, bool) or not isinstance(self.watermark, (int, float)):
-            raise TypeError(f"EngineConfig.watermark must be a number, got {type(self.watermark).__name__}")
+        self.watermark = check_real(self.watermark, "EngineConfig.watermark")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"EngineConfig.watermark must be in [0, 1), got {self.watermark!r}")
         check_bool(self.chunked_prefill, "EngineConfig.chunked_prefill")
         check_bool(self.keep_finished, "EngineConfig.keep_finished")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(
-                f"EngineConfig.preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
-            )
+        check_choice(self.preemption_mode, "EngineConfig.preemption_mode", PREEMPTION_MODES)
         if not isinstance(self.enable_prefix_caching, bool):
             raise TypeError(
                 f"EngineConfig.enable_prefix_caching must be a bool, got {type(self.enable_prefix_caching).__name__}"
             )
-        if self.prefix_caching_hash_fn is not None and not callable(self.prefix_caching_hash_fn):
-            raise TypeError("EngineConfig.prefix_caching_hash_fn must be callable (bytes -> bytes) or None")
+        if self.prefix_caching_hash_fn is not None:  # probed now: a bad one would make every step raise
+            from minipaged.prefix_cache import check_hash_fn  # chapter 06, reached by name only
+
+            check_hash_fn(self.prefix_caching_hash_fn, "EngineConfig.prefix_caching_hash_fn")
         if self.speculative_config is not None:
             from minipaged.speculative import SpeculativeConfig  # chapter 08, reached by name only
 
@@ -115,15 +115,8 @@ class EngineConfig:
             elif not isinstance(self.speculative_config, SpeculativeConfig):
                 raise TypeError("EngineConfig.speculative_config must be None, a dict or a SpeculativeConfig, got "
                                 f"{type(self.speculative_config).__name__}")
-        if not isinstance(self.scheduling_policy, str):
-            raise TypeError(
-                f"EngineConfig.scheduling_policy must be a str, got {type(self.scheduling_policy).__name__}"
-            )
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"EngineConfig.scheduling_policy must be one of {SCHEDULING_POLICIES}, "
-                             f"got {self.scheduling_policy!r}")
-        if self.backend not in ("torch", "triton"):
-            raise ValueError(f"EngineConfig.backend must be 'torch' or 'triton', got {self.backend!r}")
+        check_choice(self.scheduling_policy, "EngineConfig.scheduling_policy", SCHEDULING_POLICIES)
+        check_choice(self.backend, "EngineConfig.backend", ENGINE_BACKENDS)
 
     @property
     def watermark_blocks(self) -> int:
@@ -176,6 +169,37 @@ def can_admit(num_free_blocks: int, num_needed_blocks: int, watermark_blocks: in
     return num_running < max_num_seqs and num_free_blocks - num_needed_blocks >= watermark_blocks
 
 
+def check_fits_pool(config: EngineConfig, num_prompt_tokens: int, max_tokens: int, request: str,
+                    pool: str = "the pool") -> None:  # fmt: skip
+    """A ``ValueError`` for a request that could never run, even alone in an empty pool.
+
+    The most K/V a request holds is prompt + max_tokens - 1 tokens (the last sampled token is
+    never fed back). If those blocks exceed the pool minus the watermark, it could never be
+    admitted; without chunked prefill, a recompute of all of them must also fit one step's budget.
+
+    Args:
+        config: the pool and the scheduler's knobs.
+        num_prompt_tokens: the request's prompt length.
+        max_tokens: the most tokens it may generate.
+        request: the request, for the message (``"request 'a'"``).
+        pool: the pool, for the message.
+    """
+    longest = num_prompt_tokens + max_tokens - 1
+    need = blocks_needed(longest, config.block_size)
+    room = config.num_blocks - config.watermark_blocks
+    if need > room:
+        raise ValueError(
+            f"{request} needs up to {need} blocks ({num_prompt_tokens} prompt + {max_tokens} max_tokens, block_size "
+            f"{config.block_size}) but {pool} has {config.num_blocks} blocks, {room} after the watermark: raise "
+            "num_blocks or lower max_tokens"
+        )
+    if not config.chunked_prefill and longest > config.max_num_batched_tokens:
+        raise ValueError(
+            f"{request} may need to (re)compute {longest} tokens in one step, more than "
+            f"max_num_batched_tokens={config.max_num_batched_tokens}: enable chunked_prefill or raise the budget"
+        )
+
+
 def pick_victim(running: list[Sequence]) -> Sequence:
     """The youngest running sequence (latest arrival; on a tie, the later admitted), so older ones always progress.
 
@@ -208,33 +232,15 @@ class Scheduler:
             self.proposer = NgramProposer(config.speculative_config)
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new request, after checking that it could ever run alone.
-
-        The most K/V a request holds is prompt + max_tokens - 1 tokens (the
-        last sampled token is never fed back). If those blocks exceed the pool
-        minus the watermark, it could never be admitted, even to an empty pool.
-        """
+        """Queue a new request, after checking that it could ever run alone (see :func:`check_fits_pool`)."""
+        self.allocator.check_not_from_subscriber("Scheduler.add")
         num_samples = 1 + len(seq.pending_forks)
         if num_samples > self.config.max_num_seqs:
             raise ValueError(
                 f"request {seq.seq_id!r}: SamplingParams.n = {num_samples} samples must run together, but "
                 f"max_num_seqs is {self.config.max_num_seqs}: lower n or raise max_num_seqs"
             )
-        longest = seq.num_prompt_tokens + seq.sampling_params.max_tokens - 1
-        need = blocks_needed(longest, self.config.block_size)
-        room = self.config.num_blocks - self.config.watermark_blocks
-        if need > room:
-            raise ValueError(
-                f"request {seq.seq_id!r} needs up to {need} blocks ({seq.num_prompt_tokens} prompt + "
-                f"{seq.sampling_params.max_tokens} max_tokens, block_size {self.config.block_size}) but the pool has "
-                f"{self.config.num_blocks} blocks, {room} after the watermark: raise num_blocks or lower max_tokens"
-            )
-        if not self.config.chunked_prefill and longest > self.config.max_num_batched_tokens:
-            raise ValueError(
-                f"request {seq.seq_id!r} may need to (re)compute {longest} tokens in one step, more than "
-                f"max_num_batched_tokens={self.config.max_num_batched_tokens}: "
-                "enable chunked_prefill or raise the budget"
-            )
+        check_fits_pool(self.config, seq.num_prompt_tokens, seq.sampling_params.max_tokens, f"request {seq.seq_id!r}")
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
@@ -259,6 +265,7 @@ class Scheduler:
 
         The allocator's subscribers hear of the pass's events once the whole plan is made.
         """
+        self.allocator.check_not_from_subscriber("Scheduler.schedule")
         with self.allocator.hold_events():
             return self._schedule()
 
@@ -414,6 +421,7 @@ class Scheduler:
             now: the time of the step's end, in the engine's clock (the tokens' and finishes' time).
             accepted: seq_id -> the drafts it accepted (speculative decoding; None: no drafts).
         """
+        self.allocator.check_not_from_subscriber("Scheduler.postprocess")
         with self.allocator.hold_events():
             return self._postprocess(out, sampled, now, accepted or {})
 
@@ -461,6 +469,7 @@ class Scheduler:
 
     def abort(self, seq: Sequence) -> None:
         """Drop a waiting or running sequence now (with the samples it has yet to fork); its blocks return at once."""
+        self.allocator.check_not_from_subscriber("Scheduler.abort")
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -35,14 +35,13 @@ engine's clock, virtual or wall (see :mod:`minipaged.clock`).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from enum import Enum
 
 import torch
 
 from minipaged.stopping import StopRules
-from minipaged.validation import check_bool, check_int
+from minipaged.validation import check_bool, check_int, check_real
 
 
 class SequenceStatus(Enum):
@@ -89,10 +88,7 @@ class SamplingParams:
         self.min_tokens = check_int(self.min_tokens, "min_tokens")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be at most max_tokens={self.max_tokens}, got {self.min_tokens}")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
-            raise TypeError(f"temperature must be a number, got {type(self.temperature).__name__} {self.temperature!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        self.temperature = check_real(self.temperature, "temperature", minimum=0)
         if self.seed is not None:
             self.seed = check_int(self.seed, "seed", minimum=None)
         if self.stop_token_ids is None:  # vLLM's default spelling of "none"

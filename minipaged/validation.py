@@ -37,14 +37,17 @@ def check_int(value, name: str, minimum: int | None = 0) -> int:
     return value
 
 
-def check_real(value, name: str, minimum: float | None = None, finite: bool = True) -> float:
+def check_real(value, name: str, minimum: float | None = None, finite: bool = True, strict: bool = False) -> float:
     """``value`` as a Python float, or an error that names ``name``.
+
+    The one real-number validator: every argument that takes a real number goes through it.
 
     Args:
         value: an int or a float (NumPy scalars included); ``bool`` and strings are refused.
         name: the argument's name, as the caller's signature spells it.
         minimum: the smallest value allowed (``None``: no bound).
         finite: refuse ``inf`` as well (``nan`` is always refused: it compares false with everything).
+        strict: refuse ``minimum`` itself too (the value must be greater).
 
     Raises:
         TypeError: ``value`` is not a real number.
@@ -55,8 +58,8 @@ def check_real(value, name: str, minimum: float | None = None, finite: bool = Tr
     value = float(value)
     if math.isnan(value) or (finite and math.isinf(value)):
         raise ValueError(f"{name} must be a {'finite ' if finite else ''}number, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum:g}, got {value!r}")
+    if minimum is not None and (value < minimum or (strict and value == minimum)):
+        raise ValueError(f"{name} must be {'>' if strict else '>='} {minimum:g}, got {value!r}")
     return value
 
 
@@ -64,6 +67,35 @@ def check_bool(value, name: str) -> bool:
     """``value`` if it is a ``bool``, else a ``TypeError`` that names ``name`` (``"no"`` is not False)."""
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_hashable(value, name: str):
+    """``value`` if it can be a dict key (an id), else a ``TypeError`` that names ``name``."""
+    try:
+        hash(value)
+    except TypeError:
+        raise TypeError(f"{name} must be hashable (an int, a str, a tuple, ...), got {type(value).__name__} "
+                        f"{value!r:.60}") from None
+    return value
+
+
+def check_choice(value, name: str, choices: tuple[str, ...]) -> str:
+    """``value`` if it is one of the names ``choices``, or an error that names ``name``.
+
+    Args:
+        value: the option given.
+        name: the argument's name, as the caller's signature spells it.
+        choices: the names allowed.
+
+    Raises:
+        TypeError: ``value`` is not a string (``backend=1``).
+        ValueError: ``value`` is a string but not one of ``choices``.
+    """
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {choices}, got {type(value).__name__} {value!r:.60}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
     return value
 
 

@@ -44,26 +44,33 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass
-from numbers import Real
 from pathlib import Path
 
 import numpy as np
 
-from minipaged.validation import check_int
+from minipaged.validation import check_int, check_real
 
 # ----------------------------------------------------------------------------
 # lengths: one family of distributions
 # ----------------------------------------------------------------------------
 
 
-def _check_real(value, name: str, minimum: float = 0.0, strict: bool = True) -> float:
-    """``value`` as a float > ``minimum`` (>= if not ``strict``), or an error that names ``name``."""
-    if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    value = float(value)
-    if math.isnan(value) or value < minimum or (strict and value == minimum):
-        raise ValueError(f"{name} must be {'>' if strict else '>='} {minimum:g}, got {value!r}")
-    return value
+MAX_DRAWS = 10**7  # the most lengths or arrivals one call draws: more is a typo, and would end in a MemoryError
+
+
+def check_num_draws(value, name: str, minimum: int = 0) -> int:
+    """``value`` as an int in ``[minimum, MAX_DRAWS]``, checked before anything is drawn; errors name ``name``.
+
+    Args:
+        value: how many lengths, arrivals or requests a call would build.
+        name: the argument's name, as the caller's signature spells it.
+        minimum: the fewest allowed.
+    """
+    n = check_int(value, name, minimum=minimum)
+    if n > MAX_DRAWS:
+        raise ValueError(f"{name} = {n:,} is more than the limit of {MAX_DRAWS:,} (workload.MAX_DRAWS) "
+                         "samples or requests one call may build")
+    return n
 
 
 def _check_bounds(low, high) -> None:
@@ -87,10 +94,10 @@ class LengthDistribution:
         """``n`` lengths as int64, each in ``[low, high]``.
 
         Args:
-            n: how many lengths to draw (>= 0).
+            n: how many lengths to draw (0 .. :data:`MAX_DRAWS`).
             rng: the generator to draw from, ``np.random.default_rng(seed)``.
         """
-        n = check_int(n, "n")
+        n = check_num_draws(n, "n")
         if not isinstance(rng, np.random.Generator):
             raise TypeError(f"rng must be a numpy Generator (np.random.default_rng(seed)), got {type(rng).__name__}")
         raw = np.asarray(self._draw(rng, n), dtype=np.float64)
@@ -107,8 +114,8 @@ class LogNormal(LengthDistribution):
     high: int
 
     def __post_init__(self):
-        _check_real(self.median, "median")
-        _check_real(self.sigma, "sigma", strict=False)
+        check_real(self.median, "median", minimum=0, strict=True)
+        check_real(self.sigma, "sigma", minimum=0)
         _check_bounds(self.low, self.high)
 
     def _draw(self, rng, n):
@@ -125,8 +132,8 @@ class Pareto(LengthDistribution):
     high: int
 
     def __post_init__(self):
-        _check_real(self.scale, "scale")
-        _check_real(self.alpha, "alpha")
+        check_real(self.scale, "scale", minimum=0, strict=True)
+        check_real(self.alpha, "alpha", minimum=0, strict=True)
         _check_bounds(self.low, self.high)
 
     def _draw(self, rng, n):
@@ -156,7 +163,7 @@ class Geometric(LengthDistribution):
     high: int
 
     def __post_init__(self):
-        _check_real(self.mean, "mean", minimum=1.0, strict=False)
+        check_real(self.mean, "mean", minimum=1)
         _check_bounds(self.low, self.high)
 
     def _draw(self, rng, n):
@@ -246,10 +253,7 @@ class RequestSpec:
     output_len: int  # becomes SamplingParams.max_tokens
 
     def __post_init__(self):
-        arrival_time = _check_real(self.arrival_time, "arrival_time", strict=False)
-        if math.isinf(arrival_time):
-            raise ValueError("arrival_time must be finite, got inf")
-        object.__setattr__(self, "arrival_time", arrival_time)
+        object.__setattr__(self, "arrival_time", check_real(self.arrival_time, "arrival_time", minimum=0))
         object.__setattr__(self, "prompt_len", check_int(self.prompt_len, "prompt_len", minimum=1))
         object.__setattr__(self, "output_len", check_int(self.output_len, "output_len", minimum=1))
 
@@ -258,12 +262,12 @@ def poisson_arrivals(num_requests: int, rate: float, rng: np.random.Generator) -
     """Arrival times (float64, non-decreasing, the first at 0) of a Poisson process.
 
     Args:
-        num_requests: how many arrivals.
+        num_requests: how many arrivals (at most :data:`MAX_DRAWS`).
         rate: requests per unit of time (> 0); ``math.inf`` puts every arrival at 0.
         rng: the generator; it draws ``num_requests`` gaps whatever the rate.
     """
-    num_requests = check_int(num_requests, "num_requests")
-    rate = _check_real(rate, "rate")
+    num_requests = check_num_draws(num_requests, "num_requests")
+    rate = check_real(rate, "rate", minimum=0, finite=False, strict=True)
     gaps = rng.exponential(1.0 / rate, size=num_requests)
     if num_requests:
         gaps[0] = 0.0  # the first request opens the run
@@ -275,7 +279,7 @@ def make_workload(num_requests: int, rate: float, preset: str | WorkloadPreset =
     """A seeded workload: Poisson arrivals, then prompt lengths, then output lengths, from one generator.
 
     Args:
-        num_requests: how many requests.
+        num_requests: how many requests (at most :data:`MAX_DRAWS`).
         rate: requests per second (> 0); ``math.inf`` puts every arrival at 0 (an "offline" batch).
             The lengths do not depend on the rate.
         preset: a name in :data:`LENGTH_PRESETS` or a :class:`WorkloadPreset`.

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import minipaged.validation
-from minipaged.block_manager import BOOKKEEPING_BYTES_PER_BLOCK, BlockAllocator, BlockError
+from minipaged.block_manager import BOOKKEEPING_BYTES_PER_BLOCK, BlockAllocator, BlockError, BlockTable
 from minipaged.cache import PagedKVCache, write_kv
 
 pytestmark = pytest.mark.ch02
@@ -56,3 +56,43 @@ def test_the_pool_check_compares_with_total_memory(monkeypatch):
     PagedKVCache(1, fits, 2, 1, 8)
     with pytest.raises(ValueError, match="K/V pools"):
         PagedKVCache(1, fits + 1, 2, 1, 8)
+
+
+def pool_state(alloc):
+    return list(alloc.free_block_ids), alloc.refcounts
+
+
+@pytest.mark.parametrize("block_ids, error, match", [
+    ("b-1", IndexError, "block_id runs from 0 to 3"),  # was: block b freed, then IndexError
+    ("b b", BlockError, "cannot free block 0 2 times: it has 1 reference"),  # the second free would fail
+    ("b 3", BlockError, "cannot free block 3: it is free"),
+    ("b x", TypeError, "block_id must be an int"),
+    ("tuple", TypeError, None),
+])  # fmt: skip
+def test_free_sequence_checks_every_block_before_freeing_any(block_ids, error, match):
+    alloc = BlockAllocator(4, 2)
+    b = alloc.allocate("s")
+    ids = {"b-1": [b, -1], "b b": [b, b], "b 3": [b, 3], "b x": [b, "x"], "tuple": {b}}[block_ids]
+    before = pool_state(alloc)
+    with pytest.raises(error, match=match if match else "block_ids must be a list"):
+        alloc.free_sequence(ids, "s")
+    assert pool_state(alloc) == before
+    alloc.free_sequence([b], "s")
+    assert alloc.num_free == 4
+
+
+def test_fork_after_a_block_was_freed_behind_the_tables_back_leaks_no_reference():
+    alloc = BlockAllocator(6, 2)
+    table = BlockTable(alloc, "p")
+    table.append_tokens(5)  # blocks 0, 1, 2
+    alloc.free(table.blocks[1])  # behind the table's back
+    before = pool_state(alloc)
+    with pytest.raises(BlockError, match=r"cannot fork the table of sequence 'p', which holds block 1: it is free"):
+        table.fork("c")
+    assert pool_state(alloc) == before  # was: block 0's refcount raised to 2 before the error
+
+
+@pytest.mark.parametrize("allocator", ["x", None, 4])
+def test_a_block_table_needs_an_allocator(allocator):
+    with pytest.raises(TypeError, match="allocator must be a BlockAllocator"):  # was: AttributeError at first append
+        BlockTable(allocator)

@@ -1,9 +1,12 @@
-"""Issue 11, chapter 03: attention, the model config and generation name the bad argument."""
+"""Issues 11 and 25, chapter 03: attention, the model config, checkpoints and generation name the bad argument."""
+
+import json
 
 import pytest
 import torch
 
 from minipaged.attention import contiguous_attention, paged_attention, paged_prefill_attention
+from minipaged.checkpoint import CONFIG_NAME, WEIGHTS_NAME, BadCheckpoint, UnsupportedCheckpoint
 from minipaged.generate import generate_contiguous, generate_paged
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 
@@ -89,3 +92,62 @@ def test_generate_paged_needs_prompts_and_a_block_size(model):
         generate_paged(model, [[1, 2]], 2, block_size=0)
     with pytest.raises(TypeError, match="block_size"):
         generate_paged(model, [[1, 2]], 2, block_size=2.0)
+
+
+def test_an_attention_backend_that_is_not_a_name_is_a_type_error():
+    q, k_cache, v_cache, tables, lens = decode_case()
+    with pytest.raises(TypeError, match=r"backend must be one of \('loop', 'torch', 'triton'\), got int 1"):
+        paged_attention(q, k_cache, v_cache, tables, lens, backend=1)
+
+
+# --------------------------------------------------------------------------- checkpoints (issue 25)
+
+TINY = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+                   num_key_value_heads=1, head_dim=8)  # fmt: skip
+
+
+@pytest.fixture()
+def checkpoint(tmp_path):
+    return LlamaForCausalLM(TINY, seed=0).save_pretrained(tmp_path / "ckpt")
+
+
+def write_config(directory, edit):
+    path = directory / CONFIG_NAME
+    config = json.loads(path.read_text())
+    path.write_text(edit(config) if callable(edit) else json.dumps(config | edit))
+
+
+@pytest.mark.parametrize("edit, error, match", [
+    ({"rope_scaling": "linear"}, UnsupportedCheckpoint, "rope_scaling must be None or an object, got 'linear'"),
+    ({"rope_parameters": "yarn"}, UnsupportedCheckpoint, "rope_parameters must be None or an object"),
+    (lambda c: json.dumps({k: v for k, v in c.items() if k != "vocab_size"}), BadCheckpoint,
+     "lacks the field 'vocab_size'"),  # was: KeyError
+    ({"num_attention_heads": 0, "head_dim": None}, ValueError, "num_attention_heads must be >= 1, got 0"),
+    ({"hidden_size": "16"}, TypeError, "hidden_size must be an int, got str"),
+    ({"rope_theta": "big"}, TypeError, "rope_theta must be a real number"),  # was: float() of a string
+    (lambda c: json.dumps([c]), BadCheckpoint, "must hold a JSON object, got a JSON list"),  # was: AttributeError
+    (lambda c: json.dumps(c)[:-3], BadCheckpoint, "is not valid JSON"),  # was: JSONDecodeError, no file name
+])  # fmt: skip
+def test_a_malformed_config_is_a_named_error_with_the_file_and_the_field(checkpoint, edit, error, match):
+    write_config(checkpoint, edit)
+    with pytest.raises(error, match=match) as info:
+        LlamaForCausalLM.from_pretrained(checkpoint)
+    assert str(checkpoint / CONFIG_NAME) in str(info.value)
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "default"}, {"type": "default"}, None])
+def test_default_rope_scaling_is_plain_rope(checkpoint, rope):
+    write_config(checkpoint, {"rope_scaling": rope})  # was: {"rope_type": "default"} refused
+    loaded = LlamaForCausalLM.from_pretrained(checkpoint)
+    assert loaded.config == TINY
+
+
+def test_a_truncated_weights_file_is_a_named_error(checkpoint):
+    weights = checkpoint / WEIGHTS_NAME
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(BadCheckpoint, match="cannot be read") as info:  # was: safetensors' SafetensorError
+        LlamaForCausalLM.from_pretrained(checkpoint)
+    assert str(weights) in str(info.value)
+    weights.write_bytes(b"")
+    with pytest.raises(BadCheckpoint, match=WEIGHTS_NAME):
+        LlamaForCausalLM.from_pretrained(checkpoint)

@@ -577,5 +577,7 @@ def test_smollm2_paged_engine_equals_contiguous_generation(smollm2):
     prompt = tok.encode("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
     engine = Engine(model, EngineConfig(num_blocks=16, block_size=16))
     (paged,) = engine.generate([prompt], SamplingParams(max_tokens=16))
-    assert paged == generate_contiguous(model, prompt, 16)
-    assert len(paged) == 16
+    assert paged == generate_contiguous(model, prompt, 16)  # both stop at the checkpoint's EOS, if it comes
+    (longer,) = engine.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))
+    assert len(longer) == 16 and longer == generate_contiguous(model, prompt, 16, ignore_eos=True)
+    assert longer[: len(paged)] == paged

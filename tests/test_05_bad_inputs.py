@@ -3,14 +3,17 @@
 from collections import namedtuple
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
+from engine_helpers import snapshot
 
+from minipaged.block_manager import ReentrantCallError
 from minipaged.engine import Engine, Replay
-from minipaged.metrics import format_summary
+from minipaged.metrics import format_summary, request_latencies
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 from minipaged.scheduler import EngineConfig
-from minipaged.sequence import SamplingParams
+from minipaged.sequence import SamplingParams, Sequence
 from minipaged.workload import RequestSpec
 
 pytestmark = pytest.mark.ch05
@@ -119,3 +122,139 @@ def test_format_summary_of_nothing():
         format_summary({})
     with pytest.raises(TypeError, match="summaries must be a dict"):
         format_summary([])
+
+
+# --------------------------------------------------------------------------- issue 25
+
+
+def small_engine(model, **kw):
+    return Engine(model, EngineConfig(num_blocks=32, block_size=4, **kw))
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda m: Engine(None), "model must be a LlamaForCausalLM"),  # was: AttributeError
+    (lambda m: Engine(m, clock="wall"), "clock must be a VirtualClock, a WallClock or None"),  # was: on first use
+    (lambda m: Engine(m, EngineConfig(backend=1)), r"EngineConfig.backend must be one of \('torch', 'triton'\)"),
+    (lambda m: EngineConfig(preemption_mode=1), "EngineConfig.preemption_mode must be one of"),
+    (lambda m: EngineConfig(scheduling_policy=None), "EngineConfig.scheduling_policy must be one of"),
+])  # fmt: skip
+def test_a_wrong_type_at_construction_is_a_type_error_naming_the_argument(model, make, match):
+    with pytest.raises(TypeError, match=match):  # backend=1 was a ValueError
+        make(model)
+
+
+def test_numpy_scalars_are_real_numbers_everywhere():
+    assert EngineConfig(watermark=np.float32(0.25)).watermark == 0.25  # was: TypeError
+    assert SamplingParams(temperature=np.float32(0.5)).temperature == 0.5  # was: TypeError
+    assert type(SamplingParams(temperature=np.float64(0.5)).temperature) is float
+    assert RequestSpec(np.float32(0.5), 3, 2).arrival_time == 0.5
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        SamplingParams(temperature=np.float32("nan"))
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        SamplingParams(temperature=np.float64(-1))
+    with pytest.raises(TypeError, match="EngineConfig.watermark must be a real number"):
+        EngineConfig(watermark="0.1")
+
+
+@pytest.mark.parametrize("call", ["add_request", "abort", "take_prefilled"])
+def test_an_unhashable_request_id_is_a_named_type_error(model, call):
+    engine = small_engine(model)
+    engine.add_request([1, 2, 3], request_id="a")
+    before = snapshot(engine)
+    with pytest.raises(TypeError, match=r"request_id must be hashable .*list \['a'\]"):  # was: "unhashable type"
+        if call == "add_request":
+            engine.add_request([1, 2, 3], request_id=["a"])
+        else:
+            getattr(engine, call)(["a"])
+    assert snapshot(engine) == before
+
+
+def test_a_request_from_the_future_is_refused_and_latencies_stay_non_negative(model):
+    engine = small_engine(model, keep_finished=True)
+    with pytest.raises(ValueError, match=r"arrival_time 1000000.0 is later than the engine clock's now \(0.0\)"):
+        engine.add_request([1, 2, 3], arrival_time=1e6)  # was: scheduled at once, TTFT = -1e6 s
+    assert unchanged(engine)
+    engine.add_request([1, 2, 3], request_id="past", arrival_time=0.0)
+    engine.step()
+    now = engine.clock.now()
+    with pytest.raises(ValueError, match="arrival_time"):
+        engine.add_request([4, 5], arrival_time=now + 1e-9)
+    engine.add_request([4, 5], request_id="now", arrival_time=now)  # the clock's own time is not the future
+    while engine.has_unfinished():
+        engine.step()
+    latencies = request_latencies(list(engine.requests.values()))
+    assert latencies["ttft"] and all(v >= 0 for values in latencies.values() for v in values)
+
+
+def test_run_refuses_a_request_larger_than_the_pool_before_any_runs(model):
+    engine = Engine(model, EngineConfig(num_blocks=8, block_size=4))
+    workload = [RequestSpec(0.0, 3, 2), RequestSpec(0.01, 3, 2), RequestSpec(0.02, 40, 4)]  # 11 blocks > 8
+    with pytest.raises(ValueError, match=r"workload\[2\] needs up to 11 blocks"):  # was: raised mid-run
+        engine.run(workload, progress=False)
+    with pytest.raises(ValueError, match=r"workload\[0\]'s prompt has 40 tokens .* max_position_embeddings=64"):
+        engine.run([RequestSpec(0.0, 40, 30)], progress=False)
+    with pytest.raises(ValueError, match=r"prompts\[1\]\[0\] = 999"):
+        engine.run([RequestSpec(0.0, 1, 2)] * 2, progress=False, prompts=[[1], [999]])
+    assert unchanged(engine) and engine.metrics.num_steps == 0 and engine.clock.now() == 0
+
+
+# What an event subscriber may try during a step: every call that would change the engine, its scheduler,
+# its pool or a table. (name in the message, the call)
+REENTRANT_CALLS = {
+    "step": lambda e: e.step(),
+    "run": lambda e: e.run([RequestSpec(0.0, 3, 2)], progress=False),
+    "generate": lambda e: e.generate([[1, 2]]),
+    "add_request": lambda e: e.add_request([1, 2]),
+    "take_prefilled": lambda e: e.take_prefilled("a"),
+    "add_prefilled": lambda e: e.add_prefilled(e.requests["a"]),
+    "Replay.step": lambda e: Replay(e, [RequestSpec(0.0, 3, 2)]).step(),
+    "Scheduler.add": lambda e: e.scheduler.add(Sequence("z", [1, 2], SamplingParams())),
+    "Scheduler.abort": lambda e: e.scheduler.abort(e.requests["a"]),
+    "Scheduler.schedule": lambda e: e.scheduler.schedule(),
+    "BlockAllocator.allocate": lambda e: e.cache.allocator.allocate("z"),  # an engine without prefix caching
+    "BlockAllocator.incref": lambda e: e.cache.allocator.incref(e.requests["a"].block_table.blocks[0]),
+    "PrefixCachingAllocator.allocate": lambda e: e.cache.allocator.allocate("z"),
+    "PrefixCachingAllocator.free": lambda e: e.cache.allocator.free(e.requests["a"].block_table.blocks[0]),
+    "PrefixCachingAllocator.reset_prefix_cache": lambda e: e.cache.allocator.reset_prefix_cache(),
+    "BlockTable.append_tokens": lambda e: e.requests["a"].block_table.append_tokens(1),
+    "BlockTable.release": lambda e: e.requests["a"].block_table.release(),
+    "BlockTable.fork": lambda e: e.requests["a"].block_table.fork("z"),
+}
+
+
+@pytest.mark.parametrize("call", sorted(REENTRANT_CALLS))
+def test_a_subscriber_that_calls_back_in_during_a_step_is_refused_and_changes_nothing(model, call):
+    """Was: a nested step ran on half-scheduled state, handed over a wrong token, and the outer step rolled back."""
+    caching = not call.startswith("BlockAllocator")
+    engines = [small_engine(model, enable_prefix_caching=caching) for _ in range(2)]  # the second one's meddles
+    for e in engines:
+        e.add_request([1, 2, 3, 4], SamplingParams(max_tokens=6), request_id="a")
+        e.add_request([5, 6, 7], SamplingParams(max_tokens=4), request_id="b")
+    plain, meddled = engines
+    refused = []
+
+    def meddle(event):
+        if "a" in meddled.requests and meddled.requests["a"].block_table is not None:
+            try:
+                REENTRANT_CALLS[call](meddled)
+            except ReentrantCallError as exc:
+                refused.append(str(exc))
+
+    meddled.cache.allocator.subscribe(meddle)
+    while plain.has_unfinished():
+        outs = [e.step() for e in engines]
+        assert [(o.new_tokens, o.finished) for o in outs[1:]] == [(outs[0].new_tokens, outs[0].finished)]
+        assert snapshot(meddled) == snapshot(plain)
+    assert not meddled.has_unfinished() and meddled.cache.allocator.num_subscriber_errors == 0
+    assert refused and all(msg.startswith(f"{call}: not ") and "abort" in msg for msg in refused), refused[:1]
+
+
+def test_outside_a_step_a_subscriber_may_still_change_the_pool(model):
+    """The guard is for a step only: chapter 02's rule (a subscriber may call back in) holds elsewhere."""
+    engine = small_engine(model)
+    table = engine.cache.new_table("t")
+    table.append_tokens(4)
+    other = engine.cache.new_table("o")
+    engine.cache.allocator.subscribe(lambda event: event.kind == "free" and other.append_tokens(1))
+    table.release()
+    assert other.num_tokens == 1 and engine.cache.allocator.num_subscriber_errors == 0

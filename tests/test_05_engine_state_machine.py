@@ -2,7 +2,10 @@
 
 Rules: add a request (prompts share prefixes, so prefix caching hits), add an invalid one
 (named error, nothing changes), abort one, step, and step with a fault injected at a random
-stage (the step is rolled back: nothing changes). After every rule the machine checks:
+stage (the step is rolled back: nothing changes). Issue 25 adds a request from the future
+(refused, nothing changes) and a step whose event subscriber calls back in to change the
+engine, its scheduler, its pool or a table (each call refused with ``ReentrantCallError``,
+the step itself unaffected). After every rule the machine checks:
 
 - the free list has no duplicates, and holds exactly the blocks nobody references;
 - each block's refcount equals the number of tables holding it;
@@ -30,7 +33,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 import minipaged.engine as engine_module
-from minipaged.block_manager import BlockTable
+from minipaged.block_manager import BlockTable, ReentrantCallError
 from minipaged.engine import Engine
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 from minipaged.scheduler import EngineConfig
@@ -80,6 +83,22 @@ INVALID = {
     "stop id out of vocab": (lambda e: e.add_request([1, 2], SamplingParams(stop_token_ids=(3, 512))), ValueError),
     "min_tokens past max_tokens": (lambda e: e.add_request([1, 2], SamplingParams(max_tokens=2, min_tokens=3)),
                                    ValueError),
+}
+
+
+# Calls an event subscriber may not make during a step (issue 25): each must raise ReentrantCallError.
+def _running_table(e):
+    return e.scheduler.running[0].block_table if e.scheduler.running else e.cache.new_table("meddler")
+
+
+REENTRANT = {
+    "step": lambda e: e.step(),
+    "add_request": lambda e: e.add_request([1, 2]),
+    "generate": lambda e: e.generate([[1, 2]]),
+    "schedule": lambda e: e.scheduler.schedule(),
+    "allocate": lambda e: e.cache.allocator.allocate("meddler"),
+    "append_tokens": lambda e: _running_table(e).append_tokens(1),
+    "release": lambda e: _running_table(e).release(),
 }
 
 
@@ -138,6 +157,36 @@ class EngineMachine(RuleBasedStateMachine):
         with pytest.raises(error):
             call(self.engine)
         assert snapshot(self.engine) == before, kind
+
+    @rule(delay=st.floats(1e-6, 1e6), prefix=st.sampled_from(PREFIXES))
+    def future_request(self, delay, prefix):
+        before = snapshot(self.engine)
+        with pytest.raises(ValueError, match="arrival_time"):
+            self.engine.add_request(prefix + [7], arrival_time=self.engine.clock.now() + delay)
+        assert snapshot(self.engine) == before
+
+    @rule(call=st.sampled_from(sorted(REENTRANT)))
+    def reentrant_step(self, call):
+        """A subscriber calls back in during the step: refused every time, and the step runs as usual."""
+        attempts, wrong = [], []
+
+        def meddle(event):
+            try:
+                REENTRANT[call](self.engine)
+            except ReentrantCallError:
+                attempts.append(event.kind)
+            except Exception as exc:  # recorded: an assert here would be isolated as a subscriber error
+                wrong.append(exc)
+            else:
+                wrong.append(f"{call} ran during the step")
+
+        errors = self.engine.cache.allocator.num_subscriber_errors
+        unsubscribe = self.engine.cache.allocator.subscribe(meddle)
+        try:
+            self._collect(self.engine.step().outputs)
+        finally:
+            unsubscribe()
+        assert not wrong and self.engine.cache.allocator.num_subscriber_errors == errors, (call, wrong)
 
     @rule(data=st.data())
     def abort(self, data):

@@ -237,7 +237,7 @@ def test_swapped_out_sequence_drops_its_references_and_hits_again(model):
     prefix = list(range(1, 9))
     engine.add_request(prefix + [9], SamplingParams(max_tokens=14), request_id="old")
     engine.step()
-    engine.add_request(prefix + [10], SamplingParams(max_tokens=14), request_id="young", arrival_time=1.0)
+    engine.add_request(prefix + [10], SamplingParams(max_tokens=14), request_id="young")  # arrives now: the younger
     allocator = engine.cache.allocator
     shared = engine.requests["old"].block_table.blocks[:2]
     swapped = False

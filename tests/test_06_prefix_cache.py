@@ -246,3 +246,29 @@ def test_events_come_after_their_state_change():
     admit(alloc, "c", [7] * 6)  # two keyless blocks, then the least recently used cached one
     assert seen == [("allocate", 2, 1, False), ("allocate", 3, 1, False), ("evict", 1, 1, False),
                     ("allocate", 1, 1, False), ("cache", 2, 1, True), ("cache", 3, 1, True), ("cache", 1, 1, True)]
+
+
+def test_free_sequence_of_the_prefix_cache_checks_every_block_before_freeing_any():
+    alloc = PrefixCachingAllocator(6, 4)
+    table = admit(alloc, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])  # two keyed blocks and a partial one
+    before = (alloc.free_queue(), alloc.refcounts, [alloc.block_key(b) for b in range(6)])
+    for bad, error in [(table.blocks + [-1], IndexError), (table.blocks + table.blocks[:1], ValueError)]:
+        with pytest.raises(error, match="block"):  # was: the tail blocks freed (tail first), then the error
+            alloc.free_sequence(bad, "a")
+        assert (alloc.free_queue(), alloc.refcounts, [alloc.block_key(b) for b in range(6)]) == before
+    table.release()
+    assert alloc.num_free == 6
+
+
+@pytest.mark.parametrize("hash_fn, match", [
+    (lambda b: "x", "must return bytes, got str"),
+    (lambda b: 7, "must return bytes, got int"),
+    ("sha256", "must be callable"),
+])  # fmt: skip
+def test_a_hash_function_that_cannot_make_keys_is_refused_at_construction(hash_fn, match):
+    from minipaged.scheduler import EngineConfig
+
+    with pytest.raises(TypeError, match="hash_fn " + match):
+        PrefixCachingAllocator(4, 4, hash_fn=hash_fn)
+    with pytest.raises(TypeError, match="EngineConfig.prefix_caching_hash_fn " + match):  # was: every step raised
+        EngineConfig(prefix_caching_hash_fn=hash_fn)
