@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out: ``config.json`` plus ``model.safetensors``.
+"""Hugging Face checkpoints in and out: ``config.json`` plus ``model.safetensors`` (and ``generation_config.json``).
 
 The tiny Llama already names its parameters as Hugging Face's ``LlamaForCausalLM``
 does, so a checkpoint is its state dict in a safetensors file and its
@@ -11,7 +11,12 @@ rather than loaded into a model that would quietly compute something else:
 another architecture, ``rope_scaling`` (or a ``rope_parameters`` type other
 than ``"default"``), biases, an activation other than SiLU, and tensors the
 model does not have. :func:`load_course_model` loads the trained course model
-shipped with the package. Use the model's methods:
+shipped with the package.
+
+The end of text, ``eos_token_id`` (an id or a list of ids), is read from ``config.json`` and, when
+the checkpoint has a ``generation_config.json`` that sets it, from there instead, as vLLM does: the
+generation config is what a model's authors want generation to stop at. ``bos_token_id`` is read
+the same way. Use the model's methods:
 :meth:`~minipaged.model.LlamaForCausalLM.from_pretrained` and
 :meth:`~minipaged.model.LlamaForCausalLM.save_pretrained`.
 """
@@ -26,6 +31,7 @@ import torch
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 
 CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
 WEIGHTS_NAME = "model.safetensors"
 # The course model: a byte-level Llama trained by `python -m minipaged.train`, shipped with the
 # package in float16 with its model card (README.md).
@@ -54,7 +60,8 @@ def config_from_hf(hf: dict) -> LlamaConfig:
             ``num_key_value_heads`` (GQA; default: no grouping), ``head_dim``
             (default ``hidden_size / num_attention_heads``), ``rope_theta`` (or
             ``rope_parameters["rope_theta"]``), ``rms_norm_eps``,
-            ``max_position_embeddings`` and ``tie_word_embeddings``.
+            ``max_position_embeddings``, ``tie_word_embeddings``, ``eos_token_id`` (an id, a list
+            of ids, or absent) and ``bos_token_id``.
     """
     architectures = hf.get("architectures") or ["LlamaForCausalLM"]
     if architectures != ["LlamaForCausalLM"]:
@@ -82,11 +89,18 @@ def config_from_hf(hf: dict) -> LlamaConfig:
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        eos_token_id=hf.get("eos_token_id"),
+        bos_token_id=hf.get("bos_token_id"),
     )
 
 
 def config_to_hf(config: LlamaConfig, dtype: torch.dtype) -> dict:
-    """The Hugging Face ``config.json`` dict of ``config``, for weights stored in ``dtype``."""
+    """The Hugging Face ``config.json`` dict of ``config``, for weights stored in ``dtype``.
+
+    Args:
+        config: the model's configuration (its ``eos_token_id`` is written as an id or a list of ids).
+        dtype: the dtype the weights are stored in (``torch_dtype``).
+    """
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -106,17 +120,20 @@ def config_to_hf(config: LlamaConfig, dtype: torch.dtype) -> dict:
         "attention_bias": False,
         "mlp_bias": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
+        "eos_token_id": list(config.eos_token_id) if isinstance(config.eos_token_id, tuple) else config.eos_token_id,
+        "bos_token_id": config.bos_token_id,
     }
 
 
 def save_pretrained(model: LlamaForCausalLM, directory, extra_config: dict | None = None) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` for ``model`` into ``directory`` (created if needed).
+    """Write ``config.json``, ``generation_config.json`` and ``model.safetensors`` for ``model`` into ``directory``.
 
     Args:
         model: the model to save; its tensors are stored in their current dtype.
-        directory: the checkpoint directory.
-        extra_config: more ``config.json`` fields (for example ``eos_token_id``).
+        directory: the checkpoint directory (created if needed).
+        extra_config: more ``config.json`` fields, or ones to override.
 
+    ``generation_config.json`` holds the ``eos_token_id`` and ``bos_token_id`` of ``config.json``.
     With tied embeddings ``lm_head.weight`` is not stored (it is ``model.embed_tokens.weight``),
     as Hugging Face does. Returns the directory as a ``Path``.
     """
@@ -130,11 +147,16 @@ def save_pretrained(model: LlamaForCausalLM, directory, extra_config: dict | Non
     save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
     config = config_to_hf(model.config, model.dtype) | (extra_config or {})
     (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    generation = {name: config[name] for name in ("bos_token_id", "eos_token_id")}
+    (directory / GENERATION_CONFIG_NAME).write_text(json.dumps(generation, indent=2) + "\n")
     return directory
 
 
 def load_pretrained(directory, dtype: torch.dtype = torch.float32, device="cpu") -> LlamaForCausalLM:
     """The model stored in ``directory`` (``config.json`` + ``model.safetensors``), in eval mode.
+
+    A ``generation_config.json`` beside them, if any, gives the ``eos_token_id`` and ``bos_token_id``
+    it sets (see the module docstring).
 
     Args:
         directory: a Hugging Face checkpoint directory of a Llama-family model.
@@ -153,7 +175,12 @@ def load_pretrained(directory, dtype: torch.dtype = torch.float32, device="cpu")
             raise FileNotFoundError(
                 f"{directory / name} does not exist: a checkpoint needs {CONFIG_NAME} and {WEIGHTS_NAME}"
             )
-    config = config_from_hf(json.loads((directory / CONFIG_NAME).read_text()))
+    hf = json.loads((directory / CONFIG_NAME).read_text())
+    if (directory / GENERATION_CONFIG_NAME).is_file():
+        generation = json.loads((directory / GENERATION_CONFIG_NAME).read_text())
+        hf |= {name: generation[name] for name in ("eos_token_id", "bos_token_id")
+               if generation.get(name) is not None}  # fmt: skip
+    config = config_from_hf(hf)
     tensors = load_file(str(directory / WEIGHTS_NAME))
     model = LlamaForCausalLM(config)
     expected = model.state_dict()

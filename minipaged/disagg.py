@@ -95,7 +95,7 @@ from minipaged.engine import Engine, RequestOutput, StepOutput
 from minipaged.generate import check_prompt
 from minipaged.metrics import request_latencies, summarize
 from minipaged.scheduler import EngineConfig, can_admit
-from minipaged.sequence import SamplingParams, Sequence, SequenceStatus
+from minipaged.sequence import SamplingParams, Sequence
 from minipaged.validation import check_int, check_real
 from minipaged.workload import LogNormal, RequestSpec, WorkloadPreset, prompt_token_ids
 
@@ -329,7 +329,7 @@ class DisaggregatedEngine:
         # hold its blocks) for the request it brings.
         self.prefill_stalled = False
         self.decode_stalled = False
-        self._max_tokens: dict = {}  # request_id -> the max_tokens asked for (the prefill engine is asked for <= 2)
+        self._params: dict = {}  # request_id -> the SamplingParams asked for (the prefill engine gets <= 2 tokens)
         self._next_id = 0
 
     # -- requests ---------------------------------------------------------
@@ -339,7 +339,7 @@ class DisaggregatedEngine:
         return min(self.prefill.clock.now(), self.decode.clock.now())
 
     def _in_use(self, request_id) -> bool:
-        return (request_id in self._max_tokens or request_id in self.prefill.samples
+        return (request_id in self._params or request_id in self.prefill.samples
                 or request_id in self.decode.samples)  # fmt: skip
 
     def add_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
@@ -363,6 +363,7 @@ class DisaggregatedEngine:
                              f"copy of the prompt's blocks), got {params.n}")  # fmt: skip
         model_config = self.prefill.model.config
         prompt = check_prompt(model_config, prompt_token_ids, params.max_tokens, "prompt_token_ids")
+        params.stop_rules(model_config.eos_token_id, model_config.vocab_size)  # a stop token outside the vocabulary
         arrival = self.now() if arrival_time is None else check_real(arrival_time, "arrival_time")
         if cache_salt is not None and not isinstance(cache_salt, (str, bytes)):
             raise TypeError(f"cache_salt must be str, bytes or None, got {type(cache_salt).__name__} {cache_salt!r}")
@@ -385,7 +386,7 @@ class DisaggregatedEngine:
         while i > 0 and self.arrivals[i - 1].time > arrival:
             i -= 1
         self.arrivals.insert(i, entry)
-        self._max_tokens[request_id] = params.max_tokens
+        self._params[request_id] = params
         if request_id == self._next_id:
             self._next_id += 1
         return request_id
@@ -401,7 +402,7 @@ class DisaggregatedEngine:
         Raises:
             KeyError: no unfinished request has this id.
         """
-        if request_id not in self._max_tokens:
+        if request_id not in self._params:
             raise KeyError(f"abort: no unfinished request with id {request_id!r}")
         for i, a in enumerate(self.arrivals):
             if a.request_id == request_id:
@@ -414,7 +415,7 @@ class DisaggregatedEngine:
                 self.decode.abort(request_id)
             else:
                 self._abort_in_transit(request_id)
-        del self._max_tokens[request_id]
+        del self._params[request_id]
 
     def _abort_in_transit(self, request_id) -> None:
         for i, (seq, _) in enumerate(self.waiting_transfer):
@@ -426,7 +427,7 @@ class DisaggregatedEngine:
             i, transfer = next((i, t) for i, t in enumerate(self.in_flight) if t.request_id == request_id)
             del self.in_flight[i]
             seq, tables = transfer.seq, [transfer.src_table, transfer.dst_table]
-        seq.status = SequenceStatus.ABORTED
+        seq.abort()
         seq.block_table = None
         for table in tables:
             table.release()
@@ -487,7 +488,8 @@ class DisaggregatedEngine:
 
     def _arrive(self, time: float) -> DisaggStepOutput:
         a = self.arrivals[0]
-        params = replace(a.params, max_tokens=min(a.params.max_tokens, 2))  # the prefill engine stops after token 1
+        first = min(a.params.max_tokens, 2)  # the prefill engine stops after token 1 (it hands the request over)
+        params = replace(a.params, max_tokens=first, min_tokens=min(a.params.min_tokens, first))
         idle = not self.prefill.has_unfinished()
         self.prefill.add_request(a.prompt, params, a.request_id, arrival_time=a.time, cache_salt=a.cache_salt)
         self.arrivals.popleft()
@@ -504,11 +506,12 @@ class DisaggregatedEngine:
             if seq is None or seq.is_finished:  # finished in the prefill engine (one token asked, or a stop token)
                 continue
             self.prefill.take_prefilled(seq_id)
-            seq.sampling_params = replace(seq.sampling_params, max_tokens=self._max_tokens[seq.request_id])
+            asked = self._params[seq.request_id]
+            seq.sampling_params = replace(seq.sampling_params, max_tokens=asked.max_tokens, min_tokens=asked.min_tokens)
             self.waiting_transfer.append((seq, out.time))
             moved.append(seq_id)
         for output in out.outputs:
-            del self._max_tokens[output.request_id]
+            del self._params[output.request_id]
         return DisaggStepOutput("prefill", out.time, moved, out, out.outputs)
 
     def _transfer_start(self, time: float) -> DisaggStepOutput:
@@ -551,13 +554,16 @@ class DisaggregatedEngine:
         out = self.decode.step()
         self.decode_stalled = not out.scheduled
         for output in out.outputs:
-            del self._max_tokens[output.request_id]
+            del self._params[output.request_id]
         return DisaggStepOutput("decode", out.time, list(out.scheduled), out, out.outputs)
 
     # -- whole workloads --------------------------------------------------
 
     def run(self, workload: list[RequestSpec], seed: int = 0, prompts: list[list[int]] | None = None) -> list[Sequence]:
         """Replay a workload to the end; returns its sequences in the workload's order (finished, with timings).
+
+        Each request makes exactly its ``output_len`` tokens (``ignore_eos=True``, as in
+        :class:`~minipaged.engine.Replay`).
 
         Args:
             workload: the requests, arrival times relative to now.
@@ -577,7 +583,7 @@ class DisaggregatedEngine:
         try:  # all or none: a request that cannot fit leaves none of the earlier ones queued
             for i, r in enumerate(workload):
                 prompt = prompt_token_ids(i, r.prompt_len, vocab, seed) if prompts is None else prompts[i]
-                ids.append(self.add_request(prompt, SamplingParams(max_tokens=r.output_len),
+                ids.append(self.add_request(prompt, SamplingParams(max_tokens=r.output_len, ignore_eos=True),
                                             arrival_time=start + r.arrival_time))  # fmt: skip
         except BaseException:
             self._unqueue(ids)
@@ -600,7 +606,7 @@ class DisaggregatedEngine:
         gone = set(ids)
         self.arrivals = deque(a for a in self.arrivals if a.request_id not in gone)
         for i in ids:
-            del self._max_tokens[i]
+            del self._params[i]
 
     def _drain(self, ids: list) -> list[Sequence]:
         done = {}

@@ -7,9 +7,11 @@ One :meth:`Engine.step` is
    in swap mode the engine then copies K/V between the pool and ``swap_space``);
 2. one forward pass of the model over all scheduled tokens packed together,
    addressed through the block tables (:meth:`Engine.execute`);
-3. sampling a token for every sequence whose chunk reached its end (with
-   speculative decoding, after :meth:`Engine.verify` kept the drafts the model agrees with);
-4. ``scheduler.postprocess()``: advance counters, finish sequences, free blocks;
+3. sampling a token for every sequence whose chunk reached its end (a request short of its
+   ``min_tokens`` has its stop tokens masked first, :func:`mask_stop_tokens`; with
+   speculative decoding, :meth:`Engine.verify` then keeps the drafts the model agrees with);
+4. ``scheduler.postprocess()``: advance counters, finish sequences (at a stop token, EOS or
+   ``max_tokens``: :mod:`minipaged.stopping`), free blocks;
 5. one :class:`~minipaged.metrics.StepRecord` in ``engine.metrics.history``;
 6. the requests that finished are handed over in ``StepOutput.outputs`` (and,
    unless ``EngineConfig(keep_finished=True)``, forgotten: a long-running
@@ -34,7 +36,9 @@ Time comes from ``engine.clock``, virtual by default (deterministic, see
 
 A workload (requests with arrival times) is replayed by :class:`Replay`, one
 step at a time: :meth:`Engine.run` drives it to the end, the chapter's
-dashboard steps it on every click.
+dashboard steps it on every click. A workload's ``output_len`` means exactly that many
+tokens, as in vLLM's benchmarks: its requests are sent with ``ignore_eos=True``. Everything
+else (:meth:`Engine.generate`, :meth:`Engine.add_request` by default) stops at the model's EOS.
 
 Vocabulary: the engine's API speaks of requests (``request_id``); with one
 sample per request, a request is one :class:`~minipaged.sequence.Sequence`
@@ -77,8 +81,18 @@ class RequestOutput:
 
     @property
     def output_token_ids(self) -> list[list[int]]:
-        """Each sample's generated tokens, in sample order."""
+        """Each sample's generated tokens (a stop token that ended it included), in sample order."""
         return [s.output_token_ids for s in self.seqs]
+
+    @property
+    def finish_reason(self) -> list[str]:
+        """Each sample's ``finish_reason`` (``"stop"`` or ``"length"``), in sample order."""
+        return [s.finish_reason for s in self.seqs]
+
+    @property
+    def stop_reason(self) -> list[int | None]:
+        """Each sample's ``stop_reason``: the stop token that ended it, None for the EOS or a length."""
+        return [s.stop_reason for s in self.seqs]
 
 
 @dataclass
@@ -95,6 +109,29 @@ class StepOutput:
     preempted: list = field(default_factory=list)
     finished: list = field(default_factory=list)
     outputs: list[RequestOutput] = field(default_factory=list)
+
+
+def mask_stop_tokens(logits: torch.Tensor, seqs: list[Sequence], spec: dict) -> torch.Tensor:
+    """``logits`` with every stop token masked where a request has fewer than ``min_tokens`` outputs.
+
+    The rule is :meth:`minipaged.stopping.StopRules.mask`'s; this applies it to a step's rows:
+    one per sequence, or ``k + 1`` for one that verifies ``k`` drafts (row ``r`` then picks its
+    output token number ``num_output_tokens + r``, so the mask holds at every verified position).
+    Returns ``logits`` itself when nothing is masked.
+
+    Args:
+        logits: what :meth:`Engine.execute` returned, the rows of ``seqs`` in order.
+        seqs: the sequences whose chunk ends this step.
+        spec: seq_id -> drafts it verifies (``SchedulerOutput.spec_token_ids``).
+    """
+    if all(s.stop_rules.min_tokens <= s.num_output_tokens for s in seqs):
+        return logits
+    blocks, start = [], 0
+    for seq in seqs:
+        n = 1 + len(spec.get(seq.seq_id, ()))
+        blocks.append(seq.stop_rules.mask(logits[start : start + n], seq.num_output_tokens))
+        start += n
+    return torch.cat(blocks)
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
@@ -172,7 +209,9 @@ class Engine:
             prompt_token_ids: the prompt, token ids in ``[0, vocab_size)``.
             sampling_params: how to sample and when to stop (:class:`SamplingParams` defaults if None).
                 With ``n > 1`` the request is ``n`` samples of the prompt (at most ``max_num_seqs``),
-                sample ``i`` seeded with ``seed + i``; their seq_ids are ``(request_id, i)``.
+                sample ``i`` seeded with ``seed + i``; their seq_ids are ``(request_id, i)``. The
+                request stops at the model's EOS (``model.config.eos_token_id``) unless ``ignore_eos``,
+                and at its ``stop_token_ids`` (ids of the vocabulary).
             request_id: any hashable id not in use yet; None picks the next free integer.
             arrival_time: when the request arrived, in the engine's clock (None: now).
             cache_salt: str or bytes mixed into the prefix cache's first block key, so that only
@@ -181,7 +220,9 @@ class Engine:
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         params = sampling_params or SamplingParams()
-        prompt_token_ids = check_prompt(self.model.config, prompt_token_ids, params.max_tokens, "prompt_token_ids")
+        mc = self.model.config
+        prompt_token_ids = check_prompt(mc, prompt_token_ids, params.max_tokens, "prompt_token_ids")
+        params.stop_rules(mc.eos_token_id, mc.vocab_size)  # refuses a stop token outside the vocabulary
         if arrival_time is not None:
             arrival_time = check_real(arrival_time, "arrival_time")
         if cache_salt is not None and not isinstance(cache_salt, (str, bytes)):
@@ -198,7 +239,7 @@ class Engine:
         for i, seq_id in enumerate(seq_ids):
             seed = None if params.seed is None else params.seed + i
             seqs.append(Sequence(seq_id, prompt_token_ids, replace(params, n=1, seed=seed), now, cache_salt,
-                                 request_id))  # fmt: skip
+                                 request_id, mc.eos_token_id))  # fmt: skip
         seqs[0].pending_forks = seqs[1:]  # they fork from sample 0 once its prompt is computed
         self.scheduler.add(seqs[0])  # raises if the request could never fit the pool
         for seq in seqs:
@@ -374,6 +415,7 @@ class Engine:
                     for s, n in zip(out.seqs, out.num_new_tokens)]  # fmt: skip
             logits = self.execute(out, last)
             to_sample = [s for s, ends in zip(out.seqs, last) if ends]
+            logits = mask_stop_tokens(logits, to_sample, spec)  # min_tokens: before verification and sampling
             decided = {}  # seq_id -> the token a sampled sequence's verification already drew
             if spec:  # a sequence with k drafts has k + 1 rows: keep the row after its accepted drafts
                 logits, accepted, decided = self.verify(logits, to_sample, spec)
@@ -616,7 +658,7 @@ class _StepUndo:
         seqs = [*scheduler.running, *scheduler.waiting]
         seqs += [child for s in seqs for child in s.pending_forks]
         self.seqs = [(s, s.status, s.num_computed_tokens, s.num_tokens, len(s.token_times), s.finish_time,
-                      s.num_preemptions, list(s.pending_forks), s.block_table,
+                      s.finish_reason, s.stop_reason, s.num_preemptions, list(s.pending_forks), s.block_table,
                       None if s.generator is None else s.generator.get_state()) for s in seqs]  # fmt: skip
         self.tables = [(t, _copy_state(t)) for t in {id(s.block_table): s.block_table for s in seqs
                                                          if s.block_table is not None}.values()]  # fmt: skip
@@ -659,8 +701,10 @@ class _StepUndo:
         _restore_state(engine, self.engine_state)
         for table, state in self.tables:
             _restore_state(table, state)
-        for (seq, status, computed, num_tokens, num_times, finish, preemptions, forks, table, rng) in self.seqs:
+        for (seq, status, computed, num_tokens, num_times, finish, reason, stop, preemptions, forks, table,
+             rng) in self.seqs:  # fmt: skip
             seq.status, seq.num_computed_tokens, seq.finish_time = status, computed, finish
+            seq.finish_reason, seq.stop_reason = reason, stop
             seq.num_preemptions, seq.pending_forks, seq.block_table = preemptions, forks, table
             del seq.token_ids[num_tokens:], seq.token_times[num_times:]
             if rng is not None:
@@ -672,7 +716,8 @@ class Replay:
     """A workload replayed through an engine, one engine step per :meth:`step`.
 
     Before each step, the requests whose arrival time has come are added, with
-    the seeded prompts of :func:`minipaged.workload.prompt_token_ids`; when
+    the seeded prompts of :func:`minipaged.workload.prompt_token_ids`, each asking for exactly
+    its ``output_len`` tokens (``ignore_eos=True``, as vLLM's benchmarks do); when
     nothing is queued or running, the clock first idles until the next arrival.
     :meth:`Engine.run` steps it to the end; the dashboard steps it on every click.
 
@@ -717,8 +762,8 @@ class Replay:
         while self.arrivals and self.start + self.arrivals[0][1].arrival_time <= self.engine.clock.now():
             i, r = self.arrivals.popleft()
             prompt = prompt_token_ids(i, r.prompt_len, vocab, self.seed) if self.prompts is None else self.prompts[i]
-            rid = self.engine.add_request(prompt, SamplingParams(max_tokens=r.output_len),
-                                          arrival_time=self.start + r.arrival_time)  # fmt: skip
+            rid = self.engine.add_request(prompt, SamplingParams(max_tokens=r.output_len, ignore_eos=True),
+                                          arrival_time=self.start + r.arrival_time)  # exactly output_len tokens
             self.seqs[i] = self.engine.requests[rid]
 
     def step(self) -> bool:

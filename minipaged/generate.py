@@ -9,6 +9,10 @@ functions are all that takes:
 - :func:`build_metadata`: reserve a step's slots in the block tables and describe the step;
 - :func:`generate_paged`: a whole batch of prompts through one shared
   :class:`~minipaged.cache.PagedKVCache`, with optional chunked prefill.
+
+Both stop as the engine does (:mod:`minipaged.stopping`): at the model's EOS unless
+``ignore_eos``, at a ``stop_token_ids`` token, never before ``min_tokens`` (the stop tokens are
+masked until then), and after ``max_new_tokens``. A stop token stays in the output.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from minipaged.attention import AttentionMetadata
 from minipaged.block_manager import BlockTable, OutOfBlocks
 from minipaged.cache import PagedKVCache
 from minipaged.model import LlamaForCausalLM
-from minipaged.validation import check_int, check_token_ids
+from minipaged.stopping import StopRules
+from minipaged.validation import check_bool, check_int, check_token_ids
 
 
 def build_metadata(tables: list[BlockTable], num_new_tokens: list[int], device="cpu") -> AttentionMetadata:
@@ -69,27 +74,53 @@ def check_prompt(config, prompt_token_ids, max_new_tokens: int, name: str) -> li
     return ids
 
 
+def greedy_token(logits: torch.Tensor, rules: StopRules, output_token_ids: list[int]) -> bool:
+    """Append the greedy next token to ``output_token_ids``; return True if the sequence stops there.
+
+    Args:
+        logits: ``[vocab_size]``, the logits after the sequence's last token.
+        rules: the sequence's stopping rules (they mask the stop tokens before ``min_tokens`` outputs).
+        output_token_ids: the output so far; the new token is appended to it.
+    """
+    token = int(rules.mask(logits[None], len(output_token_ids))[0].argmax())
+    output_token_ids.append(token)
+    return rules.check(token, len(output_token_ids)) is not None
+
+
+def _stop_rules(model: LlamaForCausalLM, max_new_tokens: int, stop_token_ids, ignore_eos: bool,
+                min_tokens: int) -> StopRules:  # fmt: skip
+    """The stopping rules of a reference run; an error names the bad argument."""
+    if isinstance(stop_token_ids, (str, bytes)) or not hasattr(stop_token_ids, "__iter__"):
+        raise TypeError(f"stop_token_ids must be a sequence of token ids, got {type(stop_token_ids).__name__}")
+    check_bool(ignore_eos, "ignore_eos")
+    return StopRules.resolve(max_new_tokens, model.config.eos_token_id, list(stop_token_ids), ignore_eos, min_tokens,
+                             model.config.vocab_size)  # fmt: skip
+
+
 @torch.no_grad()
-def generate_contiguous(model: LlamaForCausalLM, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
+def generate_contiguous(model: LlamaForCausalLM, prompt_token_ids: list[int], max_new_tokens: int, *,
+                        stop_token_ids=(), ignore_eos: bool = False, min_tokens: int = 0) -> list[int]:  # fmt: skip
     """Greedy decoding of one prompt with the contiguous cache: the reference output.
 
     Args:
         model: the tiny Llama.
         prompt_token_ids: the prompt (at least one token).
-        max_new_tokens: how many tokens to generate.
+        max_new_tokens: the most tokens to generate.
+        stop_token_ids: tokens that end the output (kept in it), besides the model's EOS.
+        ignore_eos: True: the model's EOS (``model.config.eos_token_id``) does not end it.
+        min_tokens: no EOS or stop token is picked before this many tokens (their logits are masked).
     """
     max_new_tokens = check_int(max_new_tokens, "max_new_tokens")
     prompt_token_ids = check_prompt(model.config, prompt_token_ids, max_new_tokens, "prompt_token_ids")
+    rules = _stop_rules(model, max_new_tokens, stop_token_ids, ignore_eos, min_tokens)
+    if max_new_tokens == 0:
+        return []
     ids = torch.tensor(prompt_token_ids, device=model.device)
     logits, past = model.forward_contiguous(ids, torch.arange(len(ids), device=model.device))
     out = []
-    for _ in range(max_new_tokens):
-        token = int(logits[-1].argmax())
-        out.append(token)
-        if len(out) == max_new_tokens:
-            break
+    while not greedy_token(logits[-1], rules, out):
         position = torch.tensor([len(prompt_token_ids) + len(out) - 1], device=model.device)
-        logits, past = model.forward_contiguous(torch.tensor([token], device=model.device), position, past)
+        logits, past = model.forward_contiguous(torch.tensor(out[-1:], device=model.device), position, past)
     return out
 
 
@@ -103,16 +134,20 @@ def generate_paged(
     num_blocks: int | None = None,
     backend: str = "torch",
     prefill_chunk_size: int | None = None,
+    stop_token_ids=(),
+    ignore_eos: bool = False,
+    min_tokens: int = 0,
 ) -> list[list[int]]:
     """Greedy decoding of a batch of prompts (any lengths) through one shared paged cache.
 
     Args:
         model: the tiny Llama.
         prompts: each prompt's token ids (at least one each).
-        max_new_tokens: tokens to generate per prompt.
+        max_new_tokens: the most tokens to generate per prompt.
         block_size, num_blocks: the pool; ``num_blocks`` defaults to exactly what the batch needs.
         backend: the attention backend, ``"loop"``, ``"torch"`` or ``"triton"``.
         prefill_chunk_size: prompt tokens a sequence feeds per step (None: the whole prompt at once).
+        stop_token_ids, ignore_eos, min_tokens: when each output stops, as for :func:`generate_contiguous`.
 
     Every step runs all unfinished sequences as one packed batch. A sequence
     still reading its prompt contributes up to ``prefill_chunk_size`` prompt
@@ -126,6 +161,7 @@ def generate_paged(
         raise ValueError("prompts must hold at least one prompt")
     prompts = [check_prompt(model.config, p, max_new_tokens, f"prompts[{i}]") for i, p in enumerate(prompts)]
     block_size = check_int(block_size, "block_size", minimum=1)
+    rules = _stop_rules(model, max_new_tokens, stop_token_ids, ignore_eos, min_tokens)
     if prefill_chunk_size is not None:
         prefill_chunk_size = check_int(prefill_chunk_size, "prefill_chunk_size", minimum=1)
     cfg = model.config
@@ -137,9 +173,10 @@ def generate_paged(
     tables = [cache.new_table(seq_id=i) for i in range(len(prompts))]
     fed = [0] * len(prompts)  # prompt tokens already in the cache
     outputs: list[list[int]] = [[] for _ in prompts]
+    done = [max_new_tokens == 0] * len(prompts)
     try:
         while True:
-            active = [i for i in range(len(prompts)) if len(outputs[i]) < max_new_tokens]
+            active = [i for i in range(len(prompts)) if not done[i]]
             if not active:
                 return outputs
             step_ids = []
@@ -156,7 +193,7 @@ def generate_paged(
             for row, i in enumerate(active):
                 fed[i] = min(len(prompts[i]), fed[i] + len(step_ids[row]))
                 if fed[i] == len(prompts[i]):  # a mid-prompt chunk's logits predict nothing we keep
-                    outputs[i].append(int(logits[row].argmax()))
+                    done[i] = greedy_token(logits[row], rules, outputs[i])
     finally:
         for table in tables:
             table.release()

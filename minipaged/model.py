@@ -32,6 +32,7 @@ from torch import nn
 
 from minipaged.attention import AttentionMetadata, contiguous_attention, paged_attention, paged_prefill_attention
 from minipaged.cache import write_kv
+from minipaged.stopping import eos_token_ids
 from minipaged.validation import check_int, check_real
 
 
@@ -48,6 +49,10 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False  # lm_head.weight is model.embed_tokens.weight
+    # The checkpoint's end of text: None (no EOS), an id, or a tuple of ids (the first is the EOS proper, the
+    # others stop a request too; see minipaged.stopping). Requests stop at it unless SamplingParams.ignore_eos.
+    eos_token_id: int | tuple[int, ...] | None = None
+    bos_token_id: int | None = None  # the checkpoint's beginning of text (kept for its tokenizer; None: none)
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -64,6 +69,18 @@ class LlamaConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        try:
+            eos = eos_token_ids(self.eos_token_id)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"LlamaConfig.{exc}") from None
+        self.eos_token_id = None if not eos else eos[0] if len(eos) == 1 else eos
+        if self.bos_token_id is not None:
+            self.bos_token_id = check_int(self.bos_token_id, "LlamaConfig.bos_token_id")
+        bos = () if self.bos_token_id is None else (self.bos_token_id,)
+        for name, ids in (("eos_token_id", eos), ("bos_token_id", bos)):
+            for t in ids:
+                if t >= self.vocab_size:
+                    raise ValueError(f"LlamaConfig.{name} holds {t}, outside the vocabulary [0, {self.vocab_size})")
 
 
 # --------------------------------------------------------------------------- layers

@@ -398,9 +398,12 @@ class Scheduler:
         """Advance the sequences after the forward pass; return those that finished.
 
         ``sampled`` maps seq_id to the token sampled for every sequence whose
-        chunk reached its last token (the others were mid-prefill). With speculative
+        chunk reached its last token (the others were mid-prefill). A sequence finishes at the
+        first token its :class:`~minipaged.stopping.StopRules` stop it at (its ``finish_reason``
+        and ``stop_reason`` then say why) and frees its blocks at once. With speculative
         decoding, ``accepted`` maps the seq_id of each sequence that verified drafts to the
-        drafts it accepted: they are appended before its sampled token, and its counter rolls
+        drafts it accepted: they are appended before its sampled token (up to the first stop
+        among them: the tokens after it are dropped), and its counter rolls
         back over the rejected ones (:func:`minipaged.speculative.rollback_drafts`) before any
         block gets a key. The allocator's subscribers hear of the frees, forks and keys once
         every sequence has advanced.
@@ -426,9 +429,10 @@ class Scheduler:
                 continue
             for sample in [seq, *self._fork(seq)]:
                 for token in [*accepted.get(sample.seq_id, ()), sampled[sample.seq_id]]:
-                    if sample.append_token(token, now):  # a stop token among accepted drafts ends it there
+                    if sample.append_token(token, now):  # a stop among accepted drafts ends it there, the rest dropped
                         sample.status = SequenceStatus.FINISHED
                         sample.finish_time = now
+                        sample.num_computed_tokens = min(sample.num_computed_tokens, sample.num_tokens)
                         self.running.remove(sample)
                         self._release(sample)
                         finished.append(sample)
@@ -459,7 +463,7 @@ class Scheduler:
             raise ValueError(f"request {seq.seq_id!r} is neither waiting nor running ({seq.status.value})")
         with self.allocator.hold_events():  # subscribers hear of the frees once the sequence is aborted
             for child in seq.pending_forks:
-                child.status = SequenceStatus.ABORTED
+                child.abort()
             seq.pending_forks = []
-            seq.status = SequenceStatus.ABORTED
+            seq.abort()
             self._release(seq)

@@ -24,6 +24,11 @@ afterwards the counter is set to the end of the drafts that were accepted
 (:func:`minipaged.speculative.rollback_drafts`); the rejected ones' K/V slots are
 overwritten by the next step.
 
+When a sequence stops is :mod:`minipaged.stopping`'s (its ``stop_rules``, resolved from its
+``sampling_params`` and the model's EOS): :meth:`Sequence.append_token` checks them after every
+token, and a finished or aborted sequence says why in ``finish_reason`` (``"stop"``,
+``"length"`` or ``"abort"``) and ``stop_reason``.
+
 Timestamps (``arrival_time``, ``token_times``, ``finish_time``) are in the
 engine's clock, virtual or wall (see :mod:`minipaged.clock`).
 """
@@ -36,7 +41,8 @@ from enum import Enum
 
 import torch
 
-from minipaged.validation import check_int
+from minipaged.stopping import StopRules
+from minipaged.validation import check_bool, check_int
 
 
 class SequenceStatus(Enum):
@@ -49,17 +55,34 @@ class SequenceStatus(Enum):
 
 @dataclass
 class SamplingParams:
-    """How to pick each next token. ``temperature == 0`` is greedy (argmax)."""
+    """How to pick each next token, and when to stop (as vLLM's ``SamplingParams``).
+
+    Attributes:
+        max_tokens: the most output tokens (then ``finish_reason == "length"``).
+        temperature: 0 is greedy (argmax); above 0, draws from softmax(logits / temperature).
+        seed: with ``temperature > 0``, a per-request generator makes sampling replayable (None: torch's global one).
+        stop_token_ids: the caller's extra stop tokens; the model's EOS stops a request as well, unless ``ignore_eos``.
+        n: samples of one prompt (parallel sampling); sample i draws with ``seed + i``.
+        ignore_eos: True: the model's EOS does not stop the request (benchmarks: exactly ``max_tokens`` tokens).
+        min_tokens: until this many output tokens exist, EOS and the stop tokens cannot be sampled (their
+            logits are masked), so the request does not stop before it (``0 <= min_tokens <= max_tokens``).
+    """
 
     max_tokens: int = 16
     temperature: float = 0.0
-    seed: int | None = None  # with temperature > 0: a per-request generator makes sampling replayable
+    seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
-    n: int = 1  # samples of one prompt (parallel sampling); sample i draws with seed + i
+    n: int = 1
+    ignore_eos: bool = False
+    min_tokens: int = 0
 
     def __post_init__(self):
         self.max_tokens = check_int(self.max_tokens, "max_tokens", minimum=1)
         self.n = check_int(self.n, "n", minimum=1)
+        check_bool(self.ignore_eos, "ignore_eos")
+        self.min_tokens = check_int(self.min_tokens, "min_tokens")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be at most max_tokens={self.max_tokens}, got {self.min_tokens}")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
             raise TypeError(f"temperature must be a number, got {type(self.temperature).__name__} {self.temperature!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -73,6 +96,16 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (list, tuple, set, frozenset)):
             raise TypeError(f"stop_token_ids must be a tuple of token ids, got {type(self.stop_token_ids).__name__}")
         self.stop_token_ids = tuple(check_int(t, f"stop_token_ids[{i}]") for i, t in enumerate(self.stop_token_ids))
+
+    def stop_rules(self, eos_token_id=None, vocab_size: int | None = None) -> StopRules:
+        """These parameters' stopping rules on a model with EOS ids ``eos_token_id`` (see :mod:`minipaged.stopping`).
+
+        Args:
+            eos_token_id: the model's ``LlamaConfig.eos_token_id`` (None, an id or a tuple of ids).
+            vocab_size: the model's vocabulary size: a stop token at or above it is a ValueError (None: not checked).
+        """
+        return StopRules.resolve(self.max_tokens, eos_token_id, self.stop_token_ids, self.ignore_eos, self.min_tokens,
+                                 vocab_size)  # fmt: skip
 
 
 class Sequence:
@@ -91,12 +124,22 @@ class Sequence:
         cache_salt: the prefix cache's salt (str or bytes; None: no salt). Only requests
             with the same salt share cached blocks.
         request_id: the request this sequence is a sample of (None: ``seq_id``, one sample).
+        eos_token_id: the model's EOS ids (``LlamaConfig.eos_token_id``: None, an id or a tuple), which
+            stop it unless ``sampling_params.ignore_eos``.
+
+    Attributes:
+        stop_rules: the :class:`~minipaged.stopping.StopRules` resolved from ``sampling_params`` and
+            ``eos_token_id`` (again whenever ``sampling_params`` is set).
+        finish_reason: None while it runs; then ``"stop"`` (EOS or a stop token), ``"length"``
+            (``max_tokens``) or ``"abort"``.
+        stop_reason: the stop token that ended it (None for the EOS, a length or an abort).
     """
 
     def __init__(self, seq_id, prompt_token_ids: list[int], sampling_params: SamplingParams, arrival_time: float = 0.0,
-                 cache_salt: str | bytes | None = None, request_id=None):  # fmt: skip
+                 cache_salt: str | bytes | None = None, request_id=None, eos_token_id=None):  # fmt: skip
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must hold at least one token")
+        self.eos_token_id = eos_token_id
         self.seq_id = seq_id
         self.request_id = seq_id if request_id is None else request_id
         self.cache_salt = cache_salt
@@ -110,10 +153,21 @@ class Sequence:
         self.arrival_time = arrival_time
         self.token_times: list[float] = []  # when each output token was sampled
         self.finish_time: float | None = None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | None = None
         self.num_preemptions = 0
         self.generator = None
         if sampling_params.temperature > 0 and sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        return self._sampling_params
+
+    @sampling_params.setter
+    def sampling_params(self, params: SamplingParams) -> None:
+        self.stop_rules = params.stop_rules(self.eos_token_id)
+        self._sampling_params = params
 
     @property
     def num_tokens(self) -> int:
@@ -149,11 +203,26 @@ class Sequence:
         return self.token_times[0] if self.token_times else None
 
     def append_token(self, token_id: int, now: float) -> bool:
-        """Record a sampled token; return True if the sequence is now done (length or stop token)."""
+        """Record a sampled token; return True if the sequence is now done (its ``stop_rules`` say why).
+
+        When it is done, ``finish_reason`` and ``stop_reason`` say why (the stop token stays in
+        ``output_token_ids``); the caller then finishes it (status, ``finish_time``, its blocks).
+
+        Args:
+            token_id: the token sampled (or accepted) for the sequence.
+            now: when, in the engine's clock.
+        """
         self.token_ids.append(token_id)
         self.token_times.append(now)
-        params = self.sampling_params
-        return token_id in params.stop_token_ids or self.num_output_tokens >= params.max_tokens
+        done = self.stop_rules.check(token_id, self.num_output_tokens)
+        if done is not None:
+            self.finish_reason, self.stop_reason = done
+        return done is not None
+
+    def abort(self) -> None:
+        """Mark it aborted (status and ``finish_reason``); the caller frees its blocks."""
+        self.status = SequenceStatus.ABORTED
+        self.finish_reason, self.stop_reason = "abort", None
 
     def __repr__(self) -> str:
         return (

@@ -13,6 +13,7 @@ from minipaged import tokenizer
 from minipaged.checkpoint import (
     CONFIG_NAME,
     COURSE_MODEL_DIR,
+    GENERATION_CONFIG_NAME,
     WEIGHTS_NAME,
     UnsupportedCheckpoint,
     config_from_hf,
@@ -41,7 +42,7 @@ def edit_config(directory: Path, **fields) -> None:
 
 def test_round_trip_keeps_every_tensor_and_the_config(tmp_path):
     model, directory = saved(tmp_path)
-    assert sorted(p.name for p in directory.iterdir()) == [CONFIG_NAME, WEIGHTS_NAME]
+    assert sorted(p.name for p in directory.iterdir()) == sorted([CONFIG_NAME, GENERATION_CONFIG_NAME, WEIGHTS_NAME])
     loaded = LlamaForCausalLM.from_pretrained(directory)
     assert loaded.config == model.config
     for name, tensor in model.state_dict().items():

@@ -90,7 +90,8 @@ def main(argv: list[str]) -> int:
                             EngineConfig(num_blocks=args.decode_blocks, **config), None, BusyClock(), BusyClock())
     for i, r in enumerate(workload):
         d.add_request(prompt_token_ids(i, r.prompt_len, model.config.vocab_size, args.seed),
-                      SamplingParams(max_tokens=r.output_len), arrival_time=r.arrival_time)  # fmt: skip
+                      SamplingParams(max_tokens=r.output_len, ignore_eos=True),
+                      arrival_time=r.arrival_time)  # fmt: skip
     wall = {"prefill": 0.0, "decode": 0.0}
     start = time.perf_counter()
     while d.has_unfinished():

@@ -63,7 +63,7 @@ def main(argv: list[str]) -> int:
                               enable_prefix_caching=False)  # chapter 05 measures batching and paging alone
         probe = Engine(model, config)
         for r in workload:
-            probe.add_request([0] * r.prompt_len, SamplingParams(max_tokens=r.output_len))
+            probe.add_request([0] * r.prompt_len, SamplingParams(max_tokens=r.output_len, ignore_eos=True))
     except ValueError as exc:
         parser.error(f"the engine cannot serve this workload: {exc}")
     if config.num_blocks < blocks_needed(max_model_len, config.block_size):

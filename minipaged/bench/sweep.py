@@ -104,7 +104,7 @@ def swap_recompute_rows(block_sizes, num_tokens: int, repeats: int) -> list[tupl
         t_recompute = math.inf
         for _ in range(repeats):  # the prefill step alone: the engine is built outside the timing
             engine = Engine(model, engine_config)
-            engine.add_request(prompt, SamplingParams(max_tokens=1))
+            engine.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
             start = time.perf_counter()
             engine.step()
             t_recompute = min(t_recompute, time.perf_counter() - start)

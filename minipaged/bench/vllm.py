@@ -143,7 +143,8 @@ def run_minipaged(model: LlamaForCausalLM, batches: list[list[dict]], num_blocks
     result = {"batches": []}
     for batch in batches:
         t, cpu = time.perf_counter(), time.process_time()
-        ids = [engine.add_request(r["prompt_token_ids"], SamplingParams(max_tokens=r["max_tokens"])) for r in batch]
+        ids = [engine.add_request(r["prompt_token_ids"], SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True))
+               for r in batch]
         done = {}  # request_id -> output tokens, as step() hands each finished request over
         while engine.has_unfinished():
             done.update((out.request_id, out.seqs[0].output_token_ids) for out in engine.step().outputs)
