@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from minipaged.model import LlamaConfig, LlamaForCausalLM
+from minipaged.model import LlamaConfig, LlamaForCausalLM, rope_cos_sin
 
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
@@ -182,7 +182,10 @@ def load_pretrained(directory, dtype: torch.dtype = torch.float32, device="cpu")
                if generation.get(name) is not None}  # fmt: skip
     config = config_from_hf(hf)
     tensors = load_file(str(directory / WEIGHTS_NAME))
-    model = LlamaForCausalLM(config)
+    # Built on the meta device: shapes without storage, so no random init (135M random numbers take
+    # seconds); the checkpoint's tensors become the parameters.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
     expected = model.state_dict()
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # some exports store the tied copy too
@@ -197,7 +200,10 @@ def load_pretrained(directory, dtype: torch.dtype = torch.float32, device="cpu")
         if t.shape != expected[name].shape:
             want = tuple(expected[name].shape)
             raise ValueError(f"{name} has shape {tuple(t.shape)}, but config.json implies {want}")
-    model.load_state_dict(tensors, strict=False)
+    model.load_state_dict(tensors, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.rope_cos, model.rope_sin = rope_cos_sin(config)
     return model.to(device=device, dtype=dtype).eval()
 
 
