@@ -64,6 +64,11 @@ class BeamSequence:
     score: float
     finished: bool
 
+    @property
+    def finish_reason(self) -> str:
+        """``"stop"`` if it ended with the EOS, ``"length"`` if it ran to ``max_tokens`` (as a request reports it)."""
+        return "stop" if self.finished else "length"
+
 
 @dataclass
 class BeamStepRecord:

@@ -510,8 +510,8 @@ class DisaggregatedEngine:
             seq.sampling_params = replace(seq.sampling_params, max_tokens=asked.max_tokens, min_tokens=asked.min_tokens)
             self.waiting_transfer.append((seq, out.time))
             moved.append(seq_id)
-        for output in out.outputs:
-            del self._params[output.request_id]
+        for output in out.outputs:  # finished in the prefill engine: it reports the parameters asked for
+            output.seqs[0].sampling_params = self._params.pop(output.request_id)
         return DisaggStepOutput("prefill", out.time, moved, out, out.outputs)
 
     def _transfer_start(self, time: float) -> DisaggStepOutput:

@@ -73,7 +73,8 @@ class RequestOutput:
 
     Attributes:
         request_id: the request's id.
-        seqs: its samples (finished :class:`~minipaged.sequence.Sequence`, with their timings), in sample order.
+        seqs: its samples (finished :class:`~minipaged.sequence.Sequence`, with their timings), in sample order;
+            per sample, :attr:`output_token_ids`, :attr:`finish_reason` and :attr:`stop_reason` list theirs.
     """
 
     request_id: object
@@ -488,7 +489,8 @@ class Engine:
         Records the counts in ``engine.metrics``.
 
         Args:
-            logits: what :meth:`execute` returned: per sequence whose chunk ends, ``1 + k`` rows.
+            logits: what :meth:`execute` returned (stop tokens masked before ``min_tokens`` by
+                :func:`mask_stop_tokens`): per sequence whose chunk ends, ``1 + k`` rows.
             seqs: those sequences, in order.
             spec: seq_id -> drafts (``SchedulerOutput.spec_token_ids``).
 
@@ -560,6 +562,8 @@ class Engine:
             prompts: list[list[int]] | None = None) -> list[Sequence]:  # fmt: skip
         """Replay a workload to the end (see :class:`Replay`); returns the sequences in the workload's order.
 
+        Each request makes exactly its ``output_len`` tokens (``ignore_eos=True``), as in vLLM's benchmarks.
+
         Args:
             workload: the requests, with arrival times relative to the start of the run.
             progress: show a progress bar of finished requests.
@@ -581,6 +585,8 @@ class Engine:
 
         It steps until nothing is unfinished: requests queued before with :meth:`add_request`
         finish too, and are forgotten (unless ``keep_finished``) as :meth:`step` hands them over.
+        An output ends at the model's EOS (kept in it) unless ``sampling_params.ignore_eos``, at a
+        stop token, or at ``max_tokens``.
 
         Args:
             prompts: the prompts' token ids.

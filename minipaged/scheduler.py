@@ -407,6 +407,12 @@ class Scheduler:
         back over the rejected ones (:func:`minipaged.speculative.rollback_drafts`) before any
         block gets a key. The allocator's subscribers hear of the frees, forks and keys once
         every sequence has advanced.
+
+        Args:
+            out: this step's plan, as :meth:`schedule` made it.
+            sampled: seq_id -> the token sampled for it this step.
+            now: the time of the step's end, in the engine's clock (the tokens' and finishes' time).
+            accepted: seq_id -> the drafts it accepted (speculative decoding; None: no drafts).
         """
         with self.allocator.hold_events():
             return self._postprocess(out, sampled, now, accepted or {})

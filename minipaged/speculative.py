@@ -33,6 +33,14 @@ draft distribution puts all its mass on ``d_i``): accept ``d_i`` with probabilit
 from ``p_k``. Every emitted token then has exactly the target's distribution, so sampled
 output is distributed as without drafts, although not the same draws for the same seed.
 
+**Stopping** (:mod:`minipaged.stopping`): the ``j + 1`` tokens of a step are appended one by one,
+each checked as a plainly decoded token would be, so a stop token (or the EOS) among the accepted
+drafts ends the request right there: the tokens after it, bonus token included, are dropped and
+its blocks are freed in the same step. ``min_tokens`` holds at every verified position: before
+verification, row ``i`` of a request (which picks its output token number ``num_output_tokens + i``)
+has the stop tokens masked if that number is below ``min_tokens``, so a drafted stop token there
+can never equal the target's choice and is rejected (:func:`minipaged.engine.mask_stop_tokens`).
+
 **Rollback** (:func:`rollback_drafts`): the verification step wrote K/V for all ``k + 1``
 positions, but only the last sampled token and the ``j`` accepted drafts are real. Rolling
 back moves ``num_computed_tokens`` (and the block table's ``num_tokens``) back to the end of

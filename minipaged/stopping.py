@@ -5,7 +5,9 @@ request ends in one of three ways, its **finish reason** (as vLLM names them):
 
 * ``"stop"``: the model produced the checkpoint's **EOS** token (``LlamaConfig.eos_token_id``,
   from ``config.json`` or ``generation_config.json``) or one of the caller's ``stop_token_ids``;
-* ``"length"``: it has ``max_tokens`` output tokens;
+* ``"length"``: it has ``max_tokens`` output tokens (vLLM also ends a request at the model's
+  length; here a request whose prompt and ``max_tokens`` could pass ``max_position_embeddings``
+  is refused when it is added, so that never happens);
 * ``"abort"``: the caller dropped it.
 
 The rules, resolved once per request by :meth:`StopRules.resolve` and then checked after every

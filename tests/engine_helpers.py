@@ -2,9 +2,20 @@
 
 :func:`drive` runs requests through an engine as they arrive, with random aborts;
 :func:`snapshot` is every piece of bookkeeping a failed step must leave as it was.
+Stop tokens: :func:`with_eos` gives a model a checkpoint EOS, :func:`stop_params` draws stopping
+rules that fire (stop ids taken from what the request generates without them),
+:func:`reference` is contiguous generation under the same rules, and :func:`check_finished`
+checks a finished sequence's ``finish_reason`` and ``stop_reason`` against its output.
 """
 
+import copy
+from dataclasses import replace
+
+from hypothesis import strategies as st
+
 from minipaged.engine import Engine
+from minipaged.generate import generate_contiguous
+from minipaged.sequence import SamplingParams, SequenceStatus
 
 
 def snapshot(engine: Engine) -> dict:
@@ -18,7 +29,7 @@ def snapshot(engine: Engine) -> dict:
         "waiting": [s.seq_id for s in sched.waiting],
         "running": [s.seq_id for s in sched.running],
         "seqs": [(s.seq_id, s.status, s.num_computed_tokens, list(s.token_ids), list(s.token_times), s.finish_time,
-                  s.num_preemptions, [c.seq_id for c in s.pending_forks],
+                  s.finish_reason, s.stop_reason, s.num_preemptions, [c.seq_id for c in s.pending_forks],
                   None if s.block_table is None else (list(s.block_table.blocks), s.block_table.num_tokens))
                  for s in seqs],
         "swap_space": sorted(map(str, engine.swap_space)),
@@ -47,7 +58,7 @@ def drive(engine: Engine, requests: list, rng, add, abort_prob: float = 0.0, ste
         for _ in range(arrivals_per_step):
             if pending:
                 add(engine, *pending.pop(0))
-        live = [rid for rid, s in engine.requests.items() if not s.is_finished]
+        live = list(dict.fromkeys(s.request_id for s in engine.requests.values() if not s.is_finished))
         if live and rng.random() < abort_prob:
             rid = rng.choice(live)
             engine.abort(rid)
@@ -55,3 +66,70 @@ def drive(engine: Engine, requests: list, rng, add, abort_prob: float = 0.0, ste
         if engine.has_unfinished():
             step()
     return aborted
+
+
+# ---- stop tokens ---------------------------------------------------------------------------------------------------
+
+
+# Tokens the seed-0 tiny model (LlamaConfig() defaults) often produces: as its checkpoint EOS (the first;
+# the others report their id, as a generation config's further EOS ids do in vLLM), requests end by themselves.
+STOP_EOS = (186, 321, 492)
+
+
+def with_eos(model, eos_token_id):
+    """The same weights under a config whose checkpoint EOS is ``eos_token_id`` (an id or a tuple of ids)."""
+    clone = copy.deepcopy(model)
+    clone.config = replace(model.config, eos_token_id=eos_token_id)
+    return clone
+
+
+_REFERENCE: dict = {}
+
+
+def reference(model, prompt: list[int], params: SamplingParams) -> list[int]:
+    """Contiguous greedy generation under ``params``' stopping rules (memoised)."""
+    key = (id(model), tuple(prompt), params.max_tokens, tuple(params.stop_token_ids), params.ignore_eos,
+           params.min_tokens)  # fmt: skip
+    if key not in _REFERENCE:
+        _REFERENCE[key] = generate_contiguous(model, prompt, params.max_tokens, stop_token_ids=params.stop_token_ids,
+                                              ignore_eos=params.ignore_eos, min_tokens=params.min_tokens)  # fmt: skip
+    return _REFERENCE[key]
+
+
+def stop_params(pick, model, prompt: list[int], max_tokens: int, **extra) -> SamplingParams:
+    """Draw stopping rules for a request that fire: stop ids among the tokens it makes without stopping.
+
+    Args:
+        pick: ``pick(lo, hi)`` draws an int in ``[lo, hi]`` (``random.Random.randint``, or :func:`hypothesis_pick`).
+        model: the model (its EOS is part of the rules unless ``ignore_eos`` is drawn).
+        prompt: the request's prompt.
+        max_tokens: its ``max_tokens``.
+        extra: more SamplingParams fields (``n``, ...).
+    """
+    free = reference(model, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    stops = tuple(free[pick(0, len(free) - 1)] for _ in range(pick(0, 2)))
+    ignore_eos = pick(0, 3) == 0
+    min_tokens = pick(1, max_tokens) if pick(0, 1) else 0
+    return SamplingParams(max_tokens=max_tokens, stop_token_ids=stops, ignore_eos=ignore_eos, min_tokens=min_tokens,
+                          **extra)  # fmt: skip
+
+
+def hypothesis_pick(data):
+    """:func:`stop_params`'s ``pick`` from hypothesis's ``st.data()``."""
+    return lambda lo, hi: data.draw(st.integers(lo, hi))
+
+
+def check_finished(seq) -> str:
+    """A finished sequence's reasons agree with its output and rules, and its blocks are freed; returns its reason."""
+    out, rules = seq.output_token_ids, seq.stop_rules
+    stops = rules.stop_token_ids | {rules.eos_token_id}
+    assert seq.status is SequenceStatus.FINISHED and seq.block_table is None, seq
+    assert not stops & set(out[:-1]), f"{seq.seq_id!r} went on past a stop token: {out}"
+    assert not set(rules.masked_token_ids) & set(out[: rules.min_tokens]), f"{seq.seq_id!r}: a stop before min_tokens"
+    if out[-1] == rules.eos_token_id:
+        assert (seq.finish_reason, seq.stop_reason) == ("stop", None), seq.seq_id
+    elif out[-1] in rules.stop_token_ids:
+        assert (seq.finish_reason, seq.stop_reason) == ("stop", out[-1]), seq.seq_id
+    else:
+        assert (seq.finish_reason, seq.stop_reason, len(out)) == ("length", None, rules.max_tokens), seq.seq_id
+    return seq.finish_reason

@@ -54,6 +54,8 @@ def test_contiguous_attention_checks_k_shape_first(shape, name):
     ("num_key_value_heads", 0, ValueError), ("vocab_size", -1, ValueError), ("hidden_size", -5, ValueError),
     ("num_attention_heads", 4.0, TypeError), ("head_dim", True, TypeError), ("max_position_embeddings", 0, ValueError),
     ("rope_theta", float("nan"), ValueError), ("rms_norm_eps", "1e-6", TypeError),
+    ("eos_token_id", 512, ValueError), ("eos_token_id", "2", TypeError), ("eos_token_id", (2, 2.0), TypeError),
+    ("eos_token_id", -1, ValueError), ("bos_token_id", 512, ValueError), ("bos_token_id", True, TypeError),
 ])  # fmt: skip
 def test_llama_config_names_the_bad_field(field, value, error):
     with pytest.raises(error, match=f"LlamaConfig.{field}"):

@@ -161,7 +161,41 @@ def test_a_loaded_checkpoint_runs_through_the_paged_cache(tmp_path):
     assert generate_paged(loaded, prompts, 6, block_size=4) == [generate_contiguous(model, p, 6) for p in prompts]
 
 
+def test_eos_and_bos_round_trip_and_generation_config_takes_precedence(tmp_path):
+    config = LlamaConfig(**{**SMALL.__dict__, "eos_token_id": (7, 3), "bos_token_id": 1})
+    model, directory = saved(tmp_path, config)
+    assert json.loads((directory / CONFIG_NAME).read_text())["eos_token_id"] == [7, 3]
+    assert json.loads((directory / GENERATION_CONFIG_NAME).read_text()) == {"bos_token_id": 1, "eos_token_id": [7, 3]}
+    assert LlamaForCausalLM.from_pretrained(directory).config == model.config
+    # A checkpoint's generation_config.json decides what generation stops at, as vLLM reads it.
+    (directory / GENERATION_CONFIG_NAME).write_text(json.dumps({"eos_token_id": 2, "bos_token_id": None}))
+    loaded = LlamaForCausalLM.from_pretrained(directory).config
+    assert (loaded.eos_token_id, loaded.bos_token_id) == (2, 1)  # a null in it leaves config.json's value
+    (directory / GENERATION_CONFIG_NAME).unlink()  # without one, config.json's
+    assert LlamaForCausalLM.from_pretrained(directory).config.eos_token_id == (7, 3)
+    edit_config(directory, eos_token_id=None)
+    assert LlamaForCausalLM.from_pretrained(directory).config.eos_token_id is None
+
+
+def test_a_checkpoint_whose_eos_is_in_both_files_reads_it():
+    """How a converted Hugging Face checkpoint (SmolLM2's: EOS 2 in both files) lists its EOS."""
+    hf = {"vocab_size": 10, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+          "num_attention_heads": 4, "eos_token_id": 2, "bos_token_id": 1}  # fmt: skip
+    assert (config_from_hf(hf).eos_token_id, config_from_hf(hf).bos_token_id) == (2, 1)
+    assert config_from_hf({**hf, "eos_token_id": [2]}).eos_token_id == 2  # a one-id list is that id
+    with pytest.raises(ValueError, match="LlamaConfig.eos_token_id holds 12, outside the vocabulary"):
+        config_from_hf({**hf, "eos_token_id": [2, 12]})
+
+
 # --------------------------------------------------------------------------- the shipped course model
+
+
+def test_course_model_ends_text_with_its_eos():
+    model = load_course_model()
+    assert model.config.eos_token_id == tokenizer.EOS_ID == 256  # config.json's: requests stop at it by default
+    prompt = tokenizer.encode("x = 1\n")
+    free = generate_contiguous(model, prompt, 24, ignore_eos=True)
+    assert generate_contiguous(model, prompt, 24, stop_token_ids=[free[5]]) == free[: free.index(free[5]) + 1]
 
 
 def test_course_model_ships_with_its_card_in_float16():

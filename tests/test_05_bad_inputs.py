@@ -1,6 +1,7 @@
 """Issue 11, chapter 05: a request or engine that can never run is refused up front, with the argument named."""
 
 from collections import namedtuple
+from dataclasses import replace
 
 import pytest
 import torch
@@ -37,6 +38,9 @@ def unchanged(engine):
     # prompt + max_tokens past max_position_embeddings: accepted before, then every step raised inside
     ({"prompt_token_ids": [1] * 40, "sampling_params": SamplingParams(max_tokens=25)}, ValueError,
      "65 exceeds the model's max_position_embeddings=64"),
+    # a stop token the model cannot produce: accepted, it would make every min_tokens mask raise inside a step
+    ({"sampling_params": SamplingParams(stop_token_ids=(4, 512))}, ValueError,
+     r"stop_token_ids\[1\] = 512 is outside the token ids \[0, 512\) of the model"),
 ])  # fmt: skip
 def test_add_request_refuses_bad_input_and_changes_nothing(model, kwargs, error, match):
     engine = Engine(model, EngineConfig(num_blocks=32, block_size=4))
@@ -87,6 +91,12 @@ def test_sampling_params_types():
     with pytest.raises(TypeError, match="stop_token_ids"):
         SamplingParams(stop_token_ids=2.5)
     assert SamplingParams(stop_token_ids=None).stop_token_ids == ()  # vLLM's spelling of "no stop tokens"
+    with pytest.raises(TypeError, match="ignore_eos must be True or False, got int 1"):
+        SamplingParams(ignore_eos=1)
+    with pytest.raises(ValueError, match="min_tokens must be at most max_tokens=16, got 17"):
+        SamplingParams(min_tokens=17)
+    with pytest.raises(ValueError, match="min_tokens must be at most max_tokens=2"):  # replace() checks again
+        replace(SamplingParams(max_tokens=8, min_tokens=4), max_tokens=2)
 
 
 def test_replay_refuses_arrival_times_that_never_come(model):

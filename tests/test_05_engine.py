@@ -2,11 +2,13 @@
 
 import math
 import random
+from collections import Counter
+from dataclasses import replace
 
 import engine_helpers
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minipaged.clock import VirtualClock
@@ -26,6 +28,11 @@ pytestmark = pytest.mark.ch05
 def model():
     torch.set_num_threads(1)  # tiny matmuls; threads only add contention
     return LlamaForCausalLM(LlamaConfig(), seed=0).eval()
+
+
+@pytest.fixture(scope="module")
+def eos_model(model):
+    return engine_helpers.with_eos(model, engine_helpers.STOP_EOS)
 
 
 def random_requests(rng, n, vocab, max_prompt=40, max_out=12):
@@ -71,6 +78,144 @@ def test_outputs_match_contiguous_under_preemption_chunking_and_aborts(model, ch
         assert seq.output_token_ids == generate_contiguous(model, prompt, n), f"request r{i} differs"
         finished += 1
     assert finished >= 8
+
+
+def add_stopping_request(engine, i, request):
+    prompt, params = request
+    engine.add_request(prompt, params, request_id=f"r{i}")
+
+
+def run_with_stops(model, config, requests, rng, abort_prob):
+    """Drive ``(prompt, params)`` requests; after every step the ones that finished hold no block.
+
+    Returns the count of each finish reason, having checked every output against the reference.
+    """
+    engine = Engine(model, config)
+
+    def step():
+        out = engine.step()
+        for seq_id in out.finished:
+            engine_helpers.check_finished(engine.requests[seq_id])  # its blocks are free from this step on
+
+    aborted = engine_helpers.drive(engine, requests, rng, add_stopping_request, abort_prob, step)
+    assert engine.cache.allocator.num_free == config.num_blocks and not engine.swap_space
+    reasons = Counter()
+    for i, (prompt, params) in enumerate(requests):
+        seq = engine.requests[f"r{i}"]
+        if f"r{i}" in aborted:
+            assert (seq.status, seq.finish_reason, seq.stop_reason) == (SequenceStatus.ABORTED, "abort", None)
+            reasons["abort"] += 1
+            continue
+        assert seq.output_token_ids == engine_helpers.reference(model, prompt, params), f"request r{i} differs"
+        reasons[engine_helpers.check_finished(seq)] += 1
+    return engine, reasons
+
+
+@pytest.mark.parametrize("chunked, mode", [(True, "recompute"), (False, "swap")])
+def test_outputs_with_stops_match_contiguous_under_preemption_and_chunking(eos_model, chunked, mode):
+    rng = random.Random(21 + chunked)
+    config = EngineConfig(num_blocks=20, block_size=4, max_num_seqs=8, max_num_batched_tokens=64 if not chunked else 24,
+                          chunked_prefill=chunked, preemption_mode=mode, keep_finished=True)  # fmt: skip
+    requests = [(p, engine_helpers.stop_params(rng.randint, eos_model, p, n))
+                for p, n in random_requests(rng, 16, eos_model.config.vocab_size)]  # fmt: skip
+    engine, reasons = run_with_stops(eos_model, config, requests, rng, abort_prob=0.05)
+    assert engine.metrics.num_preemptions > 0
+    assert reasons["stop"] >= 3 and reasons["length"] >= 3 and reasons["abort"] >= 1, reasons
+    stopped = [s for s in engine.requests.values() if s.finish_reason == "stop"]
+    eos_ids = engine_helpers.STOP_EOS
+    assert any(s.stop_reason is None or s.stop_reason in eos_ids[1:] for s in stopped)  # by the checkpoint's EOS
+    assert any(s.stop_reason in s.sampling_params.stop_token_ids for s in stopped)  # and by the caller's stop tokens
+    masked = [s for s in engine.requests.values() if s.finish_reason != "abort" and s.output_token_ids !=
+              engine_helpers.reference(eos_model, s.prompt_token_ids, replace(s.sampling_params, min_tokens=0))]
+    assert masked  # min_tokens changed some outputs: a stop token came up before it and was masked
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10**6), num_blocks=st.integers(14, 30), chunked=st.booleans(),
+       mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(), data=st.data())
+def test_random_workloads_with_stops_match_contiguous(eos_model, seed, num_blocks, chunked, mode, caching, data):
+    rng = random.Random(seed)
+    config = EngineConfig(num_blocks=num_blocks, block_size=4, max_num_seqs=6, keep_finished=True,
+                          max_num_batched_tokens=16 if chunked else 64, chunked_prefill=chunked, preemption_mode=mode,
+                          enable_prefix_caching=caching)  # fmt: skip
+    pick = engine_helpers.hypothesis_pick(data)
+    requests = [(p, engine_helpers.stop_params(pick, eos_model, p, n))
+                for p, n in random_requests(rng, 8, eos_model.config.vocab_size, max_prompt=30)]  # fmt: skip
+    run_with_stops(eos_model, config, requests, rng, abort_prob=0.05)
+
+
+def test_ignore_eos_and_stop_token_ids_against_named_wrong_behaviours(model):
+    prompt = [1, 2, 3]
+    free = generate_contiguous(model, prompt, 12)
+    eos = free[2]
+    assert eos not in free[:2]
+    with_eos = engine_helpers.with_eos(model, eos)
+    engine = Engine(with_eos, EngineConfig(keep_finished=True))
+    ids = {name: engine.add_request(prompt, params) for name, params in {
+        "default": SamplingParams(max_tokens=12),
+        "ignore_eos": SamplingParams(max_tokens=12, ignore_eos=True),
+        "ignore_eos, a stop token": SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=(free[6],)),
+        "a stop token at the last allowed token": SamplingParams(max_tokens=2, stop_token_ids=(free[1],)),
+    }.items()}  # fmt: skip
+    while engine.has_unfinished():
+        engine.step()
+    seq = {name: engine.requests[i] for name, i in ids.items()}
+    out = {name: s.output_token_ids for name, s in seq.items()}
+    assert out["default"] == free[:3]  # wrong: running past the EOS, or dropping it from the output
+    assert (seq["default"].finish_reason, seq["default"].stop_reason) == ("stop", None)
+    assert out["ignore_eos"] == free  # wrong: the EOS still stops it, or is left out of the output
+    assert seq["ignore_eos"].finish_reason == "length"
+    assert out["ignore_eos, a stop token"] == free[: free.index(free[6]) + 1]  # wrong: ignore_eos ignores them too
+    assert seq["ignore_eos, a stop token"].stop_reason == free[6]
+    last = seq["a stop token at the last allowed token"]
+    assert (last.finish_reason, last.stop_reason) == ("stop", free[1])  # stop is checked before length, as in vLLM
+    # A workload's output_len means exactly that many tokens, although the EOS comes up early.
+    done = Engine(with_eos).run([RequestSpec(0.0, 3, 12), RequestSpec(0.0, 3, 5)], progress=False, prompts=[prompt] * 2)
+    assert [s.output_token_ids for s in done] == [free, free[:5]]
+    assert [s.finish_reason for s in done] == ["length", "length"]
+    # A further EOS id of the checkpoint stops too and reports its id (vLLM's generation-config EOS ids);
+    # RequestOutput says so per sample.
+    two = Engine(engine_helpers.with_eos(model, (free[5], eos)))
+    two.add_request(prompt, SamplingParams(max_tokens=12, n=2))
+    outputs = []
+    while two.has_unfinished():
+        outputs += two.step().outputs
+    [o] = outputs
+    assert (o.output_token_ids, o.finish_reason, o.stop_reason) == ([free[:3]] * 2, ["stop"] * 2, [eos] * 2)
+
+
+def test_min_tokens_against_named_wrong_behaviours(model):
+    prompt = [1, 2, 3]
+    free = generate_contiguous(model, prompt, 12)
+    eos, stop = free[2], free[4]
+    assert eos not in free[:2] and stop not in free[:4]
+    with_eos = engine_helpers.with_eos(model, eos)
+
+    def run(**params):
+        engine = Engine(with_eos, EngineConfig(keep_finished=True))
+        rid = engine.add_request(prompt, SamplingParams(max_tokens=12, stop_token_ids=(stop,), **params))
+        while engine.has_unfinished():
+            engine.step()
+        return engine.requests[rid]
+
+    def masked_argmax(tokens):
+        """The greedy token after ``prompt + tokens`` with the EOS and the stop token masked (computed afresh)."""
+        ids = torch.tensor(prompt + tokens)
+        row = with_eos.forward_contiguous(ids, torch.arange(len(ids)))[0][-1].clone()
+        row[[eos, stop]] = float("-inf")
+        return int(row.argmax())
+
+    assert run().output_token_ids == free[:3]
+    at_eos = run(min_tokens=3).output_token_ids  # the EOS at position 2 is masked, so the next-best token comes
+    assert len(at_eos) > 3  # wrong: stopping before min_tokens
+    assert at_eos[2] != eos and at_eos[2] == masked_argmax(free[:2])  # wrong: not stopping but keeping the EOS
+    assert stop not in at_eos[:3] and eos not in at_eos[:3]
+    assert run(min_tokens=2).output_token_ids == free[:3]  # wrong: masking past min_tokens (one row too many)
+    ignoring = run(min_tokens=3, ignore_eos=True).output_token_ids
+    assert ignoring[2] == masked_argmax(free[:2])  # vLLM masks the EOS before min_tokens even with ignore_eos
+    for seq in (run(min_tokens=3), run(min_tokens=12)):
+        assert seq.output_token_ids == engine_helpers.reference(with_eos, prompt, seq.sampling_params)
+        engine_helpers.check_finished(seq)
 
 
 def test_static_batching_outputs_match_and_batches_wait_for_the_longest(model):
@@ -182,14 +327,6 @@ def test_virtual_clock_runs_are_deterministic_and_metrics_follow_events(model):
 def test_percentiles():
     assert percentiles([1.0, 2.0, 3.0, 4.0, 5.0]) == {50: 3.0, 90: 4.6, 99: pytest.approx(4.96)}
     assert all(math.isnan(v) for v in percentiles([]).values())
-
-
-@given(st.lists(st.floats(min_value=0, max_value=1e6, allow_nan=False), min_size=1, max_size=40))
-def test_percentiles_agree_with_numpy_linear_interpolation(values):
-    import numpy as np
-
-    for p, v in percentiles(values).items():
-        assert v == pytest.approx(float(np.percentile(values, p)), rel=1e-12, abs=1e-9)
 
 
 def test_run_replays_arrivals_and_idles_between_them(model):

@@ -10,7 +10,10 @@ stage (the step is rolled back: nothing changes). After every rule the machine c
 - no request is lost: the unfinished requests are exactly those queued, running or about to fork;
 - swap space only for waiting (preempted) requests;
 - the metrics agree with the allocator;
-- each finished greedy output equals contiguous generation.
+- each finished greedy output equals contiguous generation under the same stopping rules, and
+  its ``finish_reason`` and ``stop_reason`` agree with its output (requests stop at the model's
+  EOS, at stop tokens drawn from what they would generate, never before ``min_tokens``; some
+  ``ignore_eos``); an aborted one's reason is ``"abort"``.
 
 Both preemption modes, prefix caching on and off, keep_finished on and off. Seeded
 (``derandomize``) and bounded: a small model and pool, a few examples.
@@ -19,16 +22,16 @@ Both preemption modes, prefix caching on and off, keep_finished on and off. Seed
 import math
 from collections import Counter
 
+import engine_helpers
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 import minipaged.engine as engine_module
 from minipaged.block_manager import BlockTable
 from minipaged.engine import Engine
-from minipaged.generate import generate_contiguous
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 from minipaged.scheduler import EngineConfig
 from minipaged.sequence import SamplingParams, Sequence, SequenceStatus
@@ -36,18 +39,10 @@ from minipaged.sequence import SamplingParams, Sequence, SequenceStatus
 pytestmark = pytest.mark.ch05
 
 torch.set_num_threads(1)
-MODEL = LlamaForCausalLM(LlamaConfig(), seed=0).eval()
+# Its EOS ids are tokens it often produces for these prompts, so requests end by themselves.
+MODEL = LlamaForCausalLM(LlamaConfig(eos_token_id=(211, 487, 368)), seed=0).eval()
 MAX_TOKENS = 6
 PREFIXES = [[], [11, 12, 13, 14], [11, 12, 13, 14, 15, 16, 17, 18]]  # block_size 4: whole shared blocks
-_contiguous: dict[tuple, list[int]] = {}
-
-
-def contiguous(prompt: list[int], max_tokens: int) -> list[int]:
-    """Greedy contiguous generation, cached per prompt (a shorter run is a prefix of the longest)."""
-    key = tuple(prompt)
-    if key not in _contiguous:
-        _contiguous[key] = generate_contiguous(MODEL, prompt, MAX_TOKENS)
-    return _contiguous[key][:max_tokens]
 
 
 class Fault(Exception):
@@ -62,6 +57,7 @@ def fault_sites(engine):
         "swap": (engine.cache, "swap_out", "before") if engine.config.preemption_mode == "swap"
         else (engine, "swap", "before"),
         "forward": (engine.model, "forward", "before"),
+        "mask": (engine_module, "mask_stop_tokens", "after"),
         "sample": (engine_module, "sample", "before"),
         "postprocess_midway": (Sequence, "append_token", "after"),  # a sequence already took its token
         "metrics": (engine.metrics, "record_step", "after"),
@@ -69,7 +65,8 @@ def fault_sites(engine):
     }
 
 
-STAGES = ["schedule", "schedule_midway", "swap", "forward", "sample", "postprocess_midway", "metrics", "hand_over"]
+STAGES = ["schedule", "schedule_midway", "swap", "forward", "mask", "sample", "postprocess_midway", "metrics",
+          "hand_over"]
 
 INVALID = {
     "float id": (lambda e: e.add_request([3.7, 2.2]), TypeError),
@@ -80,6 +77,9 @@ INVALID = {
     "nan arrival": (lambda e: e.add_request([1, 2], arrival_time=math.nan), ValueError),
     "too big for the pool": (lambda e: e.add_request([1] * 60, SamplingParams(max_tokens=4)), ValueError),
     "bad generate": (lambda e: e.generate([[1, 2], [1.5]]), TypeError),
+    "stop id out of vocab": (lambda e: e.add_request([1, 2], SamplingParams(stop_token_ids=(3, 512))), ValueError),
+    "min_tokens past max_tokens": (lambda e: e.add_request([1, 2], SamplingParams(max_tokens=2, min_tokens=3)),
+                                   ValueError),
 }
 
 
@@ -91,11 +91,15 @@ def snapshot(engine: Engine):
     return (alloc.free_queue() if hasattr(alloc, "free_queue") else list(alloc.free_block_ids), alloc.refcounts,
             [alloc.block_key(b) for b in range(alloc.num_blocks)] if hasattr(alloc, "block_key") else None,
             [s.seq_id for s in sched.running], [s.seq_id for s in sched.waiting],
-            [(s.seq_id, s.status, s.num_computed_tokens, list(s.token_ids), s.num_preemptions,
+            [(s.seq_id, s.status, s.num_computed_tokens, list(s.token_ids), s.finish_reason, s.stop_reason,
+              s.num_preemptions,
               None if s.block_table is None else (list(s.block_table.blocks), s.block_table.num_tokens)) for s in seqs],
             sorted(map(str, engine.requests)), sorted(map(str, engine.samples)), sorted(map(str, engine.swap_space)),
             engine.clock.now(), engine.metrics.used_blocks, engine.metrics.num_steps,
             list(engine.metrics.history))  # fmt: skip
+
+
+REASONS: Counter = Counter()  # finish reasons over every run of the machine: the stops must actually fire
 
 
 class EngineMachine(RuleBasedStateMachine):
@@ -104,22 +108,28 @@ class EngineMachine(RuleBasedStateMachine):
         config = EngineConfig(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=12, watermark=0.0,
                               preemption_mode=mode, enable_prefix_caching=caching, keep_finished=keep)  # fmt: skip
         self.engine = Engine(MODEL, config)
-        self.live: dict[int, tuple[list[int], int]] = {}  # request_id -> (prompt, max_tokens)
+        self.live: dict[int, tuple[list[int], SamplingParams]] = {}  # request_id -> (prompt, params)
         self.finished: set[int] = set()
+        self.reasons: Counter = Counter()
 
     def _collect(self, outputs) -> None:
         for out in outputs:
-            prompt, max_tokens = self.live.pop(out.request_id)
-            assert out.output_token_ids == [contiguous(prompt, max_tokens)], out.request_id
+            prompt, params = self.live.pop(out.request_id)
+            assert out.output_token_ids == [engine_helpers.reference(MODEL, prompt, params)], out.request_id
+            for seq in out.seqs:
+                self.reasons[engine_helpers.check_finished(seq)] += 1
+            assert out.finish_reason == [s.finish_reason for s in out.seqs]
             self.finished.add(out.request_id)
 
     @rule(requests=st.lists(st.tuples(st.sampled_from(PREFIXES), st.lists(st.integers(0, 60), min_size=1, max_size=6),
-                                       st.integers(1, MAX_TOKENS)), min_size=1, max_size=3))  # fmt: skip
-    def add(self, requests):
+                                       st.integers(1, MAX_TOKENS)), min_size=1, max_size=3),
+          data=st.data())  # fmt: skip
+    def add(self, requests, data):
         for prefix, suffix, max_tokens in requests:
             prompt = prefix + suffix
-            rid = self.engine.add_request(prompt, SamplingParams(max_tokens=max_tokens))
-            self.live[rid] = (prompt, max_tokens)
+            params = engine_helpers.stop_params(engine_helpers.hypothesis_pick(data), MODEL, prompt, max_tokens)
+            rid = self.engine.add_request(prompt, params)
+            self.live[rid] = (prompt, params)
 
     @rule(kind=st.sampled_from(sorted(INVALID)))
     def invalid_add(self, kind):
@@ -137,6 +147,8 @@ class EngineMachine(RuleBasedStateMachine):
         self.engine.abort(rid)
         del self.live[rid]
         assert self.engine.config.keep_finished == (rid in self.engine.samples)
+        if self.engine.config.keep_finished:
+            assert {(s.finish_reason, s.stop_reason) for s in self.engine.samples[rid]} == {("abort", None)}
 
     @rule()
     def step(self):
@@ -192,10 +204,11 @@ class EngineMachine(RuleBasedStateMachine):
         queued = [*sched.running, *sched.waiting]
         queued_ids = {s.request_id for s in queued} | {c.request_id for s in queued for c in s.pending_forks}
         assert queued_ids == set(self.live)
-        assert all(not s.is_finished for s in queued)
+        assert all(not s.is_finished and s.finish_reason is None for s in queued)
         if engine.config.keep_finished:
             assert self.finished <= set(engine.samples)
-            assert all(s.status is SequenceStatus.FINISHED for r in self.finished for s in engine.samples[r])
+            assert all(s.status is SequenceStatus.FINISHED and s.finish_reason in ("stop", "length")
+                       for r in self.finished for s in engine.samples[r])  # fmt: skip
         else:
             assert set(engine.samples) == set(self.live)
 
@@ -213,8 +226,17 @@ class EngineMachine(RuleBasedStateMachine):
                     break
                 self._collect(self.engine.step().outputs)
             assert not self.live and self.engine.cache.allocator.num_used == 0
+            if self.reasons:
+                REASONS.update(self.reasons)
 
 
 EngineMachine.TestCase.settings = settings(max_examples=12, stateful_step_count=40, deadline=None, derandomize=True,
                                            suppress_health_check=list(HealthCheck))  # fmt: skip
 test_engine_state_machine = EngineMachine.TestCase
+
+
+def test_stops_fired_in_the_state_machine():
+    """Collected after the machine (file order): its requests ended by stop tokens and by their length."""
+    if not REASONS:  # run alone: run the machine first
+        run_state_machine_as_test(EngineMachine, settings=EngineMachine.TestCase.settings)
+    assert REASONS["stop"] > 0 and REASONS["length"] > 0, REASONS

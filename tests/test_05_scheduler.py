@@ -22,14 +22,15 @@ def fake_token(seq: Sequence) -> int:
     return (31 * hash(seq.seq_id) + 7 * seq.num_tokens) % VOCAB
 
 
-def alone(seq: Sequence) -> list[int]:
-    """What the fake model generates for ``seq`` with nobody else around."""
-    out = []
-    for k in range(seq.sampling_params.max_tokens):
+def alone(seq: Sequence) -> tuple[list[int], str]:
+    """What the fake model generates for ``seq`` with nobody else around, and its finish reason."""
+    params, out = seq.sampling_params, []
+    stops = set(params.stop_token_ids) | ({seq.eos_token_id} if not params.ignore_eos else set())
+    for k in range(params.max_tokens):
         out.append((31 * hash(seq.seq_id) + 7 * (seq.num_prompt_tokens + k)) % VOCAB)
-        if out[-1] in seq.sampling_params.stop_token_ids:
-            break
-    return out
+        if out[-1] in stops:
+            return out, "stop"
+    return out, "length"
 
 
 def step(sched: Scheduler, now: float):
@@ -58,7 +59,12 @@ def step(sched: Scheduler, now: float):
         assert not out.swap_out and all(s.num_computed_tokens == 0 for s in sched.waiting)
     scheduled = zip(out.seqs, out.num_new_tokens)
     sampled = {s.seq_id: fake_token(s) for s, n in scheduled if s.num_computed_tokens + n == s.num_tokens}
-    return out, sched.postprocess(out, sampled, now)
+    finished = sched.postprocess(out, sampled, now)
+    for seq in finished:  # freed at the stop: its blocks are back in the pool by the end of the step
+        assert seq.status is SequenceStatus.FINISHED and seq.block_table is None and seq not in sched.running
+    held = [b for s in sched.running for b in s.block_table.blocks]
+    assert len(held) == sched.allocator.num_used
+    return out, finished
 
 
 @st.composite
@@ -84,9 +90,12 @@ def pools_and_requests(draw):
     chunked=st.booleans(),
     aborts=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 9)), max_size=3),
     stop=st.sets(st.integers(0, VOCAB - 1), max_size=2),
+    eos=st.one_of(st.none(), st.integers(0, VOCAB - 1)),
+    ignore_eos=st.booleans(),
     mode=st.sampled_from(["recompute", "swap"]),
 )
-def test_random_workload_invariants(pool_and_reqs, max_num_seqs, budget, watermark, chunked, aborts, stop, mode):
+def test_random_workload_invariants(pool_and_reqs, max_num_seqs, budget, watermark, chunked, aborts, stop, eos,
+                                    ignore_eos, mode):  # fmt: skip
     block_size, num_blocks, reqs = pool_and_reqs
     cfg = EngineConfig(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=budget, watermark=watermark, chunked_prefill=chunked,
@@ -94,8 +103,8 @@ def test_random_workload_invariants(pool_and_reqs, max_num_seqs, budget, waterma
     sched = Scheduler(cfg, BlockAllocator(num_blocks, block_size))
     seqs = []
     for i, (p, m, t) in enumerate(reqs):
-        params = SamplingParams(max_tokens=m, stop_token_ids=tuple(stop))
-        seq = Sequence(i, [(i + j) % VOCAB for j in range(p)], params, float(t))
+        params = SamplingParams(max_tokens=m, stop_token_ids=tuple(stop), ignore_eos=ignore_eos)
+        seq = Sequence(i, [(i + j) % VOCAB for j in range(p)], params, float(t), eos_token_id=eos)
         seqs.append(seq)
     arrivals = sorted(seqs, key=lambda s: s.arrival_time)
     accepted, finished, aborted, preemptions = [], [], set(), 0
@@ -125,7 +134,14 @@ def test_random_workload_invariants(pool_and_reqs, max_num_seqs, budget, waterma
     assert sched.allocator.num_free == num_blocks
     for seq in finished:
         assert seq.status is SequenceStatus.FINISHED
-        assert seq.output_token_ids == alone(seq)
+        assert (seq.output_token_ids, seq.finish_reason) == alone(seq)
+        event(f"finish_reason {seq.finish_reason}")
+        last = seq.output_token_ids[-1]
+        by_eos = last == eos and not ignore_eos  # the EOS reports None, a stop token its id
+        assert seq.stop_reason == (None if seq.finish_reason == "length" or by_eos else last)
+    for seq in accepted:
+        if seq.seq_id in aborted:
+            assert (seq.status, seq.finish_reason, seq.stop_reason) == (SequenceStatus.ABORTED, "abort", None)
 
 
 def test_preempts_youngest_and_keeps_tokens():
@@ -251,6 +267,10 @@ def test_request_too_big_for_the_pool_is_refused_up_front():
         (dict(seed=1.5), TypeError, "seed"),
         (dict(stop_token_ids=(-3,)), ValueError, r"stop_token_ids\[0\]"),
         (dict(stop_token_ids=(1, 2.0)), TypeError, r"stop_token_ids\[1\]"),
+        (dict(min_tokens=-1), ValueError, "min_tokens must be >= 0"),
+        (dict(max_tokens=4, min_tokens=5), ValueError, "min_tokens must be at most max_tokens=4"),
+        (dict(min_tokens=1.5), TypeError, "min_tokens must be an int"),
+        (dict(ignore_eos="no"), TypeError, "ignore_eos must be True or False"),
     ],
 )
 def test_bad_sampling_params(kwargs, error, match):

@@ -118,6 +118,39 @@ def test_random_shared_prefix_workloads_match_contiguous(model, seed, num_blocks
             assert engine.requests[i].output_token_ids == reference(model, prompt, n)
 
 
+@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10**6), num_blocks=st.integers(16, 28), mode=st.sampled_from(["recompute", "swap"]),
+       chunked=st.booleans(), data=st.data())
+def test_stops_with_shared_prefixes_and_parallel_samples_match_contiguous(model, seed, num_blocks, mode, chunked, data):
+    """Stop tokens, the EOS, ignore_eos and min_tokens with prefix hits and n greedy samples (all the same output)."""
+    eos_model = engine_helpers.with_eos(model, engine_helpers.STOP_EOS)
+    rng = random.Random(seed)
+    pick = engine_helpers.hypothesis_pick(data)
+    requests = [(prompt, engine_helpers.stop_params(pick, eos_model, prompt, n, n=pick(1, 3)))
+                for prompt, n, _ in shared_prefix_requests(rng, model.config.vocab_size, 8, block_size=4)]  # fmt: skip
+    config = EngineConfig(keep_finished=True, num_blocks=num_blocks, block_size=4, max_num_seqs=6,
+                          max_num_batched_tokens=16 if chunked else 64, chunked_prefill=chunked, preemption_mode=mode)
+    engine = Engine(eos_model, config)
+
+    def add(engine, i, request):
+        engine.add_request(request[0], request[1], request_id=i)
+
+    def step():
+        out = engine.step()
+        for seq_id in out.finished:
+            engine_helpers.check_finished(engine.requests[seq_id])  # its blocks are free from this step on
+        assert refcounts_match_tables(engine)
+
+    aborted = engine_helpers.drive(engine, requests, rng, add, 0.05, step)
+    assert engine.cache.allocator.num_free == num_blocks and not engine.swap_space
+    for i, (prompt, params) in enumerate(requests):
+        if i not in aborted:
+            want = engine_helpers.reference(eos_model, prompt, params)
+            assert [s.output_token_ids for s in engine.samples[i]] == [want] * params.n, f"request {i}"
+            for s in engine.samples[i]:
+                engine_helpers.check_finished(s)
+
+
 def test_a_hit_shares_blocks_and_starts_at_the_hit_length(model):
     engine = Engine(model, EngineConfig(keep_finished=True, num_blocks=16, block_size=4))
     prompt = list(range(1, 12))  # 11 tokens: blocks 0 and 1 full, block 2 partly

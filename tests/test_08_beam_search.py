@@ -39,6 +39,10 @@ def test_equals_the_contiguous_reference(prompt, beam_width, max_tokens, block_s
     ref = beam_search_contiguous(MODEL, prompt, beam_width, max_tokens, eos_token_id=eos)
     same(out.sequences, ref)
     assert 1 <= len(ref) <= beam_width
+    for seq in out.sequences:  # a finished beam ends with the EOS ("stop"); any other ran to max_tokens ("length")
+        ended = eos is not None and seq.token_ids[-1] == eos
+        assert seq.finish_reason == ("stop" if ended else "length")
+        assert ended or len(seq.token_ids) == max_tokens
     for s in out.steps:
         assert s.blocks_used <= s.logical_blocks  # sharing never costs more than no sharing
         if not share:  # every beam holds private blocks: what no sharing costs, exactly

@@ -4,6 +4,7 @@ import math
 import random
 from collections import Counter
 
+import engine_helpers
 import pytest
 import torch
 from hypothesis import given, settings
@@ -122,6 +123,33 @@ def test_generate_equals_engine_generate_with_stop_tokens_and_sampling(model):
     sampled = SamplingParams(max_tokens=8, temperature=0.9, seed=11)
     want = Engine(model, EngineConfig(num_blocks=64, block_size=4)).generate(prompts, sampled)
     assert DisaggregatedEngine(model, small(20), small(20)).generate(prompts, sampled) == want
+
+
+def test_stopping_rules_travel_with_the_request_from_prefill_to_decode(model):
+    """The EOS may end a request in the prefill engine; min_tokens and ignore_eos keep it going, past the hand-over."""
+    prompt = [5, 6, 7, 8]
+    free = generate_contiguous(model, prompt, 10)
+    eos_model = engine_helpers.with_eos(model, free[0])  # its first token is the EOS
+    rng = random.Random(4)
+    requests = [(prompt, SamplingParams(max_tokens=10)), (prompt, SamplingParams(max_tokens=10, min_tokens=6)),
+                (prompt, SamplingParams(max_tokens=10, ignore_eos=True))]
+    requests += [(p, engine_helpers.stop_params(rng.randint, eos_model, p, n)) for p, n in
+                 [([rng.randrange(512) for _ in range(rng.randint(2, 30))], rng.randint(1, 12)) for _ in range(10)]]
+    d = DisaggregatedEngine(eos_model, small(16, max_num_batched_tokens=16), small(16, max_num_seqs=3),
+                            KVLink(bandwidth=1e9))  # fmt: skip
+    ids = [d.add_request(p, params, arrival_time=0.002 * i) for i, (p, params) in enumerate(requests)]
+    done = drain(d)
+    moved = {t.request_id for t in d.transfers}
+    for i, (prompt, params) in zip(ids, requests):
+        assert done[i].output_token_ids == engine_helpers.reference(eos_model, prompt, params), f"request {i}"
+        engine_helpers.check_finished(done[i])
+        assert done[i].sampling_params.max_tokens == params.max_tokens  # the prefill engine's cap is gone
+        assert done[i].sampling_params.min_tokens == params.min_tokens
+    first, late, ignoring = (done[i] for i in ids[:3])
+    assert (first.output_token_ids, first.finish_reason, ids[0] in moved) == ([free[0]], "stop", False)
+    assert len(late.output_token_ids) >= 6 and ids[1] in moved  # wrong: min_tokens capped by the prefill engine's 2
+    assert ignoring.output_token_ids == free and ignoring.finish_reason == "length"
+    assert_all_free(d)
 
 
 @settings(max_examples=25, deadline=None)

@@ -246,12 +246,16 @@ class Checker:
 
 def add_request(engine, i, request):
     prompt, n, *temperature = request
-    params = SamplingParams(max_tokens=n, temperature=temperature[0] if temperature else 0.0, seed=i)
+    if isinstance(n, SamplingParams):  # (prompt, params): the request's own stopping rules
+        params = n
+    else:
+        params = SamplingParams(max_tokens=n, temperature=temperature[0] if temperature else 0.0, seed=i)
     engine.add_request(prompt, params, request_id=f"r{i}")
 
 
 def drive(engine, requests, rng, abort_prob=0.0, checker=None):
-    """Add requests (prompt, max_tokens[, temperature]) two per step, abort some at random; return the aborted ids."""
+    """Add requests (prompt, max_tokens[, temperature]) or (prompt, params) two per step, abort some at random;
+    return the aborted ids."""
     checker = checker or Checker(engine)
     return engine_helpers.drive(engine, requests, rng, add_request, abort_prob, checker.step)
 
@@ -314,6 +318,74 @@ def test_drafts_never_pass_max_tokens_and_stop_tokens_among_them_end_the_output(
     assert spec.generate(prompts, params) == want
     assert all(len(o) <= 12 for o in want) and any(len(o) < 12 for o in want)
     assert spec.metrics.num_draft_tokens > 0
+
+
+def free_run_with_drafts(model, prompts, max_tokens):
+    """Run ``prompts`` with drafts and no stopping (ignore_eos); per request its output and, per verification step,
+    ``(outputs before the step, accepted drafts)``."""
+    engine = Engine(model, EngineConfig(num_blocks=80, block_size=4, speculative_config=SPEC, keep_finished=True))
+    ids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts]
+    steps = {i: [] for i in ids}
+    while engine.has_unfinished():
+        before = {i: engine.requests[i].num_output_tokens for i in ids}
+        out = engine.step()
+        for i, kept in out.accepted.items():
+            steps[i].append((before[i], kept))
+    return [(engine.requests[i].output_token_ids, steps[i]) for i in ids]
+
+
+def stop_inside_accepted_drafts(model, rng, max_tokens=24):
+    """A prompt, and a draft its greedy run accepts before other accepted drafts: ``(prompt, stop, o, i)``.
+
+    The stop token is accepted draft ``i >= 1`` of a verification step after ``o`` outputs, and its first
+    occurrence in the output (so a run that stops at it stops in that step, with drafts after it to drop).
+    """
+    prompts = [repetitive_prompt(rng) for _ in range(12)]
+    for prompt, (out, steps) in zip(prompts, free_run_with_drafts(model, prompts, max_tokens)):
+        for o, kept in steps:
+            for i in range(1, len(kept) - 1):
+                if kept[i] not in out[: o + i] and kept[i] != model.config.eos_token_id:
+                    return prompt, kept[i], o, i
+    raise AssertionError("no run accepted three drafts in one step: the test needs another prompt")
+
+
+def test_a_stop_token_inside_accepted_drafts_ends_the_request_there(model):
+    prompt, stop, o, i = stop_inside_accepted_drafts(model, random.Random(2))
+    params = SamplingParams(max_tokens=24, stop_token_ids=(stop,))
+    want = engine_helpers.reference(model, prompt, params)
+    assert len(want) == o + i + 1 and want[-1] == stop
+    engine = Engine(model, EngineConfig(num_blocks=80, block_size=4, speculative_config=SPEC, keep_finished=True))
+    rid = engine.add_request(prompt, params)
+    while engine.has_unfinished():
+        out = engine.step()
+    seq = engine.requests[rid]
+    assert out.finished == [rid] and stop in out.accepted[rid][:-1]  # the stop, with accepted drafts after it
+    assert seq.output_token_ids == want  # the drafts after it (and the bonus token) are dropped
+    assert (seq.finish_reason, seq.stop_reason, seq.block_table) == ("stop", stop, None)
+    assert engine.cache.allocator.num_used == 0 and seq.num_computed_tokens <= seq.num_tokens
+    engine_helpers.check_finished(seq)
+
+
+def test_min_tokens_masks_every_verified_position(model):
+    """A stop token that would be accepted as draft ``i >= 1`` before ``min_tokens`` is rejected there.
+
+    Wrong behaviour named: masking only the first verified row (the one plain decoding samples from).
+    """
+    prompt, stop, o, i = stop_inside_accepted_drafts(model, random.Random(2))
+    params = SamplingParams(max_tokens=24, stop_token_ids=(stop,), min_tokens=o + i + 1)
+    want = engine_helpers.reference(model, prompt, params)
+    assert want[o + i] != stop and stop not in want[: o + i + 1]
+    engine = Engine(model, EngineConfig(num_blocks=80, block_size=4, speculative_config=SPEC, keep_finished=True))
+    rid = engine.add_request(prompt, params)
+    masked_drafts = 0
+    while engine.has_unfinished():
+        before = engine.requests[rid].num_output_tokens
+        out = engine.step()
+        drafts = out.drafts.get(rid, [])
+        masked_drafts += sum(d == stop and before + j < params.min_tokens for j, d in enumerate(drafts) if j >= 1)
+    assert masked_drafts > 0  # the case arose: a stop token drafted past the first row, before min_tokens
+    assert engine.requests[rid].output_token_ids == want
+    engine_helpers.check_finished(engine.requests[rid])
 
 
 def test_parallel_samples_and_sampled_requests_next_to_drafting_ones(model):
@@ -470,10 +542,12 @@ def test_a_fault_in_a_speculative_step_leaves_the_engine_as_before(model, stage,
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 10**6), k=st.integers(1, 5), lookup=st.tuples(st.integers(1, 3), st.integers(0, 2)),
        block_size=st.sampled_from([2, 4]), spare_blocks=st.integers(0, 12), mode=st.sampled_from(["recompute", "swap"]),
-       chunked=st.booleans(), caching=st.booleans(), budget=st.integers(8, 40), num_requests=st.integers(1, 6))
+       chunked=st.booleans(), caching=st.booleans(), budget=st.integers(8, 40), num_requests=st.integers(1, 6),
+       data=st.data())
 def test_random_workloads_match_contiguous_and_keep_the_pool_consistent(seed, k, lookup, block_size, spare_blocks, mode,
-                                                                        chunked, caching, budget, num_requests):
+                                                                        chunked, caching, budget, num_requests, data):
     model = course()
+    pick = engine_helpers.hypothesis_pick(data)
     rng = random.Random(seed)
     num_blocks = blocks_needed(20 + 12 - 1, block_size) + spare_blocks  # the longest request fits, maybe only alone
     min_n, extra = lookup
@@ -484,18 +558,19 @@ def test_random_workloads_match_contiguous_and_keep_the_pool_consistent(seed, k,
                           watermark=0.0, speculative_config=spec)  # fmt: skip
     engine = Engine(model, config)
     # Some requests sample (temperature 0.8): they draft and verify by speculative sampling next to greedy ones.
+    # Greedy requests stop at stop tokens drawn from what they generate, some with min_tokens or ignore_eos.
     requests = [(repetitive_prompt(rng)[:20], rng.randint(1, 12), rng.choice([0.0, 0.0, 0.8]))
                 for _ in range(num_requests)]  # fmt: skip
+    requests = [(p, engine_helpers.stop_params(pick, model, p, n)) if t == 0 else (p, n, t) for p, n, t in requests]
     aborted = drive(engine, requests, rng, abort_prob=0.05)
     assert engine.cache.allocator.num_used == 0 and not engine.swap_space
-    for i, (prompt, n, temperature) in enumerate(requests):
+    for i, (prompt, params, *sampled) in enumerate(requests):
         seq = engine.requests[f"r{i}"]
         if f"r{i}" in aborted:
             continue
-        if temperature == 0:
-            assert seq.output_token_ids == reference(model, prompt, n), f"r{i}"
-        else:
-            assert seq.num_output_tokens == n, f"r{i}"
+        if not sampled:
+            assert seq.output_token_ids == engine_helpers.reference(model, prompt, params), f"r{i}"
+        engine_helpers.check_finished(seq)  # a sampled one ends at max_tokens or at the EOS
 
 
 def test_bench_spec_refuses_a_bad_lookup_range_and_builds_prompts_of_the_asked_length():
