@@ -4,9 +4,10 @@
 
 It needs only vLLM (no minipaged), so the vLLM venv stays vLLM's own. The
 request names a Hugging Face checkpoint directory, the engine options, and
-batches of token-id prompts; each batch is one ``LLM.generate`` call, in order,
-so a later batch can hit the prefix cache an earlier one filled. The result has
-every request's output token ids and ``num_cached_tokens``, vLLM's
+batches of token-id prompts, each with its ``max_tokens`` and ``ignore_eos``; each
+batch is one ``LLM.generate`` call, in order, so a later batch can hit the prefix
+cache an earlier one filled. The result has every request's output token ids,
+``num_cached_tokens``, ``finish_reason`` and ``stop_reason``, vLLM's
 ``vllm:prefix_cache_queries`` and ``vllm:prefix_cache_hits`` counters, each
 batch's wall time and CPU time (this process's, all threads), and the number of
 torch threads vLLM ran with.
@@ -17,6 +18,15 @@ The options are the ones measured to work with vLLM's CPU build:
 with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (starts in seconds, in this process),
 and ``skip_tokenizer_init`` with token-id prompts (the course model's tokenizer
 is bytes, which vLLM does not need to know).
+
+How vLLM 0.32 stops at the EOS without a tokenizer: the request's own EOS
+(``SamplingParams.eos_token_id``) comes from the tokenizer, so here it is None.
+But the engine also reads the checkpoint's generation config
+(``generation_config.json``, else ``config.json``) and, unless ``ignore_eos``,
+adds its ``eos_token_id`` to the request's stop token ids. So the EOS still
+stops the request with ``finish_reason == "stop"``; it is reported as a stop
+token (``stop_reason`` is the EOS id), where a tokenizer's EOS reports None.
+No ``stop_token_ids`` need to be passed.
 """
 
 import json
@@ -53,7 +63,7 @@ def main(request_path: str, result_path: str) -> None:
     batches = []
     for batch in request["batches"]:
         params = [
-            SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
+            SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=r["ignore_eos"], detokenize=False)
             for r in batch
         ]
         t, cpu = time.perf_counter(), time.process_time()
@@ -62,7 +72,8 @@ def main(request_path: str, result_path: str) -> None:
         batches.append({
             "seconds": seconds,
             "cpu_seconds": cpu_seconds,
-            "outputs": [{"token_ids": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens}
+            "outputs": [{"token_ids": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens,
+                         "finish_reason": o.outputs[0].finish_reason, "stop_reason": o.outputs[0].stop_reason}
                         for o in outputs],
         })  # fmt: skip
     counters = {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:prefix_cache")}
