@@ -53,12 +53,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import jinja2
 import torch
 
 from minipaged import tokenizer
 from minipaged.accounting import blocks_needed
 from minipaged.bench import positive_int
+from minipaged.chat_template import apply_chat_template
 from minipaged.checkpoint import load_course_model
 from minipaged.engine import Engine
 from minipaged.model import LlamaConfig, LlamaForCausalLM
@@ -140,8 +140,7 @@ def chat_token_ids(tok, messages: list[dict]) -> list[int]:
         tok: a :class:`~minipaged.pretrained.TextTokenizer` with a ``chat_template``.
         messages: ``[{"role": ..., "content": ...}, ...]``.
     """
-    text = jinja2.Template(tok.chat_template).render(messages=messages, add_generation_prompt=True)
-    return tok.encode(text)
+    return tok.encode(apply_chat_template(tok, messages))
 
 
 # --------------------------------------------------------------------------- the two engines
