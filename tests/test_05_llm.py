@@ -22,6 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+import minipaged.detokenizer as detokenizer_module
+import minipaged.engine as engine_module
 from minipaged.chat_template import ChatTemplateError, NoChatTemplate, apply_chat_template, render_chat_template
 from minipaged.checkpoint import save_pretrained
 from minipaged.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
@@ -480,6 +482,73 @@ def test_front_end_errors_name_the_argument_and_queue_nothing(model, bpe, tmp_pa
         base = make_llm(model, load_tokenizer(write_tokenizer(tmp_path, chat_template=None)))
         base.chat([{"role": "user", "content": "hi"}])
     assert not llm.engine.has_unfinished() and not llm.engine.requests
+
+
+class Boom(Exception):
+    pass
+
+
+# Issue 25: a fault at each stage of the front end's work; (object, attribute, the call that raises).
+FRONT_END_FAULTS = {
+    "engine step": (engine_module, "sample", 3),  # inside a step (rolled back there), mid-generation
+    "detokenizer update": (IncrementalDetokenizer, "update", 5),
+    "detokenizer take_delta": (IncrementalDetokenizer, "take_delta", 5),
+    "stop-string match": (detokenizer_module, "find_stop", 5),
+    "stop-string abort": (Engine, "abort", 1),  # the abort a matched stop string issues (the first one)
+    "detokenizer made": (IncrementalDetokenizer, "__init__", 2),  # a request already queued, its detokenizer not
+    "tokenizer decode": ("bpe", "decode", 7),
+}
+
+
+@pytest.mark.parametrize("api", ["generate", "stream"])
+@pytest.mark.parametrize("stage", sorted(FRONT_END_FAULTS))
+def test_a_fault_in_the_front_end_leaves_no_request_running_and_the_next_call_works(model, bpe, stage, api,
+                                                                                    monkeypatch):  # fmt: skip
+    free = [reference(model, bpe, p, 12, ignore_eos=True) for p in PROMPTS]
+    texts = [bpe.decode(ids, skip_special_tokens=True) for ids in free]
+    s, _ = spanning_stop_string(bpe, free[1], avoid=(texts[0], *texts[2:]))  # prompt 1 stops at it: an abort
+    params = SamplingParams(max_tokens=12, ignore_eos=True, stop=s)
+    expected = [o.outputs[0] for o in make_llm(model, bpe).generate(PROMPTS, params)]
+    llm = make_llm(model, bpe)
+    owner, name, at = FRONT_END_FAULTS[stage]
+    owner = bpe if owner == "bpe" else owner
+    original, calls = getattr(owner, name), []
+
+    def patched(*args, **kwargs):
+        calls.append(name)
+        if len(calls) == at:
+            raise Boom(stage)
+        return original(*args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(owner, name, patched)
+        with pytest.raises(Boom):
+            if api == "generate":
+                llm.generate(PROMPTS, params)
+            else:
+                for _ in llm.stream(PROMPTS, params):
+                    pass
+    engine = llm.engine  # every request it queued is aborted and forgotten, its blocks back in the pool
+    assert not engine.has_unfinished() and not engine.requests and not engine.samples and not engine.swap_space
+    assert engine.cache.allocator.num_used == 0 and engine.metrics.used_blocks == 0
+    assert [o.outputs[0] for o in llm.generate(PROMPTS, params)] == expected  # and the next call works
+    assert expected[1].stop_reason == s
+
+
+def test_a_chat_template_that_raises_queues_nothing_and_the_next_chat_works(model, bpe, tmp_path):
+    """A Python error inside a template (here a division by zero) is a ChatTemplateError naming it."""
+    template = "{% if messages[-1]['content'] == 'boom' %}{{ 1 // 0 }}{% endif %}" + CHATML
+    tok = load_tokenizer(write_tokenizer(tmp_path, chat_template=template))
+    llm = make_llm(model, tok)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    good = [{"role": "user", "content": "Café?"}]
+    with pytest.raises(ChatTemplateError, match="ZeroDivisionError"):
+        llm.chat([good, [{"role": "user", "content": "boom"}]], params)
+    assert not llm.engine.has_unfinished() and not llm.engine.requests and llm.engine.metrics.num_steps == 0
+    with pytest.raises(ChatTemplateError, match="TypeError"):
+        render_chat_template("{{ messages[0]['content'] + 1 }}", good)
+    (out,) = llm.chat(good, params)
+    assert out.outputs[0].token_ids == reference(model, tok, out.prompt, 4, ignore_eos=True)
 
 
 # --------------------------------------------------------------------------- chat
