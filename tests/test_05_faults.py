@@ -79,6 +79,29 @@ def fault_points(engine, monkeypatch, stage, after_calls):
         wrap(engine.metrics, "record_step")
 
 
+def step_with_faults(engine, rng, monkeypatch, inject, probability: float, stage: str) -> int:
+    """Step until done, ``inject(monkeypatch_context)`` a fault before a step with ``probability``; returns the faults.
+
+    After each fault (Boom, or KeyboardInterrupt) the bookkeeping must equal its snapshot from before the step.
+    """
+    faults = 0
+    for step in range(400):
+        if not engine.has_unfinished():
+            break
+        before = snapshot(engine)
+        with monkeypatch.context() as m:
+            if rng.random() < probability:  # a fault in some steps, so that the run still ends
+                inject(m)
+            try:
+                engine.step()
+            except (Boom, KeyboardInterrupt):
+                faults += 1
+                after = snapshot(engine)
+                for key in before:
+                    assert after[key] == before[key], (stage, step, key)
+    return faults
+
+
 SEED = int(os.environ.get("FAULT_SEED", 0))
 MANY_CALLS = ("schedule_midway", "postprocess_midway")  # called once per sequence: fault at the 1st, 2nd or 3rd
 STAGES = ["schedule", "schedule_midway", "swap", "forward", "sample", "postprocess_midway", "metrics"]
@@ -97,21 +120,11 @@ def test_a_fault_at_any_stage_leaves_the_engine_as_before_the_step(model, stage,
     prompts = [base[: rng.randint(2, 8)] + [rng.randrange(512) for _ in range(rng.randint(1, 10))] for _ in range(6)]
     for p in prompts:
         engine.add_request(p, SamplingParams(max_tokens=rng.randint(3, 9)))
-    faults = 0
-    for step in range(400):
-        if not engine.has_unfinished():
-            break
-        before = snapshot(engine)
-        with monkeypatch.context() as m:
-            if rng.random() < 0.4:  # a fault in some steps, so that the run still ends
-                fault_points(engine, m, stage, after_calls=rng.randint(1, 3) if stage in MANY_CALLS else 1)
-            try:
-                engine.step()
-            except (Boom, KeyboardInterrupt):
-                faults += 1
-                after = snapshot(engine)
-                for key in before:
-                    assert after[key] == before[key], (stage, step, key)
+
+    def inject(m):
+        fault_points(engine, m, stage, after_calls=rng.randint(1, 3) if stage in MANY_CALLS else 1)
+
+    faults = step_with_faults(engine, rng, monkeypatch, inject, 0.4, stage)
     assert not engine.has_unfinished()
     assert faults > 0
     outputs = [engine.requests[i].output_token_ids for i in range(len(prompts))]
@@ -186,21 +199,8 @@ def test_a_fault_in_the_stop_handling_leaves_the_engine_as_before_the_step(model
         params = engine_helpers.stop_params(rng.randint, eos_model, prompt, rng.randint(3, 9))
         requests.append((engine.add_request(prompt, params), prompt, params))
     owner, name, when = STOP_STAGES[stage]
-    faults = 0
-    for _ in range(400):
-        if not engine.has_unfinished():
-            break
-        before = snapshot(engine)
-        with monkeypatch.context() as m:
-            if rng.random() < 0.5:
-                m.setattr(owner, name, _stop_fault(owner, name, when))
-            try:
-                engine.step()
-            except Boom:
-                faults += 1
-                after = snapshot(engine)
-                for key in before:
-                    assert after[key] == before[key], (stage, key)
+    patched = _stop_fault(owner, name, when)
+    faults = step_with_faults(engine, rng, monkeypatch, lambda m: m.setattr(owner, name, patched), 0.5, stage)
     assert not engine.has_unfinished() and faults > 0
     for rid, prompt, params in requests:
         seq = engine.requests[rid]
