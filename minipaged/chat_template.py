@@ -129,8 +129,11 @@ def render_chat_template(template: str | None, conversation: list[dict], add_gen
     compiled = compile_chat_template(template)
     try:
         return compiled.render(**variables)
-    except jinja2.TemplateError as exc:  # a ChatTemplateError from raise_exception is not one: it passes through
-        raise ChatTemplateError(f"the chat template failed to render the conversation: {exc}") from None
+    except ChatTemplateError:  # its raise_exception: the message says why
+        raise
+    except Exception as exc:  # a Jinja error, or a Python one inside the template (a division by zero, a bad +)
+        raise ChatTemplateError(f"the chat template failed to render the conversation: {type(exc).__name__}: "
+                                f"{exc}") from None  # fmt: skip
 
 
 def apply_chat_template(tokenizer, conversation: list[dict], add_generation_prompt: bool = True) -> str:

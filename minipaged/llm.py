@@ -207,20 +207,19 @@ class LLM:
         ids = [check_prompt(model_config, self.tokenizer.encode(p), params.max_tokens, f"prompts[{i}]")
                for i, p in enumerate(prompts)]  # fmt: skip
         engine_params = replace(params, stop=())  # stop strings stay here: the engine sees no text
-        request_ids = []
-        try:
+        request_ids, completions = [], []
+        try:  # all or none: a failure part way (a bad request, a detokenizer) leaves none queued
             for prompt_ids in ids:
                 request_ids.append(self.engine.add_request(prompt_ids, engine_params))
+            for rid in request_ids:
+                for i, seq in enumerate(self.engine.samples[rid]):
+                    det = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
+                                                 params.min_tokens)  # fmt: skip
+                    completions.append(_Completion(len(completions), rid, None if params.n == 1 else i, seq, det))
         except BaseException:
             for rid in request_ids:
                 self.engine.abort(rid)
             raise
-        completions = []
-        for rid in request_ids:
-            for i, seq in enumerate(self.engine.samples[rid]):
-                det = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
-                                             params.min_tokens)  # fmt: skip
-                completions.append(_Completion(len(completions), rid, None if params.n == 1 else i, seq, det))
         return ids, completions
 
     def _follow(self, completion: _Completion) -> bool:

@@ -25,14 +25,16 @@ Llama-family model the tiny Llama computes runs (GQA, tied embeddings, ``head_di
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 
-from minipaged.chat_template import NoChatTemplate
+from minipaged.chat_template import ChatTemplateError, NoChatTemplate
 from minipaged.engine import Engine
+from minipaged.generate import check_prompt
 from minipaged.llm import DEFAULT_MODEL, LLM
 from minipaged.pretrained import checkpoint_dir, load_model, load_tokenizer
-from minipaged.scheduler import EngineConfig
+from minipaged.scheduler import EngineConfig, check_fits_pool
 from minipaged.sequence import SamplingParams
 
 CHAT_MAX_TOKENS = 256  # enough for a short answer to end at EOS by itself
@@ -73,8 +75,71 @@ def stream_in_turn(llm: LLM, prompts: list[str], params: SamplingParams, headers
     return finals
 
 
+def _fail(parser: argparse.ArgumentParser, message: str):
+    """Exit with status 2 and one line on stderr, in argparse's error format (``prog: error: message``).
+
+    Args:
+        parser: the command line's parser (its ``prog`` starts the line).
+        message: what is wrong, naming the option (newlines become spaces: the error is one line).
+    """
+    parser.exit(2, f"{parser.prog}: error: {' '.join(str(message).splitlines())}\n")
+
+
+def _check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The checks that need no model: counts, the temperature, and non-empty texts (each error names its option).
+
+    Args:
+        parser: the command line's parser (for :func:`_fail`).
+        args: what it parsed.
+    """
+    if args.checkpoint and args.model:
+        _fail(parser, "give the model once: CHECKPOINT or --model")
+    if args.system is not None and not args.chat:
+        _fail(parser, "--system goes with --chat")
+    for option, value, minimum in (("--max-tokens", args.max_tokens, 1), ("--num-blocks", args.num_blocks, 1),
+                                   ("--block-size", args.block_size, 1), ("--seed", args.seed, 0)):  # fmt: skip
+        if value is not None and value < minimum:
+            _fail(parser, f"argument {option}: must be >= {minimum}, got {value}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        _fail(parser, f"argument --temperature: must be a finite number >= 0, got {args.temperature}")
+    for i, t in enumerate(args.prompt_ids or ()):
+        if t < 0:
+            _fail(parser, f"argument --prompt-ids: token id {i} is {t}, and token ids are >= 0")
+    for option, texts in (("--prompt", args.prompt), ("--chat", args.chat)):
+        for i, text in enumerate(texts or ()):
+            if not text.strip():
+                _fail(parser, f"argument {option}: text {i} is empty ({text!r}): give some text")
+    if args.system is not None and not args.system.strip():
+        _fail(parser, f"argument --system: the system message is empty ({args.system!r}): give one or leave it out")
+
+
+def _check_prompt_ids(parser: argparse.ArgumentParser, model, config: EngineConfig, prompts: list[list[int]],
+                      max_tokens: int, names: list[str]) -> None:  # fmt: skip
+    """Each tokenized prompt is in the vocabulary, fits the context with ``max_tokens`` more and fits the pool.
+
+    Args:
+        parser: the command line's parser (for :func:`_fail`).
+        model: the loaded model (its vocabulary and ``max_position_embeddings``).
+        config: the engine's configuration (its pool).
+        prompts: the prompts' token ids.
+        max_tokens: the new tokens asked for each.
+        names: each prompt's name in the messages (``"--prompt 0"``).
+    """
+    for ids, name in zip(prompts, names):
+        try:
+            check_prompt(model.config, ids, max_tokens, name)
+            check_fits_pool(config, len(ids), max_tokens, name, "the pool (--num-blocks x --block-size)")
+        except ValueError as exc:
+            _fail(parser, exc)
+
+
 def main(argv=None) -> int:
     """The command line (see the module docstring); returns the exit status.
+
+    A bad value (a count below 1, a non-finite temperature, an empty text, a token id outside the
+    vocabulary, a prompt that with ``--max-tokens`` exceeds the model's context or the pool, a
+    missing or unreadable model) exits with status 2 and one line on stderr naming the option, as
+    argparse does; the checks that need no model run before it is loaded.
 
     Args:
         argv: the arguments after ``python -m minipaged.serve`` (None: ``sys.argv[1:]``).
@@ -96,30 +161,33 @@ def main(argv=None) -> int:
     p.add_argument("--num-blocks", type=int, default=256, help="KV blocks in the pool")
     p.add_argument("--block-size", type=int, default=16)
     args = p.parse_args(argv)
-    if args.checkpoint and args.model:
-        p.error("give the model once: CHECKPOINT or --model")
-    if args.system is not None and not args.chat:
-        p.error("--system goes with --chat")
+    _check_options(p, args)
     model = args.checkpoint or args.model or (DEFAULT_MODEL if args.chat else "course")
-    max_tokens = args.max_tokens or (CHAT_MAX_TOKENS if args.chat else PROMPT_MAX_TOKENS)
-    params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature, seed=args.seed)
-    options = {"num_blocks": args.num_blocks, "block_size": args.block_size}
-
+    max_tokens = args.max_tokens if args.max_tokens is not None else CHAT_MAX_TOKENS if args.chat else PROMPT_MAX_TOKENS
     try:
-        directory = checkpoint_dir(model)
-    except FileNotFoundError as exc:  # no such path, or a known model not installed (the message says how)
-        p.error(str(exc))
+        params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature, seed=args.seed)
+        config = EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size)
+    except (TypeError, ValueError) as exc:
+        _fail(p, exc)
+    try:
+        directory = checkpoint_dir(model)  # no such path, or a known model not installed (the message says how)
+        weights = load_model(directory)
+    except (FileNotFoundError, ValueError) as exc:  # a missing file, or a checkpoint or GGUF file it cannot read
+        _fail(p, f"model {str(model)!r}: {exc}")
     if args.prompt_ids:
-        engine = Engine(load_model(directory), EngineConfig(**options))
+        _check_prompt_ids(p, weights, config, [args.prompt_ids], max_tokens, ["--prompt-ids"])
+        engine = Engine(weights, config)
         for output in engine.generate([args.prompt_ids], params):
             print(f"prompt {args.prompt_ids} -> {output}")
         return 0
     try:
         tokenizer = load_tokenizer(directory)
     except FileNotFoundError as exc:
-        p.error(f"{exc}: pass --prompt-ids")
-    llm = LLM(load_model(directory), tokenizer, **options)
+        _fail(p, f"{exc}: pass --prompt-ids")
+    llm = LLM(weights, tokenizer, num_blocks=args.num_blocks, block_size=args.block_size)
     if args.prompt:
+        _check_prompt_ids(p, weights, config, [tokenizer.encode(t) for t in args.prompt], max_tokens,
+                          [f"--prompt {i}" for i in range(len(args.prompt))])  # fmt: skip
         for out in llm.generate(args.prompt, params):
             print(out.prompt + out.outputs[0].text)
             print("-" * 40)
@@ -129,7 +197,11 @@ def main(argv=None) -> int:
     try:
         texts = [llm.apply_chat_template([*system, {"role": "user", "content": q}]) for q in args.chat]
     except NoChatTemplate as exc:
-        p.error(f"--chat needs an instruct model: {exc}")
+        _fail(p, f"--chat needs an instruct model: {exc}")
+    except ChatTemplateError as exc:  # the template refused the conversation (a system message, say)
+        _fail(p, f"--chat{' with --system' if system else ''}: {exc}")
+    _check_prompt_ids(p, weights, config, [tokenizer.encode(t) for t in texts], max_tokens,
+                      [f"--chat question {i}" for i in range(len(texts))])  # fmt: skip
     start = time.perf_counter()
     finals = stream_in_turn(llm, texts, params, [f">>> {q}" for q in args.chat])
     seconds = time.perf_counter() - start

@@ -448,6 +448,60 @@ def test_a_failed_conversion_leaves_nothing_in_the_cache(tmp_path, cache, monkey
     assert list((cache / "gguf").iterdir()) == []
 
 
+def _fault(stage: str):
+    """What to patch so that a conversion fails in its middle at ``stage``: ``(object, attribute, replacement)``."""
+    from minipaged import gguf as converter
+
+    calls = []
+
+    def nth(original, n, error, write_half=False):
+        def patched(*args, **kwargs):
+            calls.append(stage)
+            if len(calls) == n:
+                if write_half:  # part of the file is on disk when the fault strikes
+                    original(*args, **kwargs)
+                    Path(args[0] if isinstance(args[0], (str, Path)) else args[1]).write_bytes(b"partial")
+                raise error
+            return original(*args, **kwargs)
+
+        return patched
+
+    import safetensors.numpy
+
+    read, save, write = converter.dequantize, safetensors.numpy.save_file, Path.write_text
+    return {
+        "a short tensor read": (converter, "dequantize", nth(read, 3, ValueError("cannot reshape array"))),
+        "an I/O error reading a tensor": (converter, "dequantize", nth(read, 2, OSError("EIO"))),
+        "the weights half written": (safetensors.numpy, "save_file", nth(save, 1, OSError("full"), write_half=True)),
+        "a JSON file half written": (Path, "write_text", nth(write, 2, OSError("disk full"), write_half=True)),
+        "an interrupt between the files": (Path, "write_text", nth(write, 3, KeyboardInterrupt())),
+    }[stage], calls
+
+
+@pytest.mark.parametrize("stage", ["a short tensor read", "an I/O error reading a tensor", "the weights half written",
+                                   "a JSON file half written", "an interrupt between the files"])  # fmt: skip
+def test_a_fault_in_the_middle_of_a_conversion_leaves_no_partial_directory(tmp_path, cache, monkeypatch, stage):
+    """Issue 25: the real converter fails part way (a tensor read, a file half written, Ctrl-C): the cache holds
+    nothing, and the next call converts the file cleanly, to what a conversion without the fault writes."""
+    _, path, _ = tiny_gguf(tmp_path)
+    clean = convert(path, tmp_path / "clean")
+    (owner, name, patched), calls = _fault(stage)
+    with monkeypatch.context() as m:
+        m.setattr(owner, name, patched)
+        with pytest.raises((CorruptGGUF, OSError, KeyboardInterrupt)) as exc:
+            pretrained.checkpoint_dir(path)
+    if stage == "a short tensor read":
+        assert exc.type is CorruptGGUF and "is corrupt" in str(exc.value)
+    assert calls and list((cache / "gguf").iterdir()) == []  # the fault struck; no directory, partial or hidden
+    directory = pretrained.checkpoint_dir(path)
+    assert sorted(p.name for p in directory.iterdir()) == sorted(p.name for p in clean.iterdir())
+    for f in clean.iterdir():
+        if f.suffix == ".json":
+            assert (directory / f.name).read_text() == f.read_text(), f.name
+    got, want = read_safetensors(directory), read_safetensors(clean)
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+
+
 RACER = """
 import sys, time
 from pathlib import Path

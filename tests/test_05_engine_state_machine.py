@@ -2,8 +2,9 @@
 
 Rules: add a request (prompts share prefixes, so prefix caching hits), add an invalid one
 (named error, nothing changes), abort one, step, and step with a fault injected at a random
-stage (the step is rolled back: nothing changes). Issue 25 adds a request from the future
-(refused, nothing changes) and a step whose event subscriber calls back in to change the
+stage (the step is rolled back: nothing changes). Issue 25 adds the stop handling's stages to
+those (the ``min_tokens`` mask, the stop check, a finished request's release), a request from
+the future (refused, nothing changes) and a step whose event subscriber calls back in to change the
 engine, its scheduler, its pool or a table (each call refused with ``ReentrantCallError``,
 the step itself unaffected). After every rule the machine checks:
 
@@ -36,8 +37,9 @@ import minipaged.engine as engine_module
 from minipaged.block_manager import BlockTable, ReentrantCallError
 from minipaged.engine import Engine
 from minipaged.model import LlamaConfig, LlamaForCausalLM
-from minipaged.scheduler import EngineConfig
+from minipaged.scheduler import EngineConfig, Scheduler
 from minipaged.sequence import SamplingParams, Sequence, SequenceStatus
+from minipaged.stopping import StopRules
 
 pytestmark = pytest.mark.ch05
 
@@ -61,15 +63,18 @@ def fault_sites(engine):
         else (engine, "swap", "before"),
         "forward": (engine.model, "forward", "before"),
         "mask": (engine_module, "mask_stop_tokens", "after"),
+        "stop_mask": (StopRules, "mask", "after"),  # one request's min_tokens rows masked, the others' not yet
+        "stop_check": (StopRules, "check", "after"),  # a token checked (it may stop its request), not yet recorded
         "sample": (engine_module, "sample", "before"),
         "postprocess_midway": (Sequence, "append_token", "after"),  # a sequence already took its token
         "metrics": (engine.metrics, "record_step", "after"),
+        "finish": (Scheduler, "_release", "after"),  # a finished (or preempted) request's blocks already freed
         "hand_over": (engine, "_hand_over", "before"),
     }
 
 
-STAGES = ["schedule", "schedule_midway", "swap", "forward", "mask", "sample", "postprocess_midway", "metrics",
-          "hand_over"]
+STAGES = ["schedule", "schedule_midway", "swap", "forward", "mask", "stop_mask", "sample", "stop_check",
+          "postprocess_midway", "finish", "metrics", "hand_over"]
 
 INVALID = {
     "float id": (lambda e: e.add_request([3.7, 2.2]), TypeError),
@@ -224,7 +229,7 @@ class EngineMachine(RuleBasedStateMachine):
         else:  # the stage was not reached (an empty step, no swap): an ordinary step
             self._collect(out.outputs)
         finally:
-            if owner in (BlockTable, Sequence, engine_module):
+            if owner in (BlockTable, Sequence, StopRules, Scheduler, engine_module):
                 setattr(owner, name, original)
             else:
                 delattr(owner, name)  # the instance attribute hid the class's method

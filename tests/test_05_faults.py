@@ -4,11 +4,14 @@ A fault is injected at each stage of :meth:`Engine.step` (schedule, swap, forwar
 sample, postprocess, metrics), some after the stage has already changed part of the
 state. After each: the exception propagates, the bookkeeping equals what it was
 before the step, the next steps work, and greedy outputs equal contiguous generation.
+Issue 25 adds the stop handling's stages: the stop check, the ``min_tokens`` mask, the
+``finish_reason`` bookkeeping as a request stops, and the release of a finished request's blocks.
 """
 
 import os
 import random
 
+import engine_helpers
 import pytest
 import torch
 from engine_helpers import snapshot
@@ -18,8 +21,9 @@ from minipaged.block_manager import BlockTable
 from minipaged.engine import Engine
 from minipaged.generate import generate_contiguous
 from minipaged.model import LlamaConfig, LlamaForCausalLM
-from minipaged.scheduler import EngineConfig
+from minipaged.scheduler import EngineConfig, Scheduler
 from minipaged.sequence import SamplingParams, Sequence
+from minipaged.stopping import StopRules
 
 pytestmark = pytest.mark.ch05
 
@@ -75,6 +79,29 @@ def fault_points(engine, monkeypatch, stage, after_calls):
         wrap(engine.metrics, "record_step")
 
 
+def step_with_faults(engine, rng, monkeypatch, inject, probability: float, stage: str) -> int:
+    """Step until done, ``inject(monkeypatch_context)`` a fault before a step with ``probability``; returns the faults.
+
+    After each fault (Boom, or KeyboardInterrupt) the bookkeeping must equal its snapshot from before the step.
+    """
+    faults = 0
+    for step in range(400):
+        if not engine.has_unfinished():
+            break
+        before = snapshot(engine)
+        with monkeypatch.context() as m:
+            if rng.random() < probability:  # a fault in some steps, so that the run still ends
+                inject(m)
+            try:
+                engine.step()
+            except (Boom, KeyboardInterrupt):
+                faults += 1
+                after = snapshot(engine)
+                for key in before:
+                    assert after[key] == before[key], (stage, step, key)
+    return faults
+
+
 SEED = int(os.environ.get("FAULT_SEED", 0))
 MANY_CALLS = ("schedule_midway", "postprocess_midway")  # called once per sequence: fault at the 1st, 2nd or 3rd
 STAGES = ["schedule", "schedule_midway", "swap", "forward", "sample", "postprocess_midway", "metrics"]
@@ -93,21 +120,11 @@ def test_a_fault_at_any_stage_leaves_the_engine_as_before_the_step(model, stage,
     prompts = [base[: rng.randint(2, 8)] + [rng.randrange(512) for _ in range(rng.randint(1, 10))] for _ in range(6)]
     for p in prompts:
         engine.add_request(p, SamplingParams(max_tokens=rng.randint(3, 9)))
-    faults = 0
-    for step in range(400):
-        if not engine.has_unfinished():
-            break
-        before = snapshot(engine)
-        with monkeypatch.context() as m:
-            if rng.random() < 0.4:  # a fault in some steps, so that the run still ends
-                fault_points(engine, m, stage, after_calls=rng.randint(1, 3) if stage in MANY_CALLS else 1)
-            try:
-                engine.step()
-            except (Boom, KeyboardInterrupt):
-                faults += 1
-                after = snapshot(engine)
-                for key in before:
-                    assert after[key] == before[key], (stage, step, key)
+
+    def inject(m):
+        fault_points(engine, m, stage, after_calls=rng.randint(1, 3) if stage in MANY_CALLS else 1)
+
+    faults = step_with_faults(engine, rng, monkeypatch, inject, 0.4, stage)
     assert not engine.has_unfinished()
     assert faults > 0
     outputs = [engine.requests[i].output_token_ids for i in range(len(prompts))]
@@ -140,3 +157,54 @@ def test_keyboard_interrupt_in_the_forward_pass_then_the_engine_goes_on(model, m
         engine.step()
     expected = [generate_contiguous(model, p, 6) for p in prompts]
     assert [engine.requests[i].output_token_ids for i in range(2)] == expected
+
+
+def _stop_fault(owner, name: str, when: str):
+    """A replacement for ``owner.name`` that raises Boom: before the call, after it, or only when it stops a request."""
+    original = getattr(owner, name)
+
+    def patched(*args, **kwargs):
+        if when == "before":
+            raise Boom(name)
+        result = original(*args, **kwargs)
+        if when == "after" or result:  # "on_stop": only the call that ends a request
+            raise Boom(name)
+        return result
+
+    return patched
+
+
+# The stop handling's stages (issue 25): (object, attribute, when the fault strikes).
+STOP_STAGES = {
+    "check": (StopRules, "check", "before"),
+    "check_on_stop": (StopRules, "check", "on_stop"),  # a request is stopping: its reasons are set next
+    "finish_reason": (Sequence, "append_token", "on_stop"),  # its finish_reason and stop_reason already set
+    "mask": (StopRules, "mask", "after"),  # min_tokens: one request's rows masked, the others' not yet
+    "mask_stop_tokens": (engine_module, "mask_stop_tokens", "after"),
+    "finish": (Scheduler, "_release", "after"),  # a finished (or preempted) request's blocks already freed
+}
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("stage", sorted(STOP_STAGES))
+def test_a_fault_in_the_stop_handling_leaves_the_engine_as_before_the_step(model, stage, mode, monkeypatch):
+    rng = random.Random(f"stop-{stage}-{mode}-{SEED}")
+    eos_model = engine_helpers.with_eos(model, engine_helpers.STOP_EOS)
+    config = EngineConfig(num_blocks=14, block_size=4, max_num_seqs=6, max_num_batched_tokens=16, keep_finished=True,
+                          preemption_mode=mode)  # fmt: skip
+    engine = Engine(eos_model, config)
+    requests = []
+    for _ in range(6):
+        prompt = [rng.randrange(512) for _ in range(rng.randint(2, 12))]
+        params = engine_helpers.stop_params(rng.randint, eos_model, prompt, rng.randint(3, 9))
+        requests.append((engine.add_request(prompt, params), prompt, params))
+    owner, name, when = STOP_STAGES[stage]
+    patched = _stop_fault(owner, name, when)
+    faults = step_with_faults(engine, rng, monkeypatch, lambda m: m.setattr(owner, name, patched), 0.5, stage)
+    assert not engine.has_unfinished() and faults > 0
+    for rid, prompt, params in requests:
+        seq = engine.requests[rid]
+        assert seq.output_token_ids == engine_helpers.reference(eos_model, prompt, params), (stage, rid)
+        engine_helpers.check_finished(seq)
+    assert {engine.requests[rid].finish_reason for rid, _, _ in requests} == {"stop", "length"}
+    assert engine.cache.allocator.num_used == 0

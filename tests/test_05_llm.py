@@ -22,6 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+import minipaged.detokenizer as detokenizer_module
+import minipaged.engine as engine_module
 from minipaged.chat_template import ChatTemplateError, NoChatTemplate, apply_chat_template, render_chat_template
 from minipaged.checkpoint import save_pretrained
 from minipaged.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
@@ -482,6 +484,73 @@ def test_front_end_errors_name_the_argument_and_queue_nothing(model, bpe, tmp_pa
     assert not llm.engine.has_unfinished() and not llm.engine.requests
 
 
+class Boom(Exception):
+    pass
+
+
+# Issue 25: a fault at each stage of the front end's work; (object, attribute, the call that raises).
+FRONT_END_FAULTS = {
+    "engine step": (engine_module, "sample", 3),  # inside a step (rolled back there), mid-generation
+    "detokenizer update": (IncrementalDetokenizer, "update", 5),
+    "detokenizer take_delta": (IncrementalDetokenizer, "take_delta", 5),
+    "stop-string match": (detokenizer_module, "find_stop", 5),
+    "stop-string abort": (Engine, "abort", 1),  # the abort a matched stop string issues (the first one)
+    "detokenizer made": (IncrementalDetokenizer, "__init__", 2),  # a request already queued, its detokenizer not
+    "tokenizer decode": ("bpe", "decode", 7),
+}
+
+
+@pytest.mark.parametrize("api", ["generate", "stream"])
+@pytest.mark.parametrize("stage", sorted(FRONT_END_FAULTS))
+def test_a_fault_in_the_front_end_leaves_no_request_running_and_the_next_call_works(model, bpe, stage, api,
+                                                                                    monkeypatch):  # fmt: skip
+    free = [reference(model, bpe, p, 12, ignore_eos=True) for p in PROMPTS]
+    texts = [bpe.decode(ids, skip_special_tokens=True) for ids in free]
+    s, _ = spanning_stop_string(bpe, free[1], avoid=(texts[0], *texts[2:]))  # prompt 1 stops at it: an abort
+    params = SamplingParams(max_tokens=12, ignore_eos=True, stop=s)
+    expected = [o.outputs[0] for o in make_llm(model, bpe).generate(PROMPTS, params)]
+    llm = make_llm(model, bpe)
+    owner, name, at = FRONT_END_FAULTS[stage]
+    owner = bpe if owner == "bpe" else owner
+    original, calls = getattr(owner, name), []
+
+    def patched(*args, **kwargs):
+        calls.append(name)
+        if len(calls) == at:
+            raise Boom(stage)
+        return original(*args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(owner, name, patched)
+        with pytest.raises(Boom):
+            if api == "generate":
+                llm.generate(PROMPTS, params)
+            else:
+                for _ in llm.stream(PROMPTS, params):
+                    pass
+    engine = llm.engine  # every request it queued is aborted and forgotten, its blocks back in the pool
+    assert not engine.has_unfinished() and not engine.requests and not engine.samples and not engine.swap_space
+    assert engine.cache.allocator.num_used == 0 and engine.metrics.used_blocks == 0
+    assert [o.outputs[0] for o in llm.generate(PROMPTS, params)] == expected  # and the next call works
+    assert expected[1].stop_reason == s
+
+
+def test_a_chat_template_that_raises_queues_nothing_and_the_next_chat_works(model, bpe, tmp_path):
+    """A Python error inside a template (here a division by zero) is a ChatTemplateError naming it."""
+    template = "{% if messages[-1]['content'] == 'boom' %}{{ 1 // 0 }}{% endif %}" + CHATML
+    tok = load_tokenizer(write_tokenizer(tmp_path, chat_template=template))
+    llm = make_llm(model, tok)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    good = [{"role": "user", "content": "Café?"}]
+    with pytest.raises(ChatTemplateError, match="ZeroDivisionError"):
+        llm.chat([good, [{"role": "user", "content": "boom"}]], params)
+    assert not llm.engine.has_unfinished() and not llm.engine.requests and llm.engine.metrics.num_steps == 0
+    with pytest.raises(ChatTemplateError, match="TypeError"):
+        render_chat_template("{{ messages[0]['content'] + 1 }}", good)
+    (out,) = llm.chat(good, params)
+    assert out.outputs[0].token_ids == reference(model, tok, out.prompt, 4, ignore_eos=True)
+
+
 # --------------------------------------------------------------------------- chat
 
 
@@ -686,3 +755,81 @@ def test_serve_refuses_what_does_not_fit(checkpoint, capsys):
         with pytest.raises(SystemExit) as exc:
             serve_main(argv)
         assert exc.value.code == 2 and message in capsys.readouterr().err, argv
+
+
+# Issue 25: every bad value is one line on stderr and exit status 2, as argparse's own errors; the checks that
+# need no model run before it is loaded. (argv after the checkpoint, the words the line must hold, cheap?)
+SERVE_ERRORS = [
+    (["--prompt", "hi", "--max-tokens", "0"], ["--max-tokens", ">= 1", "0"], True),
+    (["--prompt", "hi", "--max-tokens", "5000"], ["--prompt 0", "5000", "max_position_embeddings"], False),
+    (["--prompt-ids", "1", "2", "--max-tokens", "5000"], ["--prompt-ids", "5000", "max_position_embeddings"], False),
+    (["--prompt", "hi", "--num-blocks", "0"], ["--num-blocks", ">= 1"], True),
+    (["--prompt", "hi", "--block-size", "-4"], ["--block-size", ">= 1"], True),
+    (["--prompt", "hi", "--num-blocks", "1", "--max-tokens", "40"], ["--prompt 0", "--num-blocks", "blocks"], False),
+    (["--prompt", "hi", "--temperature", "nan"], ["--temperature", "finite", "nan"], True),
+    (["--prompt", "hi", "--temperature", "-1"], ["--temperature", ">= 0"], True),
+    (["--prompt-ids", "1", "999999"], ["--prompt-ids[1]", "999999", "vocabulary"], False),
+    (["--prompt-ids", "1", "-3"], ["--prompt-ids", "-3"], True),
+    (["--prompt", ""], ["--prompt", "empty"], True),
+    (["--prompt", "hi", "--prompt", "  "], ["--prompt", "text 1", "empty"], True),
+    (["--chat", ""], ["--chat", "empty"], True),
+    (["--chat", "hi", "--system", " "], ["--system", "empty"], True),
+    (["--chat", "hi", "--max-tokens", "5000"], ["--chat question 0", "5000", "max_position_embeddings"], False),
+]
+
+
+def serve_error(argv, capsys) -> str:
+    """Run the serve CLI on ``argv``, which must fail as argparse does: exit 2, one line on stderr. Returns the line."""
+    with pytest.raises(SystemExit) as exc:
+        serve_main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, (argv, err)
+    assert err.endswith("\n") and err.count("\n") == 1 and "Traceback" not in err, (argv, err)
+    assert err.startswith("python -m minipaged.serve: error: "), err
+    return err
+
+
+@pytest.mark.parametrize("argv, words, cheap", SERVE_ERRORS, ids=[" ".join(a) for a, _, _ in SERVE_ERRORS])
+def test_serve_refuses_a_bad_value_in_one_line_naming_the_option(checkpoint, capsys, monkeypatch, argv, words, cheap):
+    import minipaged.serve as serve
+
+    loaded = []
+    real = serve.load_model
+    monkeypatch.setattr(serve, "load_model", lambda *a, **k: loaded.append(a) or real(*a, **k))
+    err = serve_error([str(checkpoint), *argv], capsys)
+    for word in words:
+        assert word in err, (word, err)
+    assert loaded == ([] if cheap else [(checkpoint,)]), "a check that needs no model ran after loading it"
+
+
+@pytest.mark.parametrize("model, words", [("no/such/dir", ["no/such/dir", "neither a model name"]),
+                                          ("no-such-model", ["no-such-model", "smollm2-135m-instruct"])])  # fmt: skip
+def test_serve_refuses_a_missing_model_in_one_line(capsys, model, words):
+    err = serve_error([model, "--prompt", "hi"], capsys)
+    assert all(w in err for w in words), err
+
+
+def test_serve_refuses_an_unreadable_checkpoint_in_one_line(tmp_path, checkpoint, capsys):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("[1, 2]")  # a JSON list, not a config
+    err = serve_error([str(broken), "--prompt", "hi"], capsys)
+    assert "config.json" in err, err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "config.json" in serve_error([str(empty), "--prompt", "hi"], capsys)
+
+
+def test_serve_refuses_a_system_message_the_template_refuses(tmp_path, model, capsys):
+    strict = write_tokenizer(tmp_path / "strict", chat_template="{% if messages[0]['role'] == 'system' %}"
+                             "{{ raise_exception('System role not supported') }}{% endif %}" + CHATML)  # fmt: skip
+    save_pretrained(model, strict)
+    err = serve_error([str(strict), "--chat", "hi", "--system", "Be brief.", "--max-tokens", "2"], capsys)
+    assert "--system" in err and "System role not supported" in err, err
+
+
+def test_serve_errors_are_one_line_in_a_subprocess(checkpoint):
+    run = subprocess.run([sys.executable, "-m", "minipaged.serve", str(checkpoint), "--prompt-ids", "1", "999999"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)  # fmt: skip
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.count("\n") == 1 and "--prompt-ids[1] = 999999" in run.stderr, run.stderr

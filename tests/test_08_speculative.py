@@ -22,9 +22,10 @@ from minipaged.block_manager import BlockAllocator, BlockTable
 from minipaged.checkpoint import load_course_model
 from minipaged.engine import Engine
 from minipaged.generate import generate_contiguous
-from minipaged.scheduler import EngineConfig
+from minipaged.scheduler import EngineConfig, Scheduler
 from minipaged.sequence import SamplingParams, Sequence, SequenceStatus
 from minipaged.speculative import NgramProposer, SpeculativeConfig, accept_greedy, accept_sampled, rollback_drafts
+from minipaged.stopping import StopRules
 from minipaged.tokenizer import encode
 
 pytestmark = pytest.mark.ch08
@@ -364,6 +365,42 @@ def test_a_stop_token_inside_accepted_drafts_ends_the_request_there(model):
     assert (seq.finish_reason, seq.stop_reason, seq.block_table) == ("stop", stop, None)
     assert engine.cache.allocator.num_used == 0 and seq.num_computed_tokens <= seq.num_tokens
     engine_helpers.check_finished(seq)
+
+
+@pytest.mark.parametrize("site", ["check", "finish_reason", "release"])
+def test_a_fault_as_a_stop_inside_accepted_drafts_ends_the_request_rolls_the_step_back(model, site, monkeypatch):
+    """Issue 25: the stop check that fires on an accepted draft, the reasons it sets, or the release that follows
+    raises: the step is rolled back, and the next one stops the request at the same draft."""
+    prompt, stop, o, _ = stop_inside_accepted_drafts(model, random.Random(2))
+    params = SamplingParams(max_tokens=24, stop_token_ids=(stop,))
+    want = engine_helpers.reference(model, prompt, params)
+    engine = Engine(model, EngineConfig(num_blocks=80, block_size=4, speculative_config=SPEC, keep_finished=True))
+    rid = engine.add_request(prompt, params)
+    owner, name = {"check": (StopRules, "check"), "finish_reason": (Sequence, "append_token"),
+                   "release": (Scheduler, "_release")}[site]  # fmt: skip
+    original = getattr(owner, name)
+
+    def patched(*args, **kwargs):
+        result = original(*args, **kwargs)
+        if result or site == "release":  # the call that stops the request (and the release after it)
+            raise Boom(site)
+        return result
+
+    faults = 0
+    while engine.has_unfinished():
+        before = engine_helpers.snapshot(engine)
+        with monkeypatch.context() as m:
+            if not faults and engine.requests[rid].num_output_tokens == o:  # the step that stops inside its drafts
+                m.setattr(owner, name, patched)
+            try:
+                out = engine.step()
+            except Boom:
+                faults += 1
+                assert engine_helpers.snapshot(engine) == before, site
+    seq = engine.requests[rid]
+    assert faults == 1 and out.finished == [rid] and stop in out.accepted[rid][:-1]
+    assert seq.output_token_ids == want and (seq.finish_reason, seq.stop_reason) == ("stop", stop)
+    assert engine.cache.allocator.num_used == 0
 
 
 def test_min_tokens_masks_every_verified_position(model):
