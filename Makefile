@@ -14,7 +14,7 @@ VLLM_VENV     ?= .venv-vllm
 VLLM_STAMP    := $(VLLM_VENV)/.vllm-installed
 VLLM_PIP_ARGS ?=
 
-.PHONY: setup lab test nbval-notebooks exercises vllm-check clean
+.PHONY: setup lab test nbval-notebooks exercises vllm-setup vllm-check clean
 
 setup: $(STAMP)
 
@@ -49,6 +49,9 @@ nbval-notebooks: setup
 # minipaged's engine, and notebooks/results/vllm_check.json is written or re-verified.
 vllm-check: setup $(VLLM_STAMP)
 	$(PY) -m minipaged.bench vllm check --vllm-python $(VLLM_VENV)/bin/python
+
+# Only the vLLM venv (with it, `make test` also compares chat templates with transformers').
+vllm-setup: $(VLLM_STAMP)
 
 $(VLLM_STAMP): requirements-vllm.lock
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
