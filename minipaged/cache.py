@@ -86,6 +86,8 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping, *, backend: str = "torc
 
         return triton_write_kv(key, value, k_cache, v_cache, slot_mapping)
     check_kv_write(key, value, k_cache, v_cache, slot_mapping)
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous: a slot is a row of their flattened view")
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     row = k_cache.shape[2:]
