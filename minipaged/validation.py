@@ -198,10 +198,6 @@ def _check_cache_pair(k_cache, v_cache) -> None:
         raise ValueError(f"v_cache has shape {tuple(v_cache.shape)}, but k_cache has {tuple(k_cache.shape)}")
     if 0 in k_cache.shape[1:]:
         raise ValueError(f"k_cache's block_size, num_kv_heads and head_dim must be >= 1, got {tuple(k_cache.shape)}")
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not cache.is_contiguous():  # the pool is one allocation; every backend addresses slot = block * B + offset
-            raise ValueError(f"{name} must be contiguous (one block pool, allocated once), got strides "
-                             f"{cache.stride()} for shape {tuple(cache.shape)}: pass the pool itself")
 
 
 def check_kv_write(key, value, k_cache, v_cache, slot_mapping) -> None:

@@ -39,8 +39,6 @@ BAD_ATTENTION_INPUTS = {
     "q 2-D": (_set("q", lambda a: a["q"][0]), ValueError),
     "k_cache 3-D": (_set("k_cache", lambda a: a["k_cache"][0]), ValueError),
     "v_cache shape differs": (_set("v_cache", lambda a: a["v_cache"][:, :4]), ValueError),
-    "k_cache not contiguous": (_set("k_cache", lambda a: a["k_cache"].transpose(0, 1).contiguous().transpose(0, 1)),
-                               ValueError),
     "mismatched head_dim": (_set("q", lambda a: torch.cat([a["q"], a["q"]], dim=-1)), ValueError),
     "heads do not group": (_set("q", lambda a: a["q"][:, :3]), ValueError),
     "block table rows": (_set("block_tables", lambda a: a["block_tables"][:1]), ValueError),
@@ -121,8 +119,6 @@ BAD_WRITE_INPUTS = {
     "value shape differs": (_set("value", lambda a: a["value"][:1]), ValueError),
     "slot_mapping length": (_set("slot_mapping", lambda a: a["slot_mapping"][:1]), ValueError),
     "v_cache shape differs": (_set("v_cache", lambda a: a["v_cache"][:2]), ValueError),
-    "v_cache not contiguous": (_set("v_cache", lambda a: a["v_cache"].transpose(1, 2).contiguous().transpose(1, 2)),
-                               ValueError),
     "slot past the pool": (_set("slot_mapping", lambda a: torch.tensor([0, 32])), IndexError),
     "slot below -1": (_set("slot_mapping", lambda a: torch.tensor([-2, 0])), IndexError),
 }
