@@ -199,9 +199,11 @@ def _paged_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, scale):
     slots = torch.where(valid, slots, slots[:, :1])
     # GQA without copying K/V per query head: the `group` query heads that share a KV
     # head are that head's `group` query rows, all against the same keys.
-    qg = q.view(num_seqs, num_kv_heads, group, head_dim).float()
+    qg = q.reshape(num_seqs, num_kv_heads, group, head_dim).float()
     out = torch.empty(num_seqs, num_kv_heads, group, head_dim, device=q.device)
-    rows_k, rows_v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+    # One row per slot. A view of the pool when it is contiguous (always, in the engine); a copy when a
+    # caller passes a strided view, as the loop and Triton paths accept too.
+    rows_k, rows_v = k_cache.reshape(-1, num_kv_heads, head_dim), v_cache.reshape(-1, num_kv_heads, head_dim)
     chunk = max(1, GATHER_BUDGET_BYTES // (2 * ctx * num_kv_heads * head_dim * k_cache.element_size()))
     k_buf, v_buf = _gather_buffers(min(chunk, num_seqs) * ctx // block_size, k_cache)
     for start in range(0, num_seqs, chunk):

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kernel_shapes import SHAPES, shape_id
 
-from minipaged.attention import contiguous_attention
+from minipaged.attention import contiguous_attention, paged_attention
 from minipaged.kernels import paged_decode_attention, paged_prefill_attention, write_kv
 from minipaged.kernels.paged_attention import MIN_TOKENS_PER_SPLIT, choose_num_splits
 from minipaged.testing import PagedCase, make_paged_case
@@ -132,6 +132,8 @@ def test_non_contiguous_views():
     wide_tables = torch.cat([block_tables, block_tables], dim=1)[:, : block_tables.shape[1]]
     assert not (q_t.is_contiguous() or kv[:, 0].is_contiguous() or wide_tables.is_contiguous())
     assert_matches_reference(case, paged_decode_attention(q_t, kv[:, 0], kv[:, 1], wide_tables, seq_lens, num_splits=2))
+    for backend in ("torch", "loop"):  # the PyTorch paths take the same strided views (issue 25)
+        assert_matches_reference(case, paged_attention(q_t, kv[:, 0], kv[:, 1], wide_tables, seq_lens, backend=backend))
 
 
 def test_offsets_past_2_to_the_31():
