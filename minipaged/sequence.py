@@ -85,9 +85,6 @@ class SamplingParams:
         self.max_tokens = check_int(self.max_tokens, "max_tokens", minimum=1)
         self.n = check_int(self.n, "n", minimum=1)
         check_bool(self.ignore_eos, "ignore_eos")
-        self.min_tokens = check_int(self.min_tokens, "min_tokens")
-        if self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be at most max_tokens={self.max_tokens}, got {self.min_tokens}")
         self.temperature = check_real(self.temperature, "temperature", minimum=0)
         if self.seed is not None:
             self.seed = check_int(self.seed, "seed", minimum=None)
@@ -98,6 +95,7 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (list, tuple, set, frozenset)):
             raise TypeError(f"stop_token_ids must be a tuple of token ids, got {type(self.stop_token_ids).__name__}")
         self.stop_token_ids = tuple(check_int(t, f"stop_token_ids[{i}]") for i, t in enumerate(self.stop_token_ids))
+        self.min_tokens = self.stop_rules().min_tokens  # the rules' own checks: min_tokens within 0..max_tokens
         if self.stop is None:  # vLLM's default spelling of "none"
             self.stop = ()
         if isinstance(self.stop, str):
