@@ -43,9 +43,9 @@ import torch
 from minipaged.accounting import blocks_needed
 from minipaged.block_manager import BlockTable
 from minipaged.cache import PagedKVCache
-from minipaged.generate import build_metadata, check_prompt
+from minipaged.generate import build_metadata
 from minipaged.model import LlamaForCausalLM
-from minipaged.validation import check_bool, check_int, check_real
+from minipaged.validation import check_bool, check_int, check_prompt, check_real
 
 
 @dataclass

@@ -92,11 +92,10 @@ from minipaged.block_manager import BlockTable, OutOfBlocks
 from minipaged.cache import PagedKVCache
 from minipaged.clock import StepCost, VirtualClock
 from minipaged.engine import Engine, RequestOutput, StepOutput
-from minipaged.generate import check_prompt
 from minipaged.metrics import request_latencies, summarize
 from minipaged.scheduler import EngineConfig, can_admit, check_fits_pool
 from minipaged.sequence import SamplingParams, Sequence
-from minipaged.validation import check_hashable, check_int, check_real
+from minipaged.validation import check_hashable, check_int, check_prompt, check_real
 from minipaged.workload import LogNormal, RequestSpec, WorkloadPreset, prompt_token_ids
 
 LLAMA_2_7B_KV_BYTES_PER_TOKEN = kv_bytes_per_token("Llama-2-7B")  # 2 * 32 layers * 32 heads * 128 * 2 B = 512 KiB

@@ -59,12 +59,11 @@ from minipaged.attention import AttentionMetadata
 from minipaged.block_manager import ReentrantCallError
 from minipaged.cache import PagedKVCache
 from minipaged.clock import VirtualClock
-from minipaged.generate import check_positions, check_prompt
 from minipaged.metrics import HISTORY_WINDOW, Metrics
 from minipaged.model import LlamaConfig
 from minipaged.scheduler import EngineConfig, Scheduler, SchedulerOutput, check_fits_pool
 from minipaged.sequence import SamplingParams, Sequence, SequenceStatus
-from minipaged.validation import check_hashable, check_int, check_real
+from minipaged.validation import check_hashable, check_int, check_positions, check_prompt, check_real
 from minipaged.workload import RequestSpec, prompt_token_ids
 
 

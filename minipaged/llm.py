@@ -29,11 +29,11 @@ from typing import NamedTuple
 from minipaged.chat_template import apply_chat_template
 from minipaged.detokenizer import IncrementalDetokenizer
 from minipaged.engine import Engine
-from minipaged.generate import check_prompt
 from minipaged.model import LlamaForCausalLM
 from minipaged.pretrained import load_model, load_tokenizer
 from minipaged.scheduler import EngineConfig
 from minipaged.sequence import SamplingParams, Sequence
+from minipaged.validation import check_prompt
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 

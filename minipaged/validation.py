@@ -366,3 +366,34 @@ def check_paged_attention(
                 f"sequence {i} has {int(num_new_tokens[i])} query tokens; it needs 1 .. seq_lens[{i}]={int(lens[i])}"
             )
     return hi
+
+def check_prompt(config, prompt_token_ids, max_new_tokens: int, name: str) -> list[int]:
+    """A prompt as a list of ints, or an error naming ``name``: ids in the vocabulary, and room for the output.
+
+    Args:
+        config: the model's :class:`~minipaged.model.LlamaConfig` (``vocab_size``, ``max_position_embeddings``).
+        prompt_token_ids: the prompt's token ids (at least one).
+        max_new_tokens: the tokens to generate after it; prompt and output together must fit
+            ``max_position_embeddings`` (RoPE has no angle for a later position).
+        name: the argument's name in the caller, for the messages.
+    """
+    ids = check_token_ids(prompt_token_ids, name, config.vocab_size)
+    check_positions(config, len(ids), max_new_tokens, name)
+    return ids
+
+
+def check_positions(config, num_prompt_tokens: int, max_new_tokens: int, name: str) -> None:
+    """A ``ValueError`` naming ``name`` if a prompt and its output would not fit ``max_position_embeddings``.
+
+    Args:
+        config: the model's :class:`~minipaged.model.LlamaConfig`.
+        num_prompt_tokens: the prompt's length.
+        max_new_tokens: the tokens to generate after it.
+        name: the prompt's name in the caller, for the message.
+    """
+    if num_prompt_tokens + max_new_tokens > config.max_position_embeddings:
+        raise ValueError(
+            f"{name} has {num_prompt_tokens} tokens and {max_new_tokens} more are asked for: "
+            f"{num_prompt_tokens + max_new_tokens} exceeds the model's max_position_embeddings="
+            f"{config.max_position_embeddings}"
+        )
