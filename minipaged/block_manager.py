@@ -68,6 +68,10 @@ class BlockAllocator:
     its parent's blocks (chapter 06).
     """
 
+    # Event plumbing, which a rolled-back step leaves as it is (see minipaged.rollback).
+    _not_rolled_back = ("_subscribers", "_held_events", "subscriber_errors", "num_subscriber_errors",
+                        "subscriber_guard", "_delivering")  # fmt: skip
+
     def __init__(self, num_blocks: int, block_size: int):
         num_blocks = check_int(num_blocks, "num_blocks", minimum=1)
         block_size = check_int(block_size, "block_size", minimum=1)
@@ -321,6 +325,9 @@ class BlockTable:
         # Writing into a partly filled last block that another table also holds (after a fork).
         return (num_tokens > 0 and self.num_tokens % self.block_size != 0
                 and self.allocator.refcount(self.blocks[-1]) > 1)
+
+    def num_new_blocks(self, num_tokens: int) -> int:  # TEMP shim until the prefix branch lands
+        return self.blocks_needed(num_tokens)
 
     def blocks_needed(self, num_tokens: int) -> int:
         """New blocks that appending ``num_tokens`` tokens would take.

@@ -104,6 +104,8 @@ class PagedKVCache:
             (checked by :class:`~minipaged.block_manager.BlockAllocator`).
         num_kv_heads, head_dim: one token's K (and V) row is ``[num_kv_heads, head_dim]``.
         dtype, device: of the pools.
+        allocator: the allocator class, called as ``allocator(num_blocks, block_size)`` (the seam
+            that chapter 06's prefix cache plugs into; a learner's allocator drops in the same way).
     """
 
     def __init__(
@@ -115,6 +117,7 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device="cpu",
+        allocator=BlockAllocator,
     ):
         num_layers = check_int(num_layers, "num_layers", minimum=1)
         num_kv_heads = check_int(num_kv_heads, "num_kv_heads", minimum=1)
@@ -126,7 +129,7 @@ class PagedKVCache:
         pool_bytes = 2 * num_layers * num_blocks * block_size * num_kv_heads * head_dim * dtype.itemsize
         check_fits_memory(pool_bytes, f"PagedKVCache(num_blocks={num_blocks}, block_size={block_size})'s K/V pools",
                           device)  # fmt: skip
-        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.allocator = allocator(num_blocks, block_size)
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
@@ -263,3 +266,29 @@ class PagedKVCache:
         dst_index = torch.tensor(dst, dtype=torch.int64, device=self.device)
         for pool in (*self.k_caches, *self.v_caches):
             pool.index_copy_(0, dst_index, pool.index_select(0, src_index))
+
+    def move_kv(self, out, swap_space: dict) -> int:
+        """Carry out a step plan's K/V moves: save victims' K/V to CPU memory, copy-on-write, restore readmitted ones'.
+
+        Reads before writes: a victim's freed blocks, or a copy's source, may already belong to
+        someone else this step, who is about to write into them. Returns the tokens moved between
+        the pool and CPU memory (the clock charges them).
+
+        Args:
+            out: the step's :class:`~minipaged.scheduler.SchedulerOutput` (its ``swap_out``,
+                ``copies``, ``swap_in`` and ``swap_in_hit_blocks``).
+            swap_space: seq_id -> what :meth:`swap_out` saved for it; updated in place.
+        """
+        moved = 0
+        for seq, block_ids in out.swap_out:
+            swap_space[seq.seq_id] = self.swap_out(block_ids)
+            moved += seq.num_computed_tokens
+        if out.copies:  # after the victims' K/V is saved, before anything lands in the new blocks
+            self.copy_blocks([src for src, _ in out.copies], [dst for _, dst in out.copies])
+        for seq, num_hit_blocks in zip(out.swap_in, out.swap_in_hit_blocks):
+            saved = swap_space.pop(seq.seq_id)
+            if num_hit_blocks < len(saved[0][0]):  # the blocks a prefix hit did not restore come back from CPU
+                rest = [(k[num_hit_blocks:], v[num_hit_blocks:]) for k, v in saved]
+                self.swap_in(seq.block_table.blocks[num_hit_blocks : len(saved[0][0])], rest)
+                moved += seq.num_computed_tokens - num_hit_blocks * self.block_size
+        return moved

@@ -212,7 +212,7 @@ class LLM:
             for prompt_ids in ids:
                 request_ids.append(self.engine.add_request(prompt_ids, engine_params))
             for rid in request_ids:
-                for i, seq in enumerate(self.engine.samples[rid]):
+                for i, seq in enumerate(self.engine.requests[rid]):
                     det = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
                                                  params.min_tokens)  # fmt: skip
                     completions.append(_Completion(len(completions), rid, None if params.n == 1 else i, seq, det))

@@ -340,7 +340,7 @@ class PrefixCachingAllocator(BlockAllocator):
         """
         return sum(self._refcounts[self._check_block_id(b, "count")] == 0 for b in block_ids)
 
-    def share_prefix(self, table: BlockTable, match: PrefixMatch) -> None:
+    def share_prefix(self, table: BlockTable, match: PrefixMatch, preempted: bool = False) -> None:
         """Start an empty table with the matched blocks (one more reference each) and count the query.
 
         Call it for every request admitted with caching on, even with an empty match, so

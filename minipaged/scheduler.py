@@ -9,85 +9,100 @@ The rules, in the order :meth:`Scheduler.schedule` applies them:
    one forward pass. A long prompt is cut into chunks across steps (chunked
    prefill), so it cannot stall the decodes of everyone else.
 3. **Growth before admission.** A running sequence that needs a new block and
-   finds the pool empty preempts the *youngest* running sequence (latest
-   arrival): its blocks are freed, its tokens kept, and it goes back to the
+   finds the pool empty preempts a running sequence, the one the scheduling
+   policy picks (FCFS: the *youngest*, latest arrival, maybe the requester itself and never an
+   older one): its blocks are freed, its tokens kept, and it goes back to the
    front of the waiting queue. Older requests therefore always make progress.
    By **recompute** (the default) its K/V is dropped and re-prefilled from
    prompt + generated tokens later; by **swap** the engine copies its K/V to
    CPU memory first and back into fresh blocks when it is readmitted.
-4. **FCFS admission with a watermark.** The head of the waiting queue is
-   admitted only if its first chunk's blocks are free *and* a watermark of
-   blocks stays free afterwards, as headroom for the running sequences to
-   grow into. If the head does not fit, nobody behind it jumps the queue.
-5. **Prefix caching** (chapter 06; on when the allocator is a
-   :class:`~minipaged.prefix_cache.PrefixCachingAllocator`). At admission the
+4. **Admission in the policy's order, with a watermark** (:mod:`minipaged.request_queue`).
+   The head of the waiting queue is admitted only if its first chunk's blocks are free
+   *and* a watermark of blocks stays free afterwards, as headroom for the running
+   sequences to grow into. If the head does not fit, nobody behind it jumps the queue.
+   Nobody is admitted in a step that had to preempt: the pool is already short.
+5. **Prefix caching** (chapter 06; on when the allocator has ``match_prefix``, as
+   :class:`~minipaged.prefix_cache.PrefixCachingAllocator` does). At admission the
    longest cached prefix of the sequence's tokens is shared into its table and
    ``num_computed_tokens`` starts at the hit length; a hit block that sat in
-   the free queue stops being free, and admission counts it so. After every
-   step, each scheduled sequence's full, computed blocks get their keys
-   (generated tokens included). Finished, aborted and preempted sequences
-   release their blocks; cached ones stay in the free queue, reusable, until
-   evicted. A swapped-out sequence's K/V comes back by a cache hit where it can
-   and by swap-in for the rest.
+   the free queue stops being free, and admission counts it so. A block gets its key
+   **when it is allocated**, as vLLM and nano-vllm key it: once this step's scheduled
+   tokens fill it (drafts excluded). A request admitted later in the same step can hit it:
+   within one forward pass every sequence's K/V of a layer is written before that layer's
+   attention reads. The running sequences' blocks are keyed once every preemption of the
+   step is decided, so a victim never leaves a key for K/V that was never written (and a
+   step that fails rolls the keys back with everything else). Finished, aborted and
+   preempted sequences release their blocks; cached ones stay in the free queue,
+   reusable, until evicted. A swapped-out sequence's K/V comes back by a cache hit
+   where it can and by swap-in for the rest.
 6. **Parallel sampling.** A request's pending samples take their seats at
    admission and fork the parent's table when its prompt is computed. A write
    into a shared, partly filled last block copies it first (copy-on-write, in
    :meth:`~minipaged.block_manager.BlockTable.append_tokens`); the step's
    copies are in ``SchedulerOutput.copies`` for the engine to carry out before
    the forward pass.
-7. **Speculative decoding** (chapter 08; on with ``EngineConfig.speculative_config``).
-   After the running sequences are planned, each decode may add up to
-   ``num_speculative_tokens`` draft tokens from :class:`~minipaged.speculative.NgramProposer`,
-   out of the budget and the free blocks that are left (a draft never preempts);
-   they are in ``SchedulerOutput.spec_token_ids``. After verification,
-   :meth:`Scheduler.postprocess` keeps the accepted drafts and rolls the counter
-   back over the rejected ones before any block gets a key.
+7. **Speculative decoding** (chapter 08; on when the scheduler has a ``speculator``, such as
+   :class:`~minipaged.speculative.NgramSpeculator`). After the running sequences are planned,
+   ``speculator.schedule_drafts`` may extend each decode with draft tokens out of the budget
+   and the free blocks left; after verification :meth:`Scheduler.postprocess` rolls the
+   counter back over the rejected ones with ``speculator.rollback``.
 
 Public state that the engine, metrics and the dashboard read:
-``waiting`` (deque of :class:`~minipaged.sequence.Sequence`, front = next to
+``waiting`` (the policy's deque of :class:`~minipaged.sequence.Sequence`, front = next to
 admit), ``running`` (list, in admission order), ``allocator``, ``config``.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from minipaged.accounting import blocks_needed
-from minipaged.block_manager import BlockAllocator, BlockTable
+from minipaged.block_manager import BlockTable
+from minipaged.request_queue import SCHEDULING_POLICIES, create_request_queue
 from minipaged.sequence import Sequence, SequenceStatus
 from minipaged.validation import check_bool, check_choice, check_int, check_real
 
-SCHEDULING_POLICIES = ("fcfs", "shortest_prompt_first")
 PREEMPTION_MODES = ("recompute", "swap")
-ENGINE_BACKENDS = ("torch", "triton")  # the attention backends the engine's forward pass may use
+ENGINE_BACKENDS = ("loop", "torch", "triton")
 
 
 @dataclass
 class EngineConfig:
-    """Everything the engine and scheduler are configured by; the defaults fit the tiny model on a CPU."""
+    """The pool and the scheduler's knobs; the defaults fit the tiny model on a CPU.
 
-    num_blocks: int = 64  # the KV pool: num_blocks blocks of block_size token slots
+    The engine's other parts are seams, given to :class:`~minipaged.engine.Engine` itself:
+    the allocator (prefix caching is an allocator), the block table class, the scheduler and
+    the speculator.
+
+    Attributes:
+        num_blocks: blocks in the KV pool.
+        block_size: token slots per block.
+        max_num_seqs: the most sequences running at once (a request's samples each count).
+        max_num_batched_tokens: tokens computed in one forward pass, all sequences together.
+        watermark: the fraction of blocks admission leaves free for running sequences to grow into.
+        chunked_prefill: cut a prompt that does not fit the step's budget into chunks (False: whole or not at all).
+        preemption_mode: ``"recompute"`` (drop a victim's K/V, re-prefill it later) or ``"swap"``
+            (park it in CPU memory, copy it back on readmission).
+        backend: the attention backend of the forward pass (a name of
+            :mod:`minipaged.attention`'s registry: ``"torch"``, ``"triton"``, ``"loop"``).
+        scheduling_policy: the waiting queue's order, a name of
+            :data:`minipaged.request_queue.SCHEDULING_POLICIES` (``"fcfs"``, ``"shortest_prompt_first"``).
+        keep_finished: False: ``step()`` hands finished requests over and the engine forgets them,
+            and the metrics keep the latest ``HISTORY_WINDOW`` step records (memory stays bounded).
+            True: the engine and the history keep everything.
+    """
+
+    num_blocks: int = 64
     block_size: int = 16
     max_num_seqs: int = 16
-    max_num_batched_tokens: int = 256  # tokens computed in one forward pass, all sequences together
-    watermark: float = 0.01  # fraction of blocks admission leaves free for running sequences to grow into
+    max_num_batched_tokens: int = 256
+    watermark: float = 0.01
     chunked_prefill: bool = True
-    preemption_mode: str = "recompute"  # or "swap": park the victim's K/V in CPU memory instead
-    backend: str = "torch"  # attention backend of the model forward: "torch" or "triton"
-    enable_prefix_caching: bool = True  # share cached full blocks between requests (chapter 06), as vLLM does
-    # The order in which waiting requests are admitted: "fcfs" (arrival order) or "shortest_prompt_first"
-    # (preempted sequences still first, then the shortest prompt; chapter 07's admission-order ablation).
+    preemption_mode: str = "recompute"
+    backend: str = "torch"
     scheduling_policy: str = "fcfs"
-    prefix_caching_hash_fn: Callable[[bytes], bytes] | None = None  # the block-key hash; None: SHA-256
-    # Speculative decoding (chapter 08): None (off), or a minipaged.speculative.SpeculativeConfig or vLLM's dict
-    # form, e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}.
-    speculative_config: object = None
-    # False: step() hands finished requests over and the engine forgets them, and metrics keep the latest
-    # HISTORY_WINDOW step records (memory stays bounded). True: engine.requests and the history keep everything.
     keep_finished: bool = False
 
     def __post_init__(self):
@@ -99,23 +114,7 @@ class EngineConfig:
         check_bool(self.chunked_prefill, "EngineConfig.chunked_prefill")
         check_bool(self.keep_finished, "EngineConfig.keep_finished")
         check_choice(self.preemption_mode, "EngineConfig.preemption_mode", PREEMPTION_MODES)
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise TypeError(
-                f"EngineConfig.enable_prefix_caching must be a bool, got {type(self.enable_prefix_caching).__name__}"
-            )
-        if self.prefix_caching_hash_fn is not None:  # probed now: a bad one would make every step raise
-            from minipaged.prefix_cache import check_hash_fn  # chapter 06, reached by name only
-
-            check_hash_fn(self.prefix_caching_hash_fn, "EngineConfig.prefix_caching_hash_fn")
-        if self.speculative_config is not None:
-            from minipaged.speculative import SpeculativeConfig  # chapter 08, reached by name only
-
-            if isinstance(self.speculative_config, dict):
-                self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
-            elif not isinstance(self.speculative_config, SpeculativeConfig):
-                raise TypeError("EngineConfig.speculative_config must be None, a dict or a SpeculativeConfig, got "
-                                f"{type(self.speculative_config).__name__}")
-        check_choice(self.scheduling_policy, "EngineConfig.scheduling_policy", SCHEDULING_POLICIES)
+        check_choice(self.scheduling_policy, "EngineConfig.scheduling_policy", tuple(SCHEDULING_POLICIES))
         check_choice(self.backend, "EngineConfig.backend", ENGINE_BACKENDS)
 
     @property
@@ -141,6 +140,7 @@ class SchedulerOutput:
     # Speculative decoding (chapter 08): seq_id -> the draft tokens it verifies this step. They are not in its
     # token_ids; its num_new_tokens counts them (the last sampled token plus the drafts).
     spec_token_ids: dict = field(default_factory=dict)
+    prefill: list[bool] = field(default_factory=list)  # per planned sequence: a prefill chunk (else a decode)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -149,6 +149,30 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.seqs
+
+    def add(self, seq: Sequence, num_new_tokens: int, slot_mapping: torch.Tensor) -> None:
+        """Plan ``num_new_tokens`` of ``seq``'s tokens, whose K/V goes to ``slot_mapping``."""
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new_tokens)
+        self.slot_mappings.append(slot_mapping)
+        self.prefill.append(seq.is_prefill)
+
+    def take_back(self, seq: Sequence) -> int:
+        """Unplan ``seq`` (a victim planned earlier in the step); return the tokens it had."""
+        i = self.seqs.index(seq)
+        n = self.num_new_tokens[i]
+        del self.seqs[i], self.num_new_tokens[i], self.slot_mappings[i], self.prefill[i]
+        return n
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens of this step's prefill chunks (the rest are decodes, with their drafts)."""
+        return sum(n for n, prefill in zip(self.num_new_tokens, self.prefill) if prefill)
+
+    def ends_sequence(self) -> list[bool]:
+        """Per planned sequence, whether its chunk reaches its last token (then it samples); before postprocess."""
+        return [s.num_computed_tokens + n - len(self.spec_token_ids.get(s.seq_id, ())) == s.num_tokens
+                for s, n in zip(self.seqs, self.num_new_tokens)]  # fmt: skip
 
 
 def can_admit(num_free_blocks: int, num_needed_blocks: int, watermark_blocks: int, num_running: int,
@@ -200,36 +224,26 @@ def check_fits_pool(config: EngineConfig, num_prompt_tokens: int, max_tokens: in
         )
 
 
-def pick_victim(running: list[Sequence]) -> Sequence:
-    """The youngest running sequence (latest arrival; on a tie, the later admitted), so older ones always progress.
-
-    Args:
-        running: the running sequences, in admission order (not modified).
-    """
-    return max(reversed(running), key=lambda s: s.arrival_time)
-
-
 class Scheduler:
     """Continuous batching over one block pool (the rules are in the module docstring).
 
     Args:
         config: the pool and the scheduler's knobs.
-        allocator: the pool's allocator; a :class:`~minipaged.prefix_cache.PrefixCachingAllocator`
-            turns prefix caching on.
+        allocator: the pool's allocator (a :class:`~minipaged.block_manager.BlockAllocator`, or
+            one with ``match_prefix``, ``share_prefix`` and ``cache_full_blocks``: prefix caching).
+        block_table: the block table class, called as ``block_table(allocator, seq_id)``.
+        speculator: speculative decoding (chapter 08), with ``schedule_drafts(scheduler, out, budget)``
+            and ``rollback(table, num_computed_tokens, num_draft_tokens, num_accepted_tokens)``; None: off.
     """
 
-    def __init__(self, config: EngineConfig, allocator: BlockAllocator):
+    def __init__(self, config: EngineConfig, allocator, block_table=BlockTable, speculator=None):
         self.config = config
         self.allocator = allocator
+        self.block_table = block_table
+        self.speculator = speculator
         self.prefix_caching = hasattr(allocator, "match_prefix")  # chapter 06's allocator, known by what it does
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = create_request_queue(config.scheduling_policy)
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
-        self.proposer = None  # speculative decoding's draft proposer (chapter 08), if configured
-        if config.speculative_config is not None:
-            from minipaged.speculative import NgramProposer  # chapter 08, reached by name only
-
-            self.proposer = NgramProposer(config.speculative_config)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request, after checking that it could ever run alone (see :func:`check_fits_pool`)."""
@@ -267,108 +281,87 @@ class Scheduler:
         """
         self.allocator.check_not_from_subscriber("Scheduler.schedule")
         with self.allocator.hold_events():
-            return self._schedule()
+            out = SchedulerOutput()
+            budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+            for seq, n in zip(out.seqs, out.num_new_tokens):  # no victim can be taken back from here on
+                self._cache_blocks(seq, seq.num_computed_tokens + n)
+            if self.speculator is not None:
+                budget = self.speculator.schedule_drafts(self, out, budget)
+            if not out.preempted:
+                self._admit(out, budget)
+            out.copies = [c for s in out.seqs for c in s.block_table.take_pending_copies()]
+            return out
 
-    def _schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-
-        # 1. Running sequences: decodes first, then unfinished prefill chunks.
-        pending = sorted(self.running, key=lambda s: s.is_prefill)  # stable: arrival order within each kind
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Plan the running sequences, decodes first, preempting where the pool runs out; return the budget left."""
+        pending = sorted(self.running, key=lambda s: s.is_prefill)  # stable: admission order within each kind
         while pending:
             seq = pending.pop(0)
             n = self._chunk(seq, budget)
             if n == 0:
                 continue
-            # Make room by preempting the youngest running sequence (maybe seq itself, never an older one).
-            while not self.allocator.can_allocate(seq.block_table.blocks_needed(n)):
-                victim = pick_victim(self.running)
-                if victim in out.seqs:  # scheduled earlier this step: take its tokens back
-                    i = out.seqs.index(victim)
-                    budget += out.num_new_tokens[i]
-                    del out.seqs[i], out.num_new_tokens[i], out.slot_mappings[i]
+            # Make room by preempting the policy's victim (FCFS: the youngest, maybe seq itself, never an older one).
+            while not self.allocator.can_allocate(seq.block_table.num_new_blocks(n)):
+                victim = self.waiting.victim(self.running)
+                if victim in out.seqs:  # planned earlier this step: take its tokens back
+                    budget += out.take_back(victim)
                 elif victim in pending:
                     pending.remove(victim)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
-                out.seqs.append(seq)
-                out.num_new_tokens.append(n)
-                out.slot_mappings.append(seq.block_table.append_tokens(n))
+                out.add(seq, n, seq.block_table.append_tokens(n))
                 budget -= n
+        return budget
 
-        if self.proposer is not None:
-            budget = self._schedule_drafts(out, budget)
-
-        # 2. Admission, in the scheduling policy's order. Not in a step that had to preempt: the pool is already short.
-        if self.config.scheduling_policy == "shortest_prompt_first":  # preempted ones keep the front, then shortest
-            order = sorted(self.waiting, key=lambda s: (s.status is not SequenceStatus.PREEMPTED, s.num_prompt_tokens))
-            self.waiting.clear()
-            self.waiting.extend(order)
-        while self.waiting and budget > 0 and not out.preempted:
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting sequences in the policy's order while the head fits (see :func:`can_admit`)."""
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
             saved = seq.num_computed_tokens  # > 0 only for a swapped-out sequence: its K/V comes back first
             match = self.allocator.match_prefix(seq.token_ids, seq.cache_salt) if self.prefix_caching else None
-            hit = match.num_tokens if match else 0
-            start = max(hit, saved)
+            hit_blocks = match.block_ids if match else []
+            start = max(len(hit_blocks) * self.config.block_size, saved)
             n = self._chunk(seq, budget, start)
-            num_hit_blocks = len(match.block_ids) if match else 0
             # Hit blocks that sit in the free queue leave it when shared: count them with the new blocks.
-            touched = self.allocator.num_free_among(match.block_ids) if match else 0
+            touched = self.allocator.num_free_among(hit_blocks) if match else 0
             if n == 0 or not can_admit(
                 self.allocator.num_free - touched,
-                blocks_needed(start + n, self.config.block_size) - num_hit_blocks,
+                blocks_needed(start + n, self.config.block_size) - len(hit_blocks),
                 self.config.watermark_blocks,
                 self.num_seats + len(seq.pending_forks),  # its samples will need seats of their own
                 self.config.max_num_seqs,
             ):
                 break
             self.waiting.popleft()
-            table = BlockTable(self.allocator, seq.seq_id)
-            if match:
-                self.allocator.share_prefix(table, match)
-            if saved:
-                table.append_tokens(start - hit)  # fresh blocks for the saved K/V that did not hit
-                out.swap_in.append(seq)
-                out.swap_in_hit_blocks.append(num_hit_blocks)
-                swapped = max(0, blocks_needed(saved, self.config.block_size) - num_hit_blocks)
-                self.allocator.emit("swap_in", None, seq.seq_id, swapped_blocks=swapped, hit_blocks=num_hit_blocks)
-            seq.num_computed_tokens = start
-            seq.block_table = table
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            out.admitted.append(seq)
-            out.seqs.append(seq)
-            out.num_new_tokens.append(n)
-            out.slot_mappings.append(table.append_tokens(n))
+            self._start(seq, match, start, out)
+            out.add(seq, n, seq.block_table.append_tokens(n))
+            self._cache_blocks(seq, start + n)
             budget -= n
-        out.copies = [c for s in out.seqs for c in s.block_table.take_pending_copies()]
-        return out
 
-    def _schedule_drafts(self, out: SchedulerOutput, budget: int) -> int:
-        """Speculative decoding (chapter 08): extend this step's decodes with draft tokens; return the budget left.
+    def _start(self, seq: Sequence, match, start: int, out: SchedulerOutput) -> None:
+        """Give an admitted sequence its table (a prefix hit shared into it, room for swapped-out K/V) and run it."""
+        table = self.block_table(self.allocator, seq.seq_id)
+        if match is not None:
+            self.allocator.share_prefix(table, match, preempted=seq.num_preemptions > 0)
+        if seq.num_computed_tokens:  # swap mode: fresh blocks for the saved K/V that did not hit
+            hit_blocks = len(match.block_ids) if match else 0
+            table.append_tokens(start - hit_blocks * self.config.block_size)
+            out.swap_in.append(seq)
+            out.swap_in_hit_blocks.append(hit_blocks)
+            swapped = max(0, blocks_needed(seq.num_computed_tokens, self.config.block_size) - hit_blocks)
+            self.allocator.emit("swap_in", None, seq.seq_id, swapped_blocks=swapped, hit_blocks=hit_blocks)
+        seq.num_computed_tokens = start
+        seq.block_table = table
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        out.admitted.append(seq)
 
-        Drafts come last among the running sequences' work and never at anyone's expense: each
-        decode gets at most the tokens of budget left and the blocks that are free now, and a
-        draft never preempts. A sequence drafts never past ``max_tokens`` (``j`` accepted drafts
-        plus the token sampled after them must fit), and not while samples are still to fork
-        from its next token.
-        """
-        for i, seq in enumerate(out.seqs):
-            if budget == 0 or out.num_new_tokens[i] != 1 or seq.num_uncomputed_tokens != 1 or seq.pending_forks:
-                continue
-            room = seq.sampling_params.max_tokens - seq.num_output_tokens - 1
-            drafts = self.proposer.propose(seq.token_ids, min(budget, room)) if room > 0 else []
-            table = seq.block_table
-            while drafts and not self.allocator.can_allocate(table.blocks_needed(len(drafts))):
-                drafts.pop()
-            if drafts:
-                out.spec_token_ids[seq.seq_id] = drafts
-                out.num_new_tokens[i] += len(drafts)
-                out.slot_mappings[i] = torch.cat([out.slot_mappings[i], table.append_tokens(len(drafts))])
-                budget -= len(drafts)
-        return budget
+    def _cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Prefix caching: key ``seq``'s blocks that its first ``num_tokens`` tokens fill (this step's included)."""
+        if self.prefix_caching:
+            self.allocator.cache_full_blocks(seq.block_table, seq.token_ids, num_tokens, seq.cache_salt)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Free the victim's blocks, keep its tokens, queue it at the front; swap mode saves its K/V first."""
@@ -385,13 +378,12 @@ class Scheduler:
         self.allocator.emit(
             "preempt", None, seq.seq_id, mode="swap" if swap else "recompute",
             num_blocks=seq.block_table.num_blocks, num_tokens=seq.num_tokens, swapped_blocks=len(saved),
-        )
+        )  # fmt: skip
         self.running.remove(seq)
         self._release(seq)
         seq.num_preemptions += 1
         seq.status = SequenceStatus.PREEMPTED
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
         out.preempted.append(seq)
 
     def _release(self, seq: Sequence) -> None:
@@ -404,54 +396,49 @@ class Scheduler:
                     accepted: dict | None = None) -> list[Sequence]:  # fmt: skip
         """Advance the sequences after the forward pass; return those that finished.
 
-        ``sampled`` maps seq_id to the token sampled for every sequence whose
-        chunk reached its last token (the others were mid-prefill). A sequence finishes at the
-        first token its :class:`~minipaged.stopping.StopRules` stop it at (its ``finish_reason``
-        and ``stop_reason`` then say why) and frees its blocks at once. With speculative
-        decoding, ``accepted`` maps the seq_id of each sequence that verified drafts to the
-        drafts it accepted: they are appended before its sampled token (up to the first stop
-        among them: the tokens after it are dropped), and its counter rolls
-        back over the rejected ones (:func:`minipaged.speculative.rollback_drafts`) before any
-        block gets a key. The allocator's subscribers hear of the frees, forks and keys once
-        every sequence has advanced.
+        A sequence finishes at the first token its :class:`~minipaged.stopping.StopRules` stop it
+        at (its ``finish_reason`` and ``stop_reason`` then say why) and frees its blocks at once.
+        With speculative decoding, the accepted drafts are appended before the sampled token (up
+        to the first stop among them: the tokens after it are dropped), and the counter rolls back
+        over the rejected ones (``speculator.rollback``). The allocator's subscribers hear of the
+        frees and forks once every sequence has advanced.
 
         Args:
             out: this step's plan, as :meth:`schedule` made it.
-            sampled: seq_id -> the token sampled for it this step.
+            sampled: seq_id -> the token sampled for every sequence whose chunk reached its last
+                token (the others were mid-prefill).
             now: the time of the step's end, in the engine's clock (the tokens' and finishes' time).
-            accepted: seq_id -> the drafts it accepted (speculative decoding; None: no drafts).
+            accepted: seq_id -> the drafts it accepted, for each sequence that verified drafts (None: no drafts).
         """
         self.allocator.check_not_from_subscriber("Scheduler.postprocess")
-        with self.allocator.hold_events():
-            return self._postprocess(out, sampled, now, accepted or {})
-
-    def _postprocess(self, out: SchedulerOutput, sampled: dict, now: float, accepted: dict) -> list[Sequence]:
+        accepted = accepted or {}
         finished = []
-        for seq, n in zip(out.seqs, out.num_new_tokens):
-            drafts = out.spec_token_ids.get(seq.seq_id)
-            if drafts:  # chapter 08: keep the verified prefix only; its slots beyond are overwritten next step
-                from minipaged.speculative import rollback_drafts  # chapter 08, reached by name only
-
-                seq.num_computed_tokens = rollback_drafts(seq.block_table, seq.num_computed_tokens, len(drafts),
-                                                          len(accepted[seq.seq_id]))  # fmt: skip
-            else:
-                seq.num_computed_tokens += n
-            if self.prefix_caching:  # full blocks, now computed, get their keys (before a finish releases them)
-                tokens = seq.token_ids + accepted[seq.seq_id] if drafts else seq.token_ids  # verified, not yet appended
-                self.allocator.cache_full_blocks(seq.block_table, tokens, seq.num_computed_tokens, seq.cache_salt)
-            if seq.seq_id not in sampled:
-                continue
-            for sample in [seq, *self._fork(seq)]:
-                for token in [*accepted.get(sample.seq_id, ()), sampled[sample.seq_id]]:
-                    if sample.append_token(token, now):  # a stop among accepted drafts ends it there, the rest dropped
-                        sample.status = SequenceStatus.FINISHED
-                        sample.finish_time = now
-                        sample.num_computed_tokens = min(sample.num_computed_tokens, sample.num_tokens)
-                        self.running.remove(sample)
-                        self._release(sample)
-                        finished.append(sample)
-                        break
+        with self.allocator.hold_events():
+            for seq, n in zip(out.seqs, out.num_new_tokens):
+                drafts = out.spec_token_ids.get(seq.seq_id)
+                if drafts:  # chapter 08: keep the verified prefix only; its slots beyond are overwritten next step
+                    j = len(accepted[seq.seq_id])
+                    seq.num_computed_tokens = self.speculator.rollback(seq.block_table, seq.num_computed_tokens,
+                                                                       len(drafts), j)  # fmt: skip
+                else:
+                    seq.num_computed_tokens += n
+                if seq.seq_id in sampled:
+                    for sample in [seq, *self._fork(seq)]:
+                        if self._append(sample, [*accepted.get(sample.seq_id, ()), sampled[sample.seq_id]], now):
+                            finished.append(sample)
         return finished
+
+    def _append(self, seq: Sequence, tokens: list[int], now: float) -> bool:
+        """Append ``tokens`` to ``seq`` until one stops it (the rest dropped); a finished one frees its blocks."""
+        for token in tokens:
+            if seq.append_token(token, now):
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_time = now
+                seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+                self.running.remove(seq)
+                self._release(seq)
+                return True
+        return False
 
     def _fork(self, seq: Sequence) -> list[Sequence]:
         """Parallel sampling: ``seq``'s prompt is computed, so its pending samples start now, sharing its blocks.

@@ -205,7 +205,9 @@ class Sequence:
 
     @property
     def is_prefill(self) -> bool:
-        return self.num_uncomputed_tokens > 1
+        """Whether its next chunk is a prefill: the prompt is not all computed yet, or a recompute
+        after preemption has more than one token left (a one-token final prompt chunk is prefill too)."""
+        return self.num_computed_tokens < self.num_prompt_tokens or self.num_uncomputed_tokens > 1
 
     @property
     def is_finished(self) -> bool:
@@ -242,3 +244,19 @@ class Sequence:
             f"Sequence(seq_id={self.seq_id!r}, status={self.status.value}, prompt={self.num_prompt_tokens}, "
             f"output={self.num_output_tokens}, computed={self.num_computed_tokens})"
         )
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """One token per row: argmax for greedy requests, else a draw from softmax(logits / T) (the sequence's generator).
+
+    Args:
+        logits: ``[len(seqs), vocab_size]``, one row per sequence to sample for.
+        seqs: those sequences (their sampling parameters and generators).
+    """
+    tokens = logits.argmax(dim=-1).tolist()
+    for i, seq in enumerate(seqs):
+        t = seq.sampling_params.temperature
+        if t > 0:
+            probs = torch.softmax(logits[i].float() / t, dim=-1)
+            tokens[i] = int(torch.multinomial(probs, 1, generator=seq.generator))
+    return tokens

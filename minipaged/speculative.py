@@ -82,7 +82,8 @@ METHODS = ("ngram",)
 class SpeculativeConfig:
     """Speculative decoding's knobs, named as vLLM's ``speculative_config`` dict names them.
 
-    ``EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 4})`` turns it on.
+    ``Engine(model, config, speculator=NgramSpeculator({"method": "ngram", "num_speculative_tokens": 4}))``
+    turns it on (the LLM front end takes the same dict as ``speculative_config``, as vLLM's ``LLM`` does).
 
     Attributes:
         num_speculative_tokens: ``k``, the most draft tokens a sequence verifies per step (>= 1).
@@ -245,3 +246,94 @@ def rollback_drafts(table: BlockTable, num_computed_tokens: int, num_draft_token
                          f"{c} computed tokens leaves c + 1 + k = {c + 1 + k}")  # fmt: skip
     table.num_tokens = c + 1 + j
     return c + 1 + j
+
+
+class NgramSpeculator:
+    """Speculative decoding as the engine plugs it in: n-gram drafts, greedy or sampled verification, rollback.
+
+    The engine's three seams, each a method a learner's class may replace:
+
+    - :meth:`schedule_drafts`, called by the scheduler once the running sequences are planned;
+    - :meth:`verify`, called by the engine between the forward pass and sampling;
+    - :meth:`rollback` (:func:`rollback_drafts`), called by the scheduler's postprocess.
+
+    Args:
+        config: a :class:`SpeculativeConfig`, or vLLM's dict form
+            (``{"method": "ngram", "num_speculative_tokens": 4, ...}``).
+    """
+
+    rollback = staticmethod(rollback_drafts)
+
+    def __init__(self, config: SpeculativeConfig | dict):
+        if isinstance(config, dict):
+            config = SpeculativeConfig.from_dict(config)
+        if not isinstance(config, SpeculativeConfig):
+            raise TypeError(f"config must be a SpeculativeConfig or a dict, got {type(config).__name__}")
+        self.config = config
+        self.proposer = NgramProposer(config)
+
+    def schedule_drafts(self, scheduler, out, budget: int) -> int:
+        """Extend this step's decodes with draft tokens; return the budget left.
+
+        Drafts come last among the running sequences' work and never at anyone's expense: each
+        decode gets at most the tokens of budget left and the blocks that are free now, and a
+        draft never preempts. A sequence drafts never past ``max_tokens`` (``j`` accepted drafts
+        plus the token sampled after them must fit), and not while samples are still to fork
+        from its next token. No draft's block gets a key (the scheduler keyed the step's blocks before).
+
+        Args:
+            scheduler: the :class:`~minipaged.scheduler.Scheduler` planning the step (its allocator).
+            out: the step's plan so far; drafts go to ``out.spec_token_ids`` and extend
+                ``num_new_tokens`` and ``slot_mappings``.
+            budget: tokens of the step's budget left.
+        """
+        for i, seq in enumerate(out.seqs):
+            if budget == 0 or out.num_new_tokens[i] != 1 or seq.num_uncomputed_tokens != 1 or seq.pending_forks:
+                continue
+            room = seq.sampling_params.max_tokens - seq.num_output_tokens - 1
+            drafts = self.proposer.propose(seq.token_ids, min(budget, room)) if room > 0 else []
+            table = seq.block_table
+            while drafts and not scheduler.allocator.can_allocate(table.num_new_blocks(len(drafts))):
+                drafts.pop()
+            if drafts:
+                out.spec_token_ids[seq.seq_id] = drafts
+                out.num_new_tokens[i] += len(drafts)
+                out.slot_mappings[i] = torch.cat([out.slot_mappings[i], table.append_tokens(len(drafts))])
+                budget -= len(drafts)
+        return budget
+
+    def verify(self, logits: torch.Tensor, seqs: list, spec: dict, metrics) -> tuple[torch.Tensor, dict, dict]:
+        """Check each sequence's drafts against the target's own tokens.
+
+        A sequence that verified ``k`` drafts owns ``k + 1`` rows of ``logits``. Greedy acceptance
+        (:func:`accept_greedy`) keeps the ``j`` drafts that equal the target's argmax, and the row
+        after them is the one to sample the step's new token from (the correction at the first
+        mismatch, or the bonus token after ``k`` accepted drafts). A sampled sequence
+        (``temperature > 0``) goes through :func:`accept_sampled`, which draws its new token itself.
+
+        Args:
+            logits: the forward pass's rows (stop tokens masked before ``min_tokens``): per
+                sequence whose chunk ends, ``1 + k`` rows.
+            seqs: those sequences, in order.
+            spec: seq_id -> drafts (``SchedulerOutput.spec_token_ids``).
+            metrics: the engine's :class:`~minipaged.metrics.Metrics` (``record_spec_decode``).
+
+        Returns:
+            One row per sequence (the one to sample from), seq_id -> accepted drafts, and
+            seq_id -> new token for the sampled sequences whose token verification drew.
+        """
+        rows, accepted, decided, start = [], {}, {}, 0
+        for seq in seqs:
+            drafts = spec.get(seq.seq_id, [])
+            block = logits[start : start + len(drafts) + 1]
+            j, t = 0, seq.sampling_params.temperature
+            if drafts and t > 0:
+                j, decided[seq.seq_id] = accept_sampled(drafts, torch.softmax(block.float() / t, dim=-1), seq.generator)
+            elif drafts:
+                j = accept_greedy(drafts, block.argmax(dim=-1).tolist())
+            if drafts:
+                accepted[seq.seq_id] = drafts[:j]
+                metrics.record_spec_decode(len(drafts), j)
+            rows.append(start + j)
+            start += len(drafts) + 1
+        return logits[rows], accepted, decided

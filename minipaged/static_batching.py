@@ -19,7 +19,7 @@ kept computing padding; skipping it flatters the baseline).
 
 from __future__ import annotations
 
-from dataclasses import replace
+from functools import partial
 
 from minipaged.accounting import blocks_needed
 from minipaged.block_manager import BlockTable
@@ -35,11 +35,16 @@ class StaticBatchScheduler(Scheduler):
     Args:
         config: the engine's configuration (pool size, ``max_num_seqs``; the token budget is ignored).
         allocator: the pool's allocator.
+        block_table: the block table class.
+        speculator: must be None (a static batch verifies no drafts).
         max_model_len: the tokens each request reserves, prompt and output together.
     """
 
-    def __init__(self, config: EngineConfig, allocator, max_model_len: int):
-        super().__init__(config, allocator)
+    def __init__(self, config: EngineConfig, allocator, block_table=BlockTable, speculator=None, *,
+                 max_model_len: int):  # fmt: skip
+        if speculator is not None:
+            raise ValueError("static batching runs no speculative decoding: speculator must be None")
+        super().__init__(config, allocator, block_table)
         self.max_model_len = check_int(max_model_len, "max_model_len", minimum=1)
         self.blocks_per_reservation = blocks_needed(max_model_len, config.block_size)
         self.batch_size = min(config.max_num_seqs, config.num_blocks // self.blocks_per_reservation)
@@ -62,21 +67,22 @@ class StaticBatchScheduler(Scheduler):
         self.waiting.append(seq)
 
     def schedule(self) -> SchedulerOutput:
+        """Start the next batch if the last one is over; every running member computes all it has uncomputed."""
+        self.allocator.check_not_from_subscriber("StaticBatchScheduler.schedule")
         out = SchedulerOutput()
-        if not self.batch:  # the previous batch is over: start the next
-            while self.waiting and len(self.batch) < self.batch_size:
-                seq = self.waiting.popleft()
-                seq.block_table = BlockTable(self.allocator, seq.seq_id)
-                seq.block_table.blocks = self.allocator.allocate_many(self.blocks_per_reservation, seq.seq_id)
-                seq.status = SequenceStatus.RUNNING
-                self.batch.append(seq)
-                self.running.append(seq)
-                out.admitted.append(seq)
-        for seq in self.running:  # whole prompts at once, then one token each: no budget, no chunks
-            n = seq.num_uncomputed_tokens
-            out.seqs.append(seq)
-            out.num_new_tokens.append(n)
-            out.slot_mappings.append(seq.block_table.append_tokens(n))  # inside the reservation: allocates nothing
+        with self.allocator.hold_events():  # subscribers hear of the reservations once the plan is made
+            if not self.batch:  # the previous batch is over: start the next
+                while self.waiting and len(self.batch) < self.batch_size:
+                    seq = self.waiting.popleft()
+                    seq.block_table = self.block_table(self.allocator, seq.seq_id)
+                    seq.block_table.blocks = self.allocator.allocate_many(self.blocks_per_reservation, seq.seq_id)
+                    seq.status = SequenceStatus.RUNNING
+                    self.batch.append(seq)
+                    self.running.append(seq)
+                    out.admitted.append(seq)
+            for seq in self.running:  # whole prompts at once, then one token each: no budget, no chunks
+                n = seq.num_uncomputed_tokens
+                out.add(seq, n, seq.block_table.append_tokens(n))  # inside the reservation: allocates nothing
         return out
 
     def _release(self, seq: Sequence) -> None:
@@ -99,7 +105,5 @@ def static_engine(model, config: EngineConfig, max_model_len: int, clock=None) -
         max_model_len: the tokens each request reserves.
         clock: as for :class:`Engine` (virtual by default).
     """
-    # Chapter 05's baseline shares nothing: its reservations are never cached or hit.
-    engine = Engine(model, replace(config, enable_prefix_caching=False), clock)
-    engine.scheduler = StaticBatchScheduler(engine.config, engine.cache.allocator, max_model_len)
-    return engine
+    # Chapter 05's baseline shares nothing (the plain allocator): its reservations are never cached or hit.
+    return Engine(model, config, clock, scheduler=partial(StaticBatchScheduler, max_model_len=max_model_len))

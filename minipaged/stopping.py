@@ -147,3 +147,26 @@ class StopRules:
         masked = logits.clone()
         masked[:num_rows, list(self.masked_token_ids)] = float("-inf")
         return masked
+
+
+def mask_stop_tokens(logits: torch.Tensor, seqs: list, spec: dict) -> torch.Tensor:
+    """``logits`` with every stop token masked where a request has fewer than ``min_tokens`` outputs.
+
+    The rule is :meth:`StopRules.mask`'s; this applies it to a step's rows: one per sequence, or
+    ``k + 1`` for one that verifies ``k`` drafts (row ``r`` then picks its output token number
+    ``num_output_tokens + r``, so the mask holds at every verified position). Returns ``logits``
+    itself when nothing is masked.
+
+    Args:
+        logits: the step's rows, those of ``seqs`` in order.
+        seqs: the :class:`~minipaged.sequence.Sequence` s whose chunk ends this step.
+        spec: seq_id -> drafts it verifies (``SchedulerOutput.spec_token_ids``).
+    """
+    if all(s.stop_rules.min_tokens <= s.num_output_tokens for s in seqs):
+        return logits
+    blocks, start = [], 0
+    for seq in seqs:
+        n = 1 + len(spec.get(seq.seq_id, ()))
+        blocks.append(seq.stop_rules.mask(logits[start : start + n], seq.num_output_tokens))
+        start += n
+    return torch.cat(blocks)

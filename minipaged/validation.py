@@ -397,3 +397,15 @@ def check_positions(config, num_prompt_tokens: int, max_new_tokens: int, name: s
             f"{num_prompt_tokens + max_new_tokens} exceeds the model's max_position_embeddings="
             f"{config.max_position_embeddings}"
         )
+
+
+def check_salt(cache_salt, name: str = "cache_salt"):
+    """``cache_salt`` normalised (an empty one is no salt, None, as in vLLM), or a TypeError naming ``name``.
+
+    Args:
+        cache_salt: None, a str or bytes.
+        name: the argument's name, for the message.
+    """
+    if cache_salt is not None and not isinstance(cache_salt, (str, bytes)):
+        raise TypeError(f"{name} must be a str, bytes or None, got {type(cache_salt).__name__} {cache_salt!r:.40}")
+    return cache_salt or None

@@ -21,7 +21,7 @@ from minipaged.sequence import SamplingParams, SequenceStatus
 def snapshot(engine: Engine) -> dict:
     """Every piece of bookkeeping a step may change, as plain values."""
     alloc, sched = engine.cache.allocator, engine.scheduler
-    seqs = sorted(engine.requests.values(), key=lambda s: str(s.seq_id))
+    seqs = sorted(engine.seqs.values(), key=lambda s: str(s.seq_id))
     return {
         "free_queue": alloc.free_queue() if hasattr(alloc, "free_queue") else list(alloc.free_block_ids),
         "refcounts": alloc.refcounts,
@@ -58,7 +58,7 @@ def drive(engine: Engine, requests: list, rng, add, abort_prob: float = 0.0, ste
         for _ in range(arrivals_per_step):
             if pending:
                 add(engine, *pending.pop(0))
-        live = list(dict.fromkeys(s.request_id for s in engine.requests.values() if not s.is_finished))
+        live = list(dict.fromkeys(s.request_id for s in engine.seqs.values() if not s.is_finished))
         if live and rng.random() < abort_prob:
             rid = rng.choice(live)
             engine.abort(rid)
@@ -133,3 +133,15 @@ def check_finished(seq) -> str:
     else:
         assert (seq.finish_reason, seq.stop_reason, len(out)) == ("length", None, rules.max_tokens), seq.seq_id
     return seq.finish_reason
+
+
+def allocator_for(caching: bool, hash_fn=None):
+    """The allocator class an engine test runs: chapter 06's prefix cache (with ``hash_fn`` if given), or the plain pool."""
+    from functools import partial
+
+    from minipaged.block_manager import BlockAllocator
+    from minipaged.prefix_cache import PrefixCachingAllocator
+
+    if not caching:
+        return BlockAllocator
+    return PrefixCachingAllocator if hash_fn is None else partial(PrefixCachingAllocator, hash_fn=hash_fn)

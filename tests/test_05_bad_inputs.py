@@ -26,7 +26,7 @@ def model():
 
 
 def unchanged(engine):
-    return not engine.requests and not engine.scheduler.waiting and engine.cache.allocator.num_used == 0
+    return not engine.seqs and not engine.scheduler.waiting and engine.cache.allocator.num_used == 0
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -68,7 +68,7 @@ def test_generate_checks_every_prompt_before_queueing_any(model):
     with pytest.raises(ValueError, match="needs up to"):
         engine.generate([[1, 2], [1] * 40], SamplingParams(max_tokens=4))  # 11 blocks of 4 > 8
     assert unchanged(engine)
-    assert engine.generate([[1, 2]], SamplingParams(max_tokens=2)) == [engine.requests[0].output_token_ids]
+    assert engine.generate([[1, 2]], SamplingParams(max_tokens=2)) == [engine.seqs[0].output_token_ids]
 
 
 def test_an_engine_whose_backend_cannot_run_is_refused_at_construction(model):
@@ -182,7 +182,7 @@ def test_a_request_from_the_future_is_refused_and_latencies_stay_non_negative(mo
     engine.add_request([4, 5], request_id="now", arrival_time=now)  # the clock's own time is not the future
     while engine.has_unfinished():
         engine.step()
-    latencies = request_latencies(list(engine.requests.values()))
+    latencies = request_latencies(list(engine.seqs.values()))
     assert latencies["ttft"] and all(v >= 0 for values in latencies.values() for v in values)
 
 
@@ -206,19 +206,19 @@ REENTRANT_CALLS = {
     "generate": lambda e: e.generate([[1, 2]]),
     "add_request": lambda e: e.add_request([1, 2]),
     "take_prefilled": lambda e: e.take_prefilled("a"),
-    "add_prefilled": lambda e: e.add_prefilled(e.requests["a"]),
+    "add_prefilled": lambda e: e.add_prefilled(e.seqs["a"]),
     "Replay.step": lambda e: Replay(e, [RequestSpec(0.0, 3, 2)]).step(),
     "Scheduler.add": lambda e: e.scheduler.add(Sequence("z", [1, 2], SamplingParams())),
-    "Scheduler.abort": lambda e: e.scheduler.abort(e.requests["a"]),
+    "Scheduler.abort": lambda e: e.scheduler.abort(e.seqs["a"]),
     "Scheduler.schedule": lambda e: e.scheduler.schedule(),
     "BlockAllocator.allocate": lambda e: e.cache.allocator.allocate("z"),  # an engine without prefix caching
-    "BlockAllocator.incref": lambda e: e.cache.allocator.incref(e.requests["a"].block_table.blocks[0]),
+    "BlockAllocator.incref": lambda e: e.cache.allocator.incref(e.seqs["a"].block_table.blocks[0]),
     "PrefixCachingAllocator.allocate": lambda e: e.cache.allocator.allocate("z"),
-    "PrefixCachingAllocator.free": lambda e: e.cache.allocator.free(e.requests["a"].block_table.blocks[0]),
+    "PrefixCachingAllocator.free": lambda e: e.cache.allocator.free(e.seqs["a"].block_table.blocks[0]),
     "PrefixCachingAllocator.reset_prefix_cache": lambda e: e.cache.allocator.reset_prefix_cache(),
-    "BlockTable.append_tokens": lambda e: e.requests["a"].block_table.append_tokens(1),
-    "BlockTable.release": lambda e: e.requests["a"].block_table.release(),
-    "BlockTable.fork": lambda e: e.requests["a"].block_table.fork("z"),
+    "BlockTable.append_tokens": lambda e: e.seqs["a"].block_table.append_tokens(1),
+    "BlockTable.release": lambda e: e.seqs["a"].block_table.release(),
+    "BlockTable.fork": lambda e: e.seqs["a"].block_table.fork("z"),
 }
 
 
@@ -234,7 +234,7 @@ def test_a_subscriber_that_calls_back_in_during_a_step_is_refused_and_changes_no
     refused = []
 
     def meddle(event):
-        if "a" in meddled.requests and meddled.requests["a"].block_table is not None:
+        if "a" in meddled.seqs and meddled.seqs["a"].block_table is not None:
             try:
                 REENTRANT_CALLS[call](meddled)
             except ReentrantCallError as exc:
@@ -243,7 +243,7 @@ def test_a_subscriber_that_calls_back_in_during_a_step_is_refused_and_changes_no
     meddled.cache.allocator.subscribe(meddle)
     while plain.has_unfinished():
         outs = [e.step() for e in engines]
-        assert [(o.new_tokens, o.finished) for o in outs[1:]] == [(outs[0].new_tokens, outs[0].finished)]
+        assert [(o.sampled, o.finished) for o in outs[1:]] == [(outs[0].sampled, outs[0].finished)]
         assert snapshot(meddled) == snapshot(plain)
     assert not meddled.has_unfinished() and meddled.cache.allocator.num_subscriber_errors == 0
     assert refused and all(msg.startswith(f"{call}: not ") and "abort" in msg for msg in refused), refused[:1]

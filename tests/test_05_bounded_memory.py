@@ -36,10 +36,10 @@ def test_step_hands_each_finished_request_over_once_and_forgets_it(model):
         for out in engine.step().outputs:
             assert out.request_id not in outputs
             outputs[out.request_id] = out
-            assert out.request_id not in engine.samples  # forgotten as it is handed over
-        assert set(engine.requests) == {s.seq_id for s in [*engine.scheduler.running, *engine.scheduler.waiting]} | {
+            assert out.request_id not in engine.requests  # forgotten as it is handed over
+        assert set(engine.seqs) == {s.seq_id for s in [*engine.scheduler.running, *engine.scheduler.waiting]} | {
             c.seq_id for s in engine.scheduler.running + list(engine.scheduler.waiting) for c in s.pending_forks}
-    assert sorted(outputs) == ids and not engine.requests and not engine.samples
+    assert sorted(outputs) == ids and not engine.seqs and not engine.requests
     for i, p in enumerate(PROMPTS):
         assert outputs[i].output_token_ids == [generate_contiguous(model, p, 4 + i)]
     assert outputs[ids[-1]].output_token_ids == [generate_contiguous(model, [9, 8, 7], 3)] * 2
@@ -51,13 +51,13 @@ def test_step_hands_each_finished_request_over_once_and_forgets_it(model):
 def test_generate_and_run_collect_their_outputs_and_the_engine_keeps_nothing(model):
     engine = Engine(model, config())
     assert engine.generate(PROMPTS, SamplingParams(max_tokens=3)) == [generate_contiguous(model, p, 3) for p in PROMPTS]
-    assert not engine.requests and not engine.samples
+    assert not engine.seqs and not engine.requests
     workload = [RequestSpec(0.01 * i, 4, 3) for i in range(6)]
     seqs = engine.run(workload, progress=False)
-    assert len(seqs) == 6 and all(s.num_output_tokens == 3 for s in seqs) and not engine.requests
+    assert len(seqs) == 6 and all(s.num_output_tokens == 3 for s in seqs) and not engine.seqs
     kept = Engine(model, config(keep_finished=True))
     kept.generate(PROMPTS, SamplingParams(max_tokens=3))
-    assert len(kept.requests) == len(PROMPTS) and all(s.is_finished for s in kept.requests.values())
+    assert len(kept.seqs) == len(PROMPTS) and all(s.is_finished for s in kept.seqs.values())
 
 
 def test_the_history_is_a_window_with_exact_totals():
@@ -80,7 +80,7 @@ def test_a_failed_step_puts_back_the_record_the_window_dropped(model, monkeypatc
         engine.add_request(p, SamplingParams(max_tokens=5))
     for _ in range(4):
         engine.step()
-    before = (list(engine.metrics.history), engine.metrics.num_steps, engine.metrics.num_finished, dict(engine.samples))
+    before = (list(engine.metrics.history), engine.metrics.num_steps, engine.metrics.num_finished, dict(engine.requests))
     assert len(before[0]) == 3
 
     def boom(finished):  # after record_step: the window already dropped its oldest record
@@ -90,7 +90,7 @@ def test_a_failed_step_puts_back_the_record_the_window_dropped(model, monkeypatc
     with pytest.raises(RuntimeError, match="late fault"):
         engine.step()
     monkeypatch.undo()
-    after = (list(engine.metrics.history), engine.metrics.num_steps, engine.metrics.num_finished, dict(engine.samples))
+    after = (list(engine.metrics.history), engine.metrics.num_steps, engine.metrics.num_finished, dict(engine.requests))
     assert after == before
     while engine.has_unfinished():
         engine.step()
@@ -106,7 +106,7 @@ def test_keep_finished_must_be_a_bool():
 def test_automatic_request_ids_are_not_reused_after_the_engine_forgets():
     engine = Engine(LlamaForCausalLM(LlamaConfig(), seed=0), EngineConfig(num_blocks=32, block_size=4))
     first = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
-    assert first and not engine.requests  # finished and forgotten
+    assert first and not engine.seqs  # finished and forgotten
     ids = [engine.add_request([4, 5, 6], SamplingParams(max_tokens=2)) for _ in range(2)]
     assert ids == [1, 2]
 

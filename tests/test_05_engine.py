@@ -70,7 +70,7 @@ def test_outputs_match_contiguous_under_preemption_chunking_and_aborts(model, ch
         assert any(0 < r.num_prefill_tokens and r.num_batched_tokens == 24 for r in engine.metrics.history)
     finished = 0
     for i, (prompt, n) in enumerate(requests):
-        seq = engine.requests[f"r{i}"]
+        seq = engine.seqs[f"r{i}"]
         if f"r{i}" in aborted:
             assert seq.status is SequenceStatus.ABORTED and seq.block_table is None
             continue
@@ -85,23 +85,23 @@ def add_stopping_request(engine, i, request):
     engine.add_request(prompt, params, request_id=f"r{i}")
 
 
-def run_with_stops(model, config, requests, rng, abort_prob):
+def run_with_stops(model, config, requests, rng, abort_prob, caching=False):
     """Drive ``(prompt, params)`` requests; after every step the ones that finished hold no block.
 
     Returns the count of each finish reason, having checked every output against the reference.
     """
-    engine = Engine(model, config)
+    engine = Engine(model, config, allocator=engine_helpers.allocator_for(caching))
 
     def step():
         out = engine.step()
         for seq_id in out.finished:
-            engine_helpers.check_finished(engine.requests[seq_id])  # its blocks are free from this step on
+            engine_helpers.check_finished(engine.seqs[seq_id])  # its blocks are free from this step on
 
     aborted = engine_helpers.drive(engine, requests, rng, add_stopping_request, abort_prob, step)
     assert engine.cache.allocator.num_free == config.num_blocks and not engine.swap_space
     reasons = Counter()
     for i, (prompt, params) in enumerate(requests):
-        seq = engine.requests[f"r{i}"]
+        seq = engine.seqs[f"r{i}"]
         if f"r{i}" in aborted:
             assert (seq.status, seq.finish_reason, seq.stop_reason) == (SequenceStatus.ABORTED, "abort", None)
             reasons["abort"] += 1
@@ -118,14 +118,14 @@ def test_outputs_with_stops_match_contiguous_under_preemption_and_chunking(eos_m
                           chunked_prefill=chunked, preemption_mode=mode, keep_finished=True)  # fmt: skip
     requests = [(p, engine_helpers.stop_params(rng.randint, eos_model, p, n))
                 for p, n in random_requests(rng, 16, eos_model.config.vocab_size)]  # fmt: skip
-    engine, reasons = run_with_stops(eos_model, config, requests, rng, abort_prob=0.05)
+    engine, reasons = run_with_stops(eos_model, config, requests, rng, abort_prob=0.05, caching=True)
     assert engine.metrics.num_preemptions > 0
     assert reasons["stop"] >= 3 and reasons["length"] >= 3 and reasons["abort"] >= 1, reasons
-    stopped = [s for s in engine.requests.values() if s.finish_reason == "stop"]
+    stopped = [s for s in engine.seqs.values() if s.finish_reason == "stop"]
     eos_ids = engine_helpers.STOP_EOS
     assert any(s.stop_reason is None or s.stop_reason in eos_ids[1:] for s in stopped)  # by the checkpoint's EOS
     assert any(s.stop_reason in s.sampling_params.stop_token_ids for s in stopped)  # and by the caller's stop tokens
-    masked = [s for s in engine.requests.values() if s.finish_reason != "abort" and s.output_token_ids !=
+    masked = [s for s in engine.seqs.values() if s.finish_reason != "abort" and s.output_token_ids !=
               engine_helpers.reference(eos_model, s.prompt_token_ids, replace(s.sampling_params, min_tokens=0))]
     assert masked  # min_tokens changed some outputs: a stop token came up before it and was masked
 
@@ -136,12 +136,12 @@ def test_outputs_with_stops_match_contiguous_under_preemption_and_chunking(eos_m
 def test_random_workloads_with_stops_match_contiguous(eos_model, seed, num_blocks, chunked, mode, caching, data):
     rng = random.Random(seed)
     config = EngineConfig(num_blocks=num_blocks, block_size=4, max_num_seqs=6, keep_finished=True,
-                          max_num_batched_tokens=16 if chunked else 64, chunked_prefill=chunked, preemption_mode=mode,
-                          enable_prefix_caching=caching)  # fmt: skip
+                          max_num_batched_tokens=16 if chunked else 64, chunked_prefill=chunked,
+                          preemption_mode=mode)  # fmt: skip
     pick = engine_helpers.hypothesis_pick(data)
     requests = [(p, engine_helpers.stop_params(pick, eos_model, p, n))
                 for p, n in random_requests(rng, 8, eos_model.config.vocab_size, max_prompt=30)]  # fmt: skip
-    run_with_stops(eos_model, config, requests, rng, abort_prob=0.05)
+    run_with_stops(eos_model, config, requests, rng, abort_prob=0.05, caching=caching)
 
 
 def test_ignore_eos_and_stop_token_ids_against_named_wrong_behaviours(model):
@@ -159,7 +159,7 @@ def test_ignore_eos_and_stop_token_ids_against_named_wrong_behaviours(model):
     }.items()}  # fmt: skip
     while engine.has_unfinished():
         engine.step()
-    seq = {name: engine.requests[i] for name, i in ids.items()}
+    seq = {name: engine.seqs[i] for name, i in ids.items()}
     out = {name: s.output_token_ids for name, s in seq.items()}
     assert out["default"] == free[:3]  # wrong: running past the EOS, or dropping it from the output
     assert (seq["default"].finish_reason, seq["default"].stop_reason) == ("stop", None)
@@ -196,7 +196,7 @@ def test_min_tokens_against_named_wrong_behaviours(model):
         rid = engine.add_request(prompt, SamplingParams(max_tokens=12, stop_token_ids=(stop,), **params))
         while engine.has_unfinished():
             engine.step()
-        return engine.requests[rid]
+        return engine.seqs[rid]
 
     def masked_argmax(tokens):
         """The greedy token after ``prompt + tokens`` with the EOS and the stop token masked (computed afresh)."""
@@ -230,10 +230,10 @@ def test_static_batching_outputs_match_and_batches_wait_for_the_longest(model):
         out = engine.step()
         if out.admitted:  # a new batch starts only when the previous one is completely done
             assert len(out.admitted) <= 3
-            assert all(engine.requests[i].status is SequenceStatus.FINISHED for i in range(min(out.admitted)))
+            assert all(engine.seqs[i].status is SequenceStatus.FINISHED for i in range(min(out.admitted)))
         assert engine.cache.allocator.num_used in (0, 8 * len(engine.scheduler.batch))
     for i, (prompt, n) in enumerate(requests):
-        assert engine.requests[i].output_token_ids == generate_contiguous(model, prompt, n)
+        assert engine.seqs[i].output_token_ids == generate_contiguous(model, prompt, n)
     assert engine.cache.allocator.num_free == config.num_blocks
 
 
@@ -272,7 +272,7 @@ def test_clear_errors_leave_the_engine_unchanged(model):
         engine.add_request([1, 2.0])
     with pytest.raises(ValueError, match=r"prompt_token_ids\[0\]"):
         engine.add_request([-1])
-    assert not engine.requests and not engine.has_unfinished()
+    assert not engine.seqs and not engine.has_unfinished()
     rid = engine.add_request([1, 2], SamplingParams(max_tokens=2), request_id="a")
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request([1, 2], request_id="a")
@@ -307,7 +307,7 @@ def test_virtual_clock_runs_are_deterministic_and_metrics_follow_events(model):
         seqs = engine.run(workload, progress=False)
         runs.append(summarize(seqs))
         h = engine.metrics.history
-        assert engine.metrics.num_preemptions == engine.scheduler.num_preemptions == events.count("preempt")
+        assert engine.metrics.num_preemptions == events.count("preempt")
         assert sum(r.preemptions for r in h) == engine.metrics.num_preemptions
         assert sum(r.finished for r in h) == len(workload)
         assert [r.step for r in h] == list(range(len(h)))

@@ -118,7 +118,7 @@ def snapshot(engine: Engine):
             [(s.seq_id, s.status, s.num_computed_tokens, list(s.token_ids), s.finish_reason, s.stop_reason,
               s.num_preemptions,
               None if s.block_table is None else (list(s.block_table.blocks), s.block_table.num_tokens)) for s in seqs],
-            sorted(map(str, engine.requests)), sorted(map(str, engine.samples)), sorted(map(str, engine.swap_space)),
+            sorted(map(str, engine.seqs)), sorted(map(str, engine.requests)), sorted(map(str, engine.swap_space)),
             engine.clock.now(), engine.metrics.used_blocks, engine.metrics.num_steps,
             list(engine.metrics.history))  # fmt: skip
 
@@ -200,9 +200,9 @@ class EngineMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.live)))
         self.engine.abort(rid)
         del self.live[rid]
-        assert self.engine.config.keep_finished == (rid in self.engine.samples)
+        assert self.engine.config.keep_finished == (rid in self.engine.requests)
         if self.engine.config.keep_finished:
-            assert {(s.finish_reason, s.stop_reason) for s in self.engine.samples[rid]} == {("abort", None)}
+            assert {(s.finish_reason, s.stop_reason) for s in self.engine.requests[rid]} == {("abort", None)}
 
     @rule()
     def step(self):
@@ -260,11 +260,11 @@ class EngineMachine(RuleBasedStateMachine):
         assert queued_ids == set(self.live)
         assert all(not s.is_finished and s.finish_reason is None for s in queued)
         if engine.config.keep_finished:
-            assert self.finished <= set(engine.samples)
+            assert self.finished <= set(engine.requests)
             assert all(s.status is SequenceStatus.FINISHED and s.finish_reason in ("stop", "length")
-                       for r in self.finished for s in engine.samples[r])  # fmt: skip
+                       for r in self.finished for s in engine.requests[r])  # fmt: skip
         else:
-            assert set(engine.samples) == set(self.live)
+            assert set(engine.requests) == set(self.live)
 
     @invariant()
     def swap_space_only_for_waiting(self):

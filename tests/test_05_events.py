@@ -40,7 +40,7 @@ def check_after_run(model, engine, ids, aborted=()):
     assert engine.cache.allocator.num_used == 0 and engine.metrics.used_blocks == 0  # nothing leaked
     assert not engine.swap_space
     for rid, prompt in zip(ids, PROMPTS):
-        seq = engine.requests[rid]
+        seq = engine.seqs[rid]
         if rid in aborted:
             assert seq.status is SequenceStatus.ABORTED and seq.block_table is None
         else:
@@ -76,7 +76,7 @@ def test_abort_of_the_youngest_request_from_inside_any_event(model, kind, mode):
 
     def abort_youngest(event):
         if event.kind == kind and not aborted:
-            victim = next((r for r in reversed(ids) if r in engine.samples), None)
+            victim = next((r for r in reversed(ids) if r in engine.requests), None)
             if victim is not None:
                 aborted.add(victim)
                 engine.abort(victim)

@@ -127,9 +127,9 @@ def test_a_fault_at_any_stage_leaves_the_engine_as_before_the_step(model, stage,
     faults = step_with_faults(engine, rng, monkeypatch, inject, 0.4, stage)
     assert not engine.has_unfinished()
     assert faults > 0
-    outputs = [engine.requests[i].output_token_ids for i in range(len(prompts))]
+    outputs = [engine.seqs[i].output_token_ids for i in range(len(prompts))]
     for p, rid in zip(prompts, range(len(prompts))):
-        n = engine.requests[rid].sampling_params.max_tokens
+        n = engine.seqs[rid].sampling_params.max_tokens
         assert outputs[rid] == generate_contiguous(model, p, n), (stage, rid)
     assert engine.cache.allocator.num_used == 0
 
@@ -156,7 +156,7 @@ def test_keyboard_interrupt_in_the_forward_pass_then_the_engine_goes_on(model, m
     while engine.has_unfinished():
         engine.step()
     expected = [generate_contiguous(model, p, 6) for p in prompts]
-    assert [engine.requests[i].output_token_ids for i in range(2)] == expected
+    assert [engine.seqs[i].output_token_ids for i in range(2)] == expected
 
 
 def _stop_fault(owner, name: str, when: str):
@@ -203,8 +203,8 @@ def test_a_fault_in_the_stop_handling_leaves_the_engine_as_before_the_step(model
     faults = step_with_faults(engine, rng, monkeypatch, lambda m: m.setattr(owner, name, patched), 0.5, stage)
     assert not engine.has_unfinished() and faults > 0
     for rid, prompt, params in requests:
-        seq = engine.requests[rid]
+        seq = engine.seqs[rid]
         assert seq.output_token_ids == engine_helpers.reference(eos_model, prompt, params), (stage, rid)
         engine_helpers.check_finished(seq)
-    assert {engine.requests[rid].finish_reason for rid, _, _ in requests} == {"stop", "length"}
+    assert {engine.seqs[rid].finish_reason for rid, _, _ in requests} == {"stop", "length"}
     assert engine.cache.allocator.num_used == 0

@@ -272,7 +272,7 @@ def test_the_engine_refuses_stop_strings_and_names_the_front_end(model):
         engine.add_request([5, 6, 7], SamplingParams(stop="x"))
     with pytest.raises(ValueError, match=r"stop.*LLM front end"):
         engine.generate([[5, 6, 7]], SamplingParams(stop="x"))
-    assert not engine.has_unfinished() and not engine.requests
+    assert not engine.has_unfinished() and not engine.seqs
 
 
 def test_abort_one_sample_lets_the_others_run_on(model):
@@ -284,7 +284,7 @@ def test_abort_one_sample_lets_the_others_run_on(model):
     with pytest.raises(TypeError, match="sample"):
         engine.abort(rid, True)
     engine.abort(rid, 2)  # still waiting to fork from sample 0: it never runs
-    seqs = engine.samples[rid]
+    seqs = engine.requests[rid]
     assert seqs[2].status is SequenceStatus.ABORTED and seqs[2].finish_reason == "abort"
     while seqs[1].num_output_tokens < 3:
         engine.step()
@@ -299,7 +299,7 @@ def test_abort_one_sample_lets_the_others_run_on(model):
         outputs += engine.step().outputs
     (out,) = outputs
     assert out.request_id == rid and out.finish_reason == ["length", "abort", "abort"]
-    assert len(out.output_token_ids[0]) == 10 and rid not in engine.samples
+    assert len(out.output_token_ids[0]) == 10 and rid not in engine.requests
     assert engine.cache.allocator.num_used == 0
 
 
@@ -313,7 +313,7 @@ def test_single_sample_aborts_keep_the_books(model, data):
     seqs, aborted, handed = {}, set(), []
     for prompt, n, max_tokens in requests:
         rid = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True))
-        seqs[rid] = (prompt, max_tokens, engine.samples[rid])
+        seqs[rid] = (prompt, max_tokens, engine.requests[rid])
     for _ in range(200):
         if not engine.has_unfinished():
             break
@@ -327,7 +327,7 @@ def test_single_sample_aborts_keep_the_books(model, data):
         alloc = engine.cache.allocator
         assert alloc.refcounts == [held[b] for b in range(alloc.num_blocks)]
         unfinished = {rid for rid, (_, _, ss) in seqs.items() if not all(s.is_finished for s in ss)}
-        assert set(engine.samples) == unfinished  # forgotten once none of its samples is left
+        assert set(engine.requests) == unfinished  # forgotten once none of its samples is left
     assert not engine.has_unfinished() and engine.cache.allocator.num_used == 0
     for out in handed:  # handed over once, when its last sample ended; the aborted ones come along
         prompt, max_tokens, ss = seqs[out.request_id]
@@ -438,7 +438,7 @@ def test_a_stop_string_across_two_tokens_stops_only_its_request_and_frees_its_bl
             finals[delta.index] = delta.output
             if delta.index == 1:  # stopped at the string: aborted in the engine, its blocks already back
                 running = {b for seq in engine.scheduler.running for b in seq.block_table.blocks}
-                assert engine.cache.allocator.num_used == len(running) and len(engine.samples) == len(PROMPTS) - 1
+                assert engine.cache.allocator.num_used == len(running) and len(engine.requests) == len(PROMPTS) - 1
     c = finals[1]
     start = texts[1].index(s)
     assert c.text == texts[1][: start + len(s) if include else start]
@@ -457,7 +457,7 @@ def test_a_stop_string_ends_every_sample_of_a_request(model, bpe):
     (out,) = llm.generate(PROMPTS[2], SamplingParams(max_tokens=20, n=3, ignore_eos=True, stop=[s]))
     assert [c.index for c in out.outputs] == [0, 1, 2]  # greedy: three equal samples, each aborted alone
     assert all(c.token_ids == free[:k] and c.finish_reason == "stop" and c.stop_reason == s for c in out.outputs)
-    assert llm.engine.cache.allocator.num_used == 0 and not llm.engine.samples
+    assert llm.engine.cache.allocator.num_used == 0 and not llm.engine.requests
 
 
 def test_front_end_errors_name_the_argument_and_queue_nothing(model, bpe, tmp_path):
@@ -481,7 +481,7 @@ def test_front_end_errors_name_the_argument_and_queue_nothing(model, bpe, tmp_pa
     with pytest.raises(NoChatTemplate):
         base = make_llm(model, load_tokenizer(write_tokenizer(tmp_path, chat_template=None)))
         base.chat([{"role": "user", "content": "hi"}])
-    assert not llm.engine.has_unfinished() and not llm.engine.requests
+    assert not llm.engine.has_unfinished() and not llm.engine.seqs
 
 
 class Boom(Exception):
@@ -529,7 +529,7 @@ def test_a_fault_in_the_front_end_leaves_no_request_running_and_the_next_call_wo
                 for _ in llm.stream(PROMPTS, params):
                     pass
     engine = llm.engine  # every request it queued is aborted and forgotten, its blocks back in the pool
-    assert not engine.has_unfinished() and not engine.requests and not engine.samples and not engine.swap_space
+    assert not engine.has_unfinished() and not engine.seqs and not engine.requests and not engine.swap_space
     assert engine.cache.allocator.num_used == 0 and engine.metrics.used_blocks == 0
     assert [o.outputs[0] for o in llm.generate(PROMPTS, params)] == expected  # and the next call works
     assert expected[1].stop_reason == s
@@ -544,7 +544,7 @@ def test_a_chat_template_that_raises_queues_nothing_and_the_next_chat_works(mode
     good = [{"role": "user", "content": "Café?"}]
     with pytest.raises(ChatTemplateError, match="ZeroDivisionError"):
         llm.chat([good, [{"role": "user", "content": "boom"}]], params)
-    assert not llm.engine.has_unfinished() and not llm.engine.requests and llm.engine.metrics.num_steps == 0
+    assert not llm.engine.has_unfinished() and not llm.engine.seqs and llm.engine.metrics.num_steps == 0
     with pytest.raises(ChatTemplateError, match="TypeError"):
         render_chat_template("{{ messages[0]['content'] + 1 }}", good)
     (out,) = llm.chat(good, params)

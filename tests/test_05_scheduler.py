@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from minipaged.accounting import blocks_needed
 from minipaged.block_manager import BlockAllocator
-from minipaged.scheduler import EngineConfig, Scheduler, can_admit, pick_victim
+from minipaged.request_queue import FCFSQueue
+from minipaged.scheduler import EngineConfig, Scheduler, can_admit
 from minipaged.sequence import SamplingParams, Sequence, SequenceStatus
 
 pytestmark = pytest.mark.ch05
@@ -230,7 +231,7 @@ def test_admission_and_victim_helpers():
     assert not can_admit(num_free_blocks=5, num_needed_blocks=4, watermark_blocks=2, num_running=0, max_num_seqs=4)
     assert not can_admit(num_free_blocks=50, num_needed_blocks=1, watermark_blocks=0, num_running=4, max_num_seqs=4)
     seqs = [Sequence(i, [1], SamplingParams(), arrival_time=t) for i, t in enumerate([0.0, 3.0, 1.0, 3.0])]
-    assert pick_victim(seqs) is seqs[3]  # latest arrival; the tie goes to the later admitted
+    assert FCFSQueue.victim(seqs) is seqs[3]  # latest arrival; the tie goes to the later admitted
 
 
 def test_abort_frees_blocks_and_unknown_abort_is_an_error():

@@ -86,12 +86,12 @@ def test_outputs_match_contiguous_with_caching_under_preemption_chunking_and_abo
         assert engine.metrics.num_preemptions > 0
         assert engine.cache.allocator.num_free == config.num_blocks and not engine.swap_space  # nothing leaked
         for i, (prompt, n, _) in enumerate(requests):
-            seq = engine.requests[i]
+            seq = engine.seqs[i]
             if i in aborted:
                 assert seq.status is SequenceStatus.ABORTED and seq.block_table is None
             else:
                 assert seq.output_token_ids == reference(model, prompt, n), f"request {i} differs, caching {caching}"
-        outputs[caching] = {i: engine.requests[i].output_token_ids for i in range(len(requests)) if i not in aborted}
+        outputs[caching] = {i: engine.seqs[i].output_token_ids for i in range(len(requests)) if i not in aborted}
         if caching:
             stats = engine.metrics.prefix_cache
             assert stats.hits > 0 and 0 < stats.hit_rate < 1 and stats.cached_blocks > 0
@@ -115,7 +115,7 @@ def test_random_shared_prefix_workloads_match_contiguous(model, seed, num_blocks
     assert engine.cache.allocator.num_free == num_blocks and not engine.swap_space
     for i, (prompt, n, _) in enumerate(requests):
         if i not in aborted:
-            assert engine.requests[i].output_token_ids == reference(model, prompt, n)
+            assert engine.seqs[i].output_token_ids == reference(model, prompt, n)
 
 
 @settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -138,7 +138,7 @@ def test_stops_with_shared_prefixes_and_parallel_samples_match_contiguous(model,
     def step():
         out = engine.step()
         for seq_id in out.finished:
-            engine_helpers.check_finished(engine.requests[seq_id])  # its blocks are free from this step on
+            engine_helpers.check_finished(engine.seqs[seq_id])  # its blocks are free from this step on
         assert refcounts_match_tables(engine)
 
     aborted = engine_helpers.drive(engine, requests, rng, add, 0.05, step)
@@ -146,8 +146,8 @@ def test_stops_with_shared_prefixes_and_parallel_samples_match_contiguous(model,
     for i, (prompt, params) in enumerate(requests):
         if i not in aborted:
             want = engine_helpers.reference(eos_model, prompt, params)
-            assert [s.output_token_ids for s in engine.samples[i]] == [want] * params.n, f"request {i}"
-            for s in engine.samples[i]:
+            assert [s.output_token_ids for s in engine.requests[i]] == [want] * params.n, f"request {i}"
+            for s in engine.requests[i]:
                 engine_helpers.check_finished(s)
 
 
@@ -156,10 +156,10 @@ def test_a_hit_shares_blocks_and_starts_at_the_hit_length(model):
     prompt = list(range(1, 12))  # 11 tokens: blocks 0 and 1 full, block 2 partly
     engine.add_request(prompt, SamplingParams(max_tokens=5), request_id="a")
     engine.step()  # a's prompt computed: its two full blocks get keys
-    first = engine.requests["a"].block_table.blocks[:2]
+    first = engine.seqs["a"].block_table.blocks[:2]
     engine.add_request(prompt[:9] + [40, 41], SamplingParams(max_tokens=2), request_id="b")
     out = engine.step()
-    b = engine.requests["b"]
+    b = engine.seqs["b"]
     assert out.scheduled["b"] == 11 - 8  # only the tokens after the two hit blocks are computed
     assert b.block_table.blocks[:2] == first and all(engine.cache.allocator.refcount(x) == 2 for x in first)
     assert engine.metrics.prefix_cache.hits == 8
@@ -171,7 +171,7 @@ def test_a_hit_shares_blocks_and_starts_at_the_hit_length(model):
     assert allocator.num_free == 16 and all(allocator.block_key(x) is not None for x in first)
     engine.add_request(prompt, SamplingParams(max_tokens=2), request_id="c")
     engine.step()
-    assert engine.requests["c"].block_table.blocks[:2] == first
+    assert engine.seqs["c"].block_table.blocks[:2] == first
 
 
 def test_a_prompt_of_whole_blocks_recomputes_its_last_block(model):
@@ -183,7 +183,7 @@ def test_a_prompt_of_whole_blocks_recomputes_its_last_block(model):
     assert out.scheduled["again"] == 4  # block 0 hit; block 1 recomputed for the last token's logits
     while engine.has_unfinished():
         engine.step()
-    assert engine.requests["again"].output_token_ids == generate_contiguous(model, prompt, 3)
+    assert engine.seqs["again"].output_token_ids == generate_contiguous(model, prompt, 3)
 
 
 def test_generated_tokens_are_cached_too(model):
@@ -205,15 +205,15 @@ def test_admission_counts_a_free_hit_block_as_used(model):
     # "b" hits both cached blocks and needs 2 new ones: 6 free - 2 touched - 2 new = 2 = watermark, admitted.
     engine.add_request(prefix + [20, 21, 22, 23, 24], SamplingParams(max_tokens=4), request_id="b")
     engine.step()
-    assert engine.requests["b"].status is SequenceStatus.RUNNING
+    assert engine.seqs["b"].status is SequenceStatus.RUNNING
     assert allocator.num_free == 2 and engine.metrics.used_blocks == 4
     # "c" shares the same 2 blocks (already in use, so nothing is touched) and needs 1 new: 2 - 1 < watermark.
     engine.add_request(prefix + [30], SamplingParams(max_tokens=1), request_id="c")
     engine.step()
-    assert engine.requests["c"].status is SequenceStatus.WAITING
+    assert engine.seqs["c"].status is SequenceStatus.WAITING
     while engine.has_unfinished():
         engine.step()
-    assert engine.requests["c"].output_token_ids == generate_contiguous(model, prefix + [30], 1)
+    assert engine.seqs["c"].output_token_ids == generate_contiguous(model, prefix + [30], 1)
 
 
 def test_salts_isolate_and_the_same_salt_shares(model):
@@ -226,7 +226,7 @@ def test_salts_isolate_and_the_same_salt_shares(model):
         engine.add_request(prompt, SamplingParams(max_tokens=1), request_id="x", cache_salt=salt)
         out = engine.step()
         assert (out.scheduled["x"] < len(prompt)) is shares, salt
-        assert engine.requests["x"].output_token_ids == generate_contiguous(model, prompt, 1)
+        assert engine.seqs["x"].output_token_ids == generate_contiguous(model, prompt, 1)
 
 
 def test_swapped_out_sequence_drops_its_references_and_hits_again(model):
@@ -239,7 +239,7 @@ def test_swapped_out_sequence_drops_its_references_and_hits_again(model):
     engine.step()
     engine.add_request(prefix + [10], SamplingParams(max_tokens=14), request_id="young")  # arrives now: the younger
     allocator = engine.cache.allocator
-    shared = engine.requests["old"].block_table.blocks[:2]
+    shared = engine.seqs["old"].block_table.blocks[:2]
     swapped = False
     while engine.has_unfinished():
         out = engine.step()
@@ -250,7 +250,7 @@ def test_swapped_out_sequence_drops_its_references_and_hits_again(model):
         assert refcounts_match_tables(engine)
     assert swapped and engine.metrics.swapped_in_blocks < engine.metrics.swapped_out_blocks  # part came back by hits
     for rid, last in (("old", 9), ("young", 10)):
-        assert engine.requests[rid].output_token_ids == generate_contiguous(model, prefix + [last], 14)
+        assert engine.seqs[rid].output_token_ids == generate_contiguous(model, prefix + [last], 14)
 
 
 def test_parallel_samples_equal_the_same_seed_run_alone(model):
@@ -261,17 +261,17 @@ def test_parallel_samples_equal_the_same_seed_run_alone(model):
                                             enable_prefix_caching=caching, keep_finished=True))
         rid = engine.add_request(prompt, params)
         engine.step()  # the prompt: sample 0 computes it, samples 1..3 fork its table
-        tables = [s.block_table.blocks for s in engine.samples[rid]]
+        tables = [s.block_table.blocks for s in engine.requests[rid]]
         assert all(t == tables[0] for t in tables)  # shared by fork, nothing copied yet
         assert all(engine.cache.allocator.refcount(b) == 4 for b in tables[0])
         engine.step()  # the first divergent append: copy-on-write of the shared last block
         assert engine.metrics.num_cow == 3  # the last writer finds it no longer shared
-        assert [s.block_table.blocks[:2] for s in engine.samples[rid]] == [tables[0][:2]] * 4
-        assert len({s.block_table.blocks[2] for s in engine.samples[rid]}) == 4
+        assert [s.block_table.blocks[:2] for s in engine.requests[rid]] == [tables[0][:2]] * 4
+        assert len({s.block_table.blocks[2] for s in engine.requests[rid]}) == 4
         assert refcounts_match_tables(engine)
         while engine.has_unfinished():
             engine.step()
-        outs = [s.output_token_ids for s in engine.samples[rid]]
+        outs = [s.output_token_ids for s in engine.requests[rid]]
         for i, out in enumerate(outs):
             alone = Engine(model).generate([prompt], SamplingParams(max_tokens=8, temperature=0.9, seed=11 + i))[0]
             assert out == alone, f"sample {i}, caching {caching}"
@@ -285,7 +285,7 @@ def test_generate_returns_every_sample_prompt_by_prompt(model):
     outs = engine.generate(prompts, SamplingParams(max_tokens=3, n=2))
     greedy = [generate_contiguous(model, p, 3) for p in prompts]
     assert outs == [greedy[0], greedy[0], greedy[1], greedy[1]]  # greedy samples agree
-    assert sorted(engine.samples) == [0, 1] and engine.samples[1][1].seq_id == (1, 1)
+    assert sorted(engine.requests) == [0, 1] and engine.requests[1][1].seq_id == (1, 1)
 
 
 def test_parallel_samples_under_preemption_and_abort(model):
@@ -303,8 +303,8 @@ def test_parallel_samples_under_preemption_and_abort(model):
             assert refcounts_match_tables(engine)
         assert engine.metrics.num_preemptions > 0
         want = generate_contiguous(model, prompt, 12)
-        assert [s.output_token_ids for s in engine.samples[rid]] == [want] * 3
-        assert engine.requests[other].status is SequenceStatus.ABORTED
+        assert [s.output_token_ids for s in engine.requests[rid]] == [want] * 3
+        assert engine.seqs[other].status is SequenceStatus.ABORTED
         assert engine.cache.allocator.num_free == 10 and not engine.swap_space
 
 
@@ -313,7 +313,7 @@ def test_abort_before_the_fork_aborts_every_sample(model):
     rid = engine.add_request(list(range(1, 11)), SamplingParams(max_tokens=3, n=3))
     engine.step()  # a first chunk of the prompt only
     engine.abort(rid)
-    assert all(s.status is SequenceStatus.ABORTED for s in engine.samples[rid])
+    assert all(s.status is SequenceStatus.ABORTED for s in engine.requests[rid])
     assert not engine.has_unfinished() and engine.cache.allocator.num_free == 16
     with pytest.raises(ValueError, match="already aborted"):
         engine.abort(rid)
@@ -332,7 +332,7 @@ def test_bad_input_is_named_and_changes_nothing(model):
             engine.add_request([1, 2], cache_salt=salt)
     with pytest.raises(TypeError, match="enable_prefix_caching must be a bool"):
         EngineConfig(enable_prefix_caching=1)
-    assert not engine.requests and not engine.samples and not engine.has_unfinished()
+    assert not engine.seqs and not engine.requests and not engine.has_unfinished()
     assert engine.cache.allocator.num_free == 16
     engine.add_request([1, 2], SamplingParams(n=4), request_id="ok")  # n == max_num_seqs is fine
     with pytest.raises(ValueError, match="already in use"):

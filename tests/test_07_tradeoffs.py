@@ -156,7 +156,7 @@ def test_admission_order_follows_the_policy_and_outputs_stay_exact(policy):
         order += engine.step().admitted
     assert order == (["long", "short", "mid"] if policy == "fcfs" else ["short", "mid", "long"])
     for rid, p in prompts.items():
-        assert engine.requests[rid].output_token_ids == generate_contiguous(model, p, 3)
+        assert engine.seqs[rid].output_token_ids == generate_contiguous(model, p, 3)
 
 
 def test_shortest_prompt_first_readmits_preempted_sequences_first():
@@ -177,7 +177,7 @@ def test_shortest_prompt_first_readmits_preempted_sequences_first():
             assert waiting[0].seq_id == victim
     assert preempted
     for rid, p in prompts.items():
-        assert engine.requests[rid].output_token_ids == generate_contiguous(model, p, 8)
+        assert engine.seqs[rid].output_token_ids == generate_contiguous(model, p, 8)
 
 
 # -- the engine runs -------------------------------------------------------------------

@@ -189,7 +189,7 @@ def test_property_tokens_and_pools(model, specs, prefill_blocks, decode_blocks, 
     while ref.has_unfinished():
         ref.step()
     for rid, ref_id in ids:
-        assert done[rid].output_token_ids == ref.requests[ref_id].output_token_ids
+        assert done[rid].output_token_ids == ref.seqs[ref_id].output_token_ids
     assert_all_free(d)
     assert not d.prefill.swap_space and not d.decode.swap_space
     for t in d.transfers:  # the clock: ready -> (wait) -> start -> bytes / bandwidth -> end; one transfer at a time
@@ -294,9 +294,9 @@ def test_take_and_add_prefilled_check_everything_first(model):
     with pytest.raises(ValueError, match="2 samples"):
         e.take_prefilled("n2")
     running = list(e.scheduler.running)
-    assert "n2" in e.samples and len(running) == 2  # the refusals changed nothing
+    assert "n2" in e.requests and len(running) == 2  # the refusals changed nothing
     seq = e.take_prefilled("r")
-    assert "r" not in e.requests and seq not in e.scheduler.running and seq.block_table.num_tokens == 6
+    assert "r" not in e.seqs and seq not in e.scheduler.running and seq.block_table.num_tokens == 6
 
     d = Engine(model, small(12, max_num_seqs=1))
     with pytest.raises(TypeError, match="seq must be a Sequence"):
@@ -326,7 +326,7 @@ def test_hooks_refuse_to_run_during_a_step(model):
     errors = []
 
     def meddle(event):
-        for call in (lambda: e.take_prefilled("r"), lambda: e.add_prefilled(e.requests["r"])):
+        for call in (lambda: e.take_prefilled("r"), lambda: e.add_prefilled(e.seqs["r"])):
             try:
                 call()
             except RuntimeError as exc:
@@ -335,7 +335,7 @@ def test_hooks_refuse_to_run_during_a_step(model):
     e.cache.allocator.subscribe(meddle)
     e.step()  # token 5 takes a new block: an "allocate" event during the step
     assert errors and all("not during a step" in m for m in errors)
-    assert e.requests["r"] in e.scheduler.running
+    assert e.seqs["r"] in e.scheduler.running
 
 
 # ---------------------------------------------------------------- faults and bad input
@@ -451,7 +451,7 @@ def test_compare_disaggregation_equal_memory_decoupled_latency(model):
     assert (prefill.config.num_blocks, decode.config.num_blocks) == (64, 128)
     assert all(s["requests"] == 12 for s in cmp.summaries.values())
     # The same tokens in every setup (greedy), so the same work: throughput is set by the arrivals here.
-    outs = {name: sorted(tuple(s.output_token_ids) for e in engines for s in e.requests.values())
+    outs = {name: sorted(tuple(s.output_token_ids) for e in engines for s in e.seqs.values())
             for name, engines in cmp.engines.items()}  # fmt: skip
     assert len(outs["mixed"]) == 12 and outs["mixed"] == outs["2 x mixed"] == outs["disaggregated"]
     # The decode engine's steps carry no prompt (nobody is preempted here); the mixed engine's do, and TPOT shows it.

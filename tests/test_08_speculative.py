@@ -279,7 +279,7 @@ def test_greedy_output_equals_contiguous_under_preemption_chunking_aborts_and_sh
     assert m.num_accepted_tokens > 0 and checker.rejected > 0  # both paths ran: acceptance and rollback
     assert sum(m.num_accepted_tokens_per_pos) == m.num_accepted_tokens <= m.num_draft_tokens
     for i, (prompt, n) in enumerate(requests):
-        seq = engine.requests[f"r{i}"]
+        seq = engine.seqs[f"r{i}"]
         if f"r{i}" in aborted:
             assert seq.status is SequenceStatus.ABORTED
             continue
@@ -300,7 +300,7 @@ def test_the_engine_counts_what_step_outputs_report(model):
             drafts += out.scheduled[sid] - 1
             accepted += len(kept)
             verifications += 1
-        tokens += sum(len(v) for v in out.accepted.values()) + len(out.new_tokens)
+        tokens += sum(len(v) for v in out.accepted.values()) + len(out.sampled)
     m = engine.metrics
     assert (m.num_spec_drafts, m.num_draft_tokens, m.num_accepted_tokens) == (verifications, drafts, accepted)
     assert m.spec_acceptance_rate == pytest.approx(accepted / drafts)
@@ -328,11 +328,11 @@ def free_run_with_drafts(model, prompts, max_tokens):
     ids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts]
     steps = {i: [] for i in ids}
     while engine.has_unfinished():
-        before = {i: engine.requests[i].num_output_tokens for i in ids}
+        before = {i: engine.seqs[i].num_output_tokens for i in ids}
         out = engine.step()
         for i, kept in out.accepted.items():
             steps[i].append((before[i], kept))
-    return [(engine.requests[i].output_token_ids, steps[i]) for i in ids]
+    return [(engine.seqs[i].output_token_ids, steps[i]) for i in ids]
 
 
 def stop_inside_accepted_drafts(model, rng, max_tokens=24):
@@ -359,7 +359,7 @@ def test_a_stop_token_inside_accepted_drafts_ends_the_request_there(model):
     rid = engine.add_request(prompt, params)
     while engine.has_unfinished():
         out = engine.step()
-    seq = engine.requests[rid]
+    seq = engine.seqs[rid]
     assert out.finished == [rid] and stop in out.accepted[rid][:-1]  # the stop, with accepted drafts after it
     assert seq.output_token_ids == want  # the drafts after it (and the bonus token) are dropped
     assert (seq.finish_reason, seq.stop_reason, seq.block_table) == ("stop", stop, None)
@@ -390,14 +390,14 @@ def test_a_fault_as_a_stop_inside_accepted_drafts_ends_the_request_rolls_the_ste
     while engine.has_unfinished():
         before = engine_helpers.snapshot(engine)
         with monkeypatch.context() as m:
-            if not faults and engine.requests[rid].num_output_tokens == o:  # the step that stops inside its drafts
+            if not faults and engine.seqs[rid].num_output_tokens == o:  # the step that stops inside its drafts
                 m.setattr(owner, name, patched)
             try:
                 out = engine.step()
             except Boom:
                 faults += 1
                 assert engine_helpers.snapshot(engine) == before, site
-    seq = engine.requests[rid]
+    seq = engine.seqs[rid]
     assert faults == 1 and out.finished == [rid] and stop in out.accepted[rid][:-1]
     assert seq.output_token_ids == want and (seq.finish_reason, seq.stop_reason) == ("stop", stop)
     assert engine.cache.allocator.num_used == 0
@@ -416,13 +416,13 @@ def test_min_tokens_masks_every_verified_position(model):
     rid = engine.add_request(prompt, params)
     masked_drafts = 0
     while engine.has_unfinished():
-        before = engine.requests[rid].num_output_tokens
+        before = engine.seqs[rid].num_output_tokens
         out = engine.step()
         drafts = out.drafts.get(rid, [])
         masked_drafts += sum(d == stop and before + j < params.min_tokens for j, d in enumerate(drafts) if j >= 1)
     assert masked_drafts > 0  # the case arose: a stop token drafted past the first row, before min_tokens
-    assert engine.requests[rid].output_token_ids == want
-    engine_helpers.check_finished(engine.requests[rid])
+    assert engine.seqs[rid].output_token_ids == want
+    engine_helpers.check_finished(engine.seqs[rid])
 
 
 def test_parallel_samples_and_sampled_requests_next_to_drafting_ones(model):
@@ -473,7 +473,7 @@ def test_a_rejected_draft_leaves_its_block_reserved_and_uncached(model):
     for _ in range(30):
         prompt = repetitive_prompt(rng)
         rid = engine.add_request(prompt, SamplingParams(max_tokens=16))
-        seq = engine.requests[rid]
+        seq = engine.seqs[rid]
         while not seq.is_finished:
             out = engine.step()
             kept = out.accepted.get(rid)
@@ -561,7 +561,7 @@ def test_a_fault_in_a_speculative_step_leaves_the_engine_as_before(model, stage,
     assert not engine.has_unfinished() and faults > 0
     assert engine.metrics.num_accepted_tokens > 0
     for rid, p in enumerate(prompts):
-        seq = engine.requests[rid]
+        seq = engine.seqs[rid]
         assert seq.output_token_ids == reference(model, p, seq.sampling_params.max_tokens), (stage, rid)
     assert engine.cache.allocator.num_used == 0
     clean = Engine(model, config)  # the same requests without faults: the sampled one draws the same tokens
@@ -570,7 +570,7 @@ def test_a_fault_in_a_speculative_step_leaves_the_engine_as_before(model, stage,
     clean.add_request(prompts[0], SamplingParams(max_tokens=12, temperature=0.7, seed=3), request_id=sampled_rid)
     while clean.has_unfinished():
         clean.step()
-    assert clean.requests[sampled_rid].output_token_ids == engine.requests[sampled_rid].output_token_ids
+    assert clean.seqs[sampled_rid].output_token_ids == engine.seqs[sampled_rid].output_token_ids
 
 
 # ---- random workloads ------------------------------------------------------------------------------------------
@@ -602,7 +602,7 @@ def test_random_workloads_match_contiguous_and_keep_the_pool_consistent(seed, k,
     aborted = drive(engine, requests, rng, abort_prob=0.05)
     assert engine.cache.allocator.num_used == 0 and not engine.swap_space
     for i, (prompt, params, *sampled) in enumerate(requests):
-        seq = engine.requests[f"r{i}"]
+        seq = engine.seqs[f"r{i}"]
         if f"r{i}" in aborted:
             continue
         if not sampled:

@@ -90,7 +90,7 @@ def measure(num_requests: int, warmup: int, window: int = HISTORY_WINDOW, trace:
     if trace:
         result["top"] = [str(s) for s in tracemalloc.take_snapshot().compare_to(snapshot, "lineno")[:10]]
         tracemalloc.stop()
-    assert not engine.requests and not engine.samples  # every request was handed over and forgotten
+    assert not engine.seqs and not engine.requests  # every request was handed over and forgotten
     return result
 
 

@@ -1,0 +1,145 @@
+"""All-or-nothing engine steps: a snapshot of every piece of bookkeeping, put back if the step raises.
+
+:class:`StepUndo` walks everything the engine reaches (its scheduler and queues, the sequences,
+their tables, the allocator, the metrics, the clock) before a step, and saves each mutable
+object's state: an object's attributes, a container's contents, a generator's state. Nothing is
+listed by hand, so a new field, a heap or a dict of sets is covered the day it is added.
+Restoring puts each one back *in place*, so a view that holds a list or a table sees the old
+state again. What is not bookkeeping is not walked: tensors (the K/V pools, whose rollback is
+:meth:`StepUndo.protect_kv`'s), modules, functions, classes, and instances of frozen dataclasses
+(immutable by contract). A class may name attributes that a rollback must leave alone (event
+plumbing, the step's own flags) in ``_not_rolled_back``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections import deque
+from enum import Enum
+from functools import partial
+
+import torch
+
+_ATOMS = (int, float, complex, str, bytes, bool, type(None), type, Enum, torch.dtype, torch.device, torch.Tensor,
+          torch.nn.Module, types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType,
+          partial)  # fmt: skip
+_ATOM_TYPES = {int, float, str, bytes, bool, type(None)}  # the common ones, tested first
+
+
+def _is_atom(value) -> bool:
+    if type(value) in _ATOM_TYPES or isinstance(value, _ATOMS):
+        return True
+    return dataclasses.is_dataclass(value) and type(value).__dataclass_params__.frozen
+
+
+class Snapshot:
+    """The state of every mutable object reachable from ``root``, to put back with :meth:`restore`.
+
+    Args:
+        root: the object to walk from (the engine).
+    """
+
+    def __init__(self, root):
+        self._saved: dict[int, tuple[object, object]] = {}  # id -> (object, its saved state)
+        stack = [root]
+        while stack:
+            obj = stack.pop()
+            if id(obj) in self._saved or _is_atom(obj):
+                continue
+            state, children = _save(obj)
+            self._saved[id(obj)] = (obj, state)
+            stack.extend(child for child in children if not _is_atom(child))
+
+    def before(self, obj):
+        """``obj``'s saved state: a container's contents (a list, or a dict's items) or an object's attributes."""
+        return self._saved[id(obj)][1]
+
+    def restore(self) -> None:
+        """Put every saved object back as it was, in place."""
+        for obj, state in self._saved.values():
+            _restore(obj, state)
+
+
+def _save(obj) -> tuple[object, list]:
+    """``obj``'s state and the objects it holds."""
+    if isinstance(obj, (list, deque, bytearray, set)):
+        return list(obj), list(obj)
+    if isinstance(obj, dict):
+        items = list(obj.items())
+        return items, [x for item in items for x in item]
+    if isinstance(obj, (tuple, frozenset)):
+        return None, list(obj)
+    if isinstance(obj, torch.Generator):
+        return obj.get_state(), []
+    skip = getattr(type(obj), "_not_rolled_back", ())
+    attrs = {name: value for name, value in vars(obj).items() if name not in skip}
+    return attrs, list(attrs.values())
+
+
+def _restore(obj, state) -> None:
+    if isinstance(obj, (list, bytearray)):
+        obj[:] = state
+    elif isinstance(obj, (deque, set, dict)):
+        obj.clear()
+        (obj.update if isinstance(obj, (set, dict)) else obj.extend)(state)
+    elif isinstance(obj, torch.Generator):
+        obj.set_state(state)
+    elif state is not None:
+        skip = getattr(type(obj), "_not_rolled_back", ())
+        for name in [n for n in vars(obj) if n not in state and n not in skip]:  # made during the step
+            delattr(obj, name)
+        for name, value in state.items():
+            setattr(obj, name, value)
+
+
+class StepUndo:
+    """What :meth:`~minipaged.engine.Engine.step` changes, saved before it starts, so that a failed step can be undone.
+
+    Args:
+        engine: the engine about to step.
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.snapshot = Snapshot(engine)
+        self.saved_kv = None  # (block ids, their K/V) that the step may overwrite although they hold K/V
+
+    def protect_kv(self, out) -> None:
+        """Save the K/V of blocks this step will write although they held K/V before it (a victim's, a cached one's).
+
+        Writes into a sequence's own blocks land in slots it does not count as computed, which
+        a rollback may leave as they are. A block that changed hands this step is different:
+        after a rollback its old holder (or the prefix cache) counts on its K/V again.
+
+        Args:
+            out: the step's :class:`~minipaged.scheduler.SchedulerOutput`.
+        """
+        block_size, allocator = self.engine.config.block_size, self.engine.cache.allocator
+        targets = set()
+        for seq, slots in zip(out.seqs, out.slot_mappings):
+            own = set(self._attr_before(seq.block_table, "blocks", ()))
+            targets |= {b for b in (slots // block_size).tolist() if b not in own}
+        targets |= {dst for _, dst in out.copies}
+        for seq in out.swap_in:
+            targets |= set(seq.block_table.blocks)
+        refcounts = self._attr_before(allocator, "_refcounts", ())
+        entries = self._attr_before(allocator, "entries", None)
+        held = sorted(b for b in targets if refcounts[b] > 0 or (entries is not None and entries[b] is not None))
+        if held:
+            self.saved_kv = (held, self.engine.cache.swap_out(held))
+
+    def _attr_before(self, obj, name: str, default):
+        """The contents of ``obj.name`` before the step (``default`` for an object or attribute the step made)."""
+        saved = self.snapshot._saved.get(id(obj))
+        if saved is None or name not in saved[1]:
+            return default
+        value = saved[1][name]
+        return self.snapshot.before(value) if id(value) in self.snapshot._saved else value
+
+    def restore(self) -> None:
+        """Put the bookkeeping and the protected K/V back; tell the allocator's subscribers (a ``"rollback"`` event)."""
+        if self.saved_kv is not None:
+            self.engine.cache.swap_in(*self.saved_kv)
+        self.snapshot.restore()
+        self.engine.cache.allocator.emit("rollback")
