@@ -9,7 +9,8 @@ import torch
 from engine_helpers import snapshot
 
 from minipaged.block_manager import ReentrantCallError
-from minipaged.engine import Engine, Replay
+from minipaged.engine import Engine
+from minipaged.replay import Replay
 from minipaged.metrics import format_summary, request_latencies
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 from minipaged.scheduler import EngineConfig

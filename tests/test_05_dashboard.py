@@ -135,7 +135,7 @@ def make_engine(model):
 
 
 def test_replay_step_by_step_matches_engine_run(model):
-    from minipaged.engine import Replay
+    from minipaged.replay import Replay
 
     replay = Replay(make_engine(model), workload())
     steps = 0

@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from html import escape
 
-from minipaged.engine import Replay
+from minipaged.replay import Replay
 from minipaged.viz.blockmap import BlockMapView, PoolSnapshot, render_block_map
 from minipaged.viz.svg import TEXT_COLOR, fmt, seq_color, svg_open, tint
 from minipaged.viz.timeline import render_timeline
