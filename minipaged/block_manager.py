@@ -66,6 +66,10 @@ class BlockAllocator:
     joins on the right, so both are O(1) and no search ever happens.
     Reference counts exist from the start because a forked sequence shares
     its parent's blocks (chapter 06).
+
+    This class owns the refcounts, the checks and the events. Which free block comes
+    next is two small hooks, :meth:`_take_free_block` and :meth:`_put_free_block`
+    (and :attr:`num_free`): chapter 06's prefix cache overrides only those.
     """
 
     # Event plumbing, which a rolled-back step leaves as it is (see minipaged.rollback).
@@ -115,14 +119,32 @@ class BlockAllocator:
 
     def allocate(self, seq_id=None) -> int:
         """Take one free block for ``seq_id`` (refcount 1), or raise OutOfBlocks."""
-        self.check_not_from_subscriber("BlockAllocator.allocate")
-        if not self.free_block_ids:
+        self.check_not_from_subscriber(f"{type(self).__name__}.allocate")
+        if not self.num_free:
             raise OutOfBlocks(f"no free block: all {self.num_blocks} blocks are in use")
-        block_id = self.free_block_ids.popleft()
-        self._refcounts[block_id] = 1
-        self._ever_allocated[block_id] = 1
-        self.emit("allocate", block_id, seq_id)
+        with self.hold_events():  # a subclass's events of taking the block (an eviction) come after it is held
+            block_id = self._take_free_block(seq_id)
+            self._refcounts[block_id] = 1
+            self._ever_allocated[block_id] = 1
+            self.emit("allocate", block_id, seq_id)
         return block_id
+
+    def _take_free_block(self, seq_id) -> int:
+        """Pop the next free block (one is free: :meth:`allocate` checked). Chapter 06 overrides it.
+
+        Args:
+            seq_id: the sequence that takes it, for the events a subclass emits.
+        """
+        return self.free_block_ids.popleft()
+
+    def _put_free_block(self, block_id: int) -> dict:
+        """Queue a block whose refcount reached 0; returns extra info for its "free" event. Chapter 06 overrides it.
+
+        Args:
+            block_id: the block, just freed.
+        """
+        self.free_block_ids.append(block_id)
+        return {}
 
     def allocate_many(self, num_blocks: int, seq_id=None) -> list[int]:
         """Take ``num_blocks`` free blocks for ``seq_id``, all or none (OutOfBlocks takes nothing)."""
@@ -158,12 +180,11 @@ class BlockAllocator:
 
     def free(self, block_id: int, seq_id=None) -> None:
         """Drop one reference; the block returns to the pool when nobody holds it."""
-        self.check_not_from_subscriber("BlockAllocator.free")
+        self.check_not_from_subscriber(f"{type(self).__name__}.free")
         block_id = self._check_allocated(block_id, "free")
         self._refcounts[block_id] -= 1
         if self._refcounts[block_id] == 0:
-            self.free_block_ids.append(block_id)
-            self.emit("free", block_id, seq_id)
+            self.emit("free", block_id, seq_id, **self._put_free_block(block_id))
         else:
             self.emit("decref", block_id, seq_id, refcount=self._refcounts[block_id])
 
@@ -326,14 +347,15 @@ class BlockTable:
         return (num_tokens > 0 and self.num_tokens % self.block_size != 0
                 and self.allocator.refcount(self.blocks[-1]) > 1)
 
-    def num_new_blocks(self, num_tokens: int) -> int:  # TEMP shim until the prefix branch lands
-        return self.blocks_needed(num_tokens)
-
-    def blocks_needed(self, num_tokens: int) -> int:
+    def num_new_blocks(self, num_tokens: int) -> int:
         """New blocks that appending ``num_tokens`` tokens would take.
 
         One per block boundary crossed, plus one when the write lands in a shared,
         partly filled last block (copy-on-write gives this table its own copy).
+        Not chapter 01's :func:`~minipaged.accounting.blocks_needed` (``ceil(n / B)``).
+
+        Args:
+            num_tokens: the tokens the append would add.
         """
         n = check_int(num_tokens, "num_tokens")
         new = max(0, blocks_needed(self.num_tokens + n, self.block_size) - len(self.blocks))
@@ -347,14 +369,14 @@ class BlockTable:
         """
         self.allocator.check_not_from_subscriber("BlockTable.append_tokens")
         n = check_int(num_tokens, "num_tokens")
-        need = self.blocks_needed(n)
+        need = self.num_new_blocks(n)
         if need > self.allocator.num_free:
             raise OutOfBlocks(f"appending {n} tokens needs {need} blocks but only "
                               f"{self.allocator.num_free} of {self.allocator.num_blocks} are free")
         with self.allocator.hold_events():  # subscribers hear of the new blocks once this table holds them
             if self._shares_last_block(n):
                 self._copy_on_write()
-            self.blocks += self.allocator.allocate_many(self.blocks_needed(n), self.seq_id)
+            self.blocks += self.allocator.allocate_many(self.num_new_blocks(n), self.seq_id)
             start = self.num_tokens
             self.num_tokens += n
             self.released = False
@@ -400,15 +422,6 @@ class BlockTable:
     def tail_waste(self) -> int:
         """Reserved but unused slots in the last block: tail waste, paging's only internal fragmentation."""
         return len(self.blocks) * self.block_size - self.num_tokens
-
-    def as_tensor(self, width: int | None = None) -> torch.Tensor:
-        """This table as an ``int32 [width]`` row (default: its own length), padded with 0."""
-        width = len(self.blocks) if width is None else check_int(width, "width")
-        if width < len(self.blocks):
-            raise ValueError(f"width {width} is smaller than this table's {len(self.blocks)} blocks")
-        row = torch.zeros(width, dtype=torch.int32)  # padding is never read by the kernel
-        row[: len(self.blocks)] = torch.tensor(self.blocks, dtype=torch.int32)
-        return row
 
     def release(self) -> None:
         """Give every block back (a decref each); the table becomes empty and reusable.

@@ -184,7 +184,7 @@ class PagedPool:
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id!r} is already admitted")
         table = BlockTable(self.allocator, seq_id)
-        if not self.allocator.can_allocate(table.blocks_needed(num_tokens)):
+        if not self.allocator.can_allocate(table.num_new_blocks(num_tokens)):
             self.failed_admissions += 1
             return False
         table.append_tokens(num_tokens)

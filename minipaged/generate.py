@@ -47,7 +47,7 @@ def build_metadata(tables: list[BlockTable], num_new_tokens: list[int], device="
     num_new_tokens = [check_int(n, "num_new_tokens[i]", minimum=1) for n in num_new_tokens]
     need = {}
     for table, n in zip(tables, num_new_tokens):
-        need[table.allocator] = need.get(table.allocator, 0) + table.blocks_needed(n)
+        need[table.allocator] = need.get(table.allocator, 0) + table.num_new_blocks(n)
     for allocator, n in need.items():
         if not allocator.can_allocate(n):
             raise OutOfBlocks(f"this step needs {n} new blocks but only {allocator.num_free} are free")

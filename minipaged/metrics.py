@@ -88,14 +88,14 @@ class Metrics:
 
     @property
     def prefix_cache(self):
-        """The prefix cache's counters now (a :class:`~minipaged.prefix_cache.PrefixCacheStats`: query and
-        hit tokens, hit rate, evictions, collisions, cached blocks), or None when prefix caching is off."""
+        """A copy of the prefix cache's counters now (a :class:`~minipaged.prefix_cache.PrefixCacheStats`: requests,
+        queried and hit tokens, new and preempted apart, evictions, collisions), or None when prefix caching is off."""
         stats = getattr(self._allocator, "stats", None)
         return stats() if stats else None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
-        """Hit tokens / queried tokens of the prefix cache (0.0 before any query or with caching off)."""
+        """Hit / queried tokens of new requests, preempted ones apart (0.0 before any query or with caching off)."""
         stats = self.prefix_cache
         return stats.hit_rate if stats else 0.0
 

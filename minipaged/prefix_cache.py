@@ -14,9 +14,12 @@ after their request ends, until the pool needs the room.
   miss, never a wrong answer.
 - :class:`PrefixCachingAllocator` extends chapter 02's allocator: a freed block that
   holds a key keeps it and waits in an LRU queue; keyless free blocks are handed out
-  first, then cached ones, oldest first (taking one *evicts* it).
+  first, then cached ones, least recently used first (taking one *evicts* it).
+- An empty salt (``""``, ``b""``) is no salt, as in vLLM.
 
-This follows vLLM V1's ``kv_cache_utils.hash_block_tokens`` and ``block_pool.BlockPool``.
+The keys follow vLLM V1's ``kv_cache_utils.hash_block_tokens``, the counters its
+``PrefixCacheStats``. The free queue follows ``block_pool.BlockPool`` in which blocks
+are evicted, not in the order keyless blocks are reused (see :class:`PrefixCachingAllocator`).
 """
 
 from __future__ import annotations
@@ -26,10 +29,10 @@ import operator
 import struct
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from minipaged.block_manager import BlockAllocator, BlockTable, OutOfBlocks
-from minipaged.validation import check_int
+from minipaged.block_manager import BlockAllocator, BlockTable
+from minipaged.validation import check_bool, check_int, check_salt
 
 HashFn = Callable[[bytes], bytes]
 
@@ -39,19 +42,17 @@ def sha256(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
 
-def check_salt(cache_salt) -> None:
-    """Raise TypeError unless ``cache_salt`` is None, a str or bytes."""
-    if cache_salt is not None and not isinstance(cache_salt, (str, bytes)):
-        raise TypeError(f"cache_salt must be a str, bytes or None, got {type(cache_salt).__name__}")
-
-
 def extra_keys(block_index: int, cache_salt: str | bytes | None = None) -> tuple:
     """The extra keys of logical block ``block_index``: the salt in block 0, nothing after.
 
     Block 0 is enough: every later key chains through it, so two salts part at block 0
-    and never meet again.
+    and never meet again. An empty salt is no salt (see :func:`~minipaged.validation.check_salt`).
+
+    Args:
+        block_index: the logical block.
+        cache_salt: the request's salt (str or bytes), or None.
     """
-    return (cache_salt,) if block_index == 0 and cache_salt is not None else ()
+    return (cache_salt,) if block_index == 0 and cache_salt else ()
 
 
 def block_tokens(token_ids: Sequence[int], block_index: int, block_size: int) -> tuple[int, ...]:
@@ -129,7 +130,7 @@ def block_keys(token_ids: Sequence[int], block_size: int, cache_salt: str | byte
         cache_salt: the request's salt (str or bytes), or None.
         hash_fn: see :func:`hash_block_tokens`.
     """
-    check_salt(cache_salt)
+    cache_salt = check_salt(cache_salt)
     B = check_int(block_size, "block_size", minimum=1)
     keys, parent = [], None
     for i in range(len(token_ids) // B):
@@ -161,28 +162,68 @@ class PrefixMatch:
     Attributes:
         block_ids: the cached blocks, logical block 0 first.
         keys: their keys, to check that the match is still valid when it is used.
-        num_tokens: tokens they cover, ``len(block_ids) * block_size``.
-        num_query_tokens: the prompt's length.
-        num_collisions: keys that were found but held other tokens (0 or 1: the lookup stops there).
+        num_tokens: tokens they cover, ``len(block_ids) * block_size``: the hits this match records.
+        queries: the tokens looked up, the prompt's length (with a preempted request's output).
+        collisions: keys that were found but held other tokens (0 or 1: the lookup stops there).
     """
 
     block_ids: list[int]
     keys: list[bytes]
     num_tokens: int
-    num_query_tokens: int
-    num_collisions: int
-
-
-@dataclass(frozen=True)
-class PrefixCacheStats:
-    """A snapshot of the prefix cache's counters (tokens, not blocks, for queries and hits)."""
-
     queries: int
-    hits: int
-    hit_rate: float
-    evictions: int
     collisions: int
-    cached_blocks: int
+
+
+@dataclass
+class PrefixCacheStats:
+    """The prefix cache's counters, in tokens for queries and hits, as vLLM's ``PrefixCacheStats``.
+
+    One owner: :class:`PrefixCachingAllocator` keeps one and counts into it;
+    :meth:`PrefixCachingAllocator.stats` hands out a copy. A request re-admitted after
+    preemption looks up its prompt and output again and hits its own freed blocks: it is
+    counted apart (``preempted_*``, vLLM's issue 25780), so the hit rate is that of new requests.
+
+    Attributes:
+        requests: new requests looked up.
+        queries: their tokens looked up.
+        hits: their tokens found in the cache.
+        preempted_requests: re-admissions of preempted requests looked up.
+        preempted_queries: their tokens looked up.
+        preempted_hits: their tokens found in the cache.
+        evictions: cached blocks taken for new use (their keys dropped); minipaged's, not vLLM's.
+        collisions: lookups that found a key holding other tokens (refused); minipaged's.
+    """
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+    evictions: int = 0
+    collisions: int = 0
+
+    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+        """Count one request's lookup.
+
+        Args:
+            num_tokens: the tokens looked up.
+            num_hits: the tokens found.
+            preempted: whether the request was preempted before (its counts go to ``preempted_*``).
+        """
+        if preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hits
+        else:
+            self.requests += 1
+            self.queries += num_tokens
+            self.hits += num_hits
+
+    @property
+    def hit_rate(self) -> float:
+        """``hits / queries``, of new requests only (0.0 before any)."""
+        return self.hits / self.queries if self.queries else 0.0
 
 
 class PrefixCachingAllocator(BlockAllocator):
@@ -192,11 +233,21 @@ class PrefixCachingAllocator(BlockAllocator):
     with no key, handed out first in FIFO order. ``evictable_block_ids`` holds free blocks
     that still hold a key, least recently used first; one is taken only when the deque is
     empty, and taking it evicts it (its key is dropped). A hit on an evictable block takes
-    it out of the queue in O(1): the queue is an ordered dict, not a deque.
+    it out of the queue in O(1): the queue is an ordered dict, not a deque. The base class
+    keeps the refcounts, the checks and the events; this class overrides only which free
+    block comes next (``_take_free_block``, ``_put_free_block``, ``num_free``).
+
+    **Against vLLM** (vllm 0.32, ``block_pool.BlockPool.free_blocks``): vLLM has one free
+    queue, always keyless blocks first and cached ones after, as here. It appends a freed
+    cached block (LRU, as here) but *prepends* a freed keyless block, so keyless blocks
+    are reused last in, first out (for GPU locality); minipaged reuses them first in,
+    first out (chapter 02's deque). Which blocks are evicted, and when, agrees; the order
+    in which keyless blocks come back, and so the block ids, differs. vLLM also reserves
+    block 0 as a null block, so its ids start at 1. Both free a sequence tail first.
 
     The engine uses it in three steps (see :meth:`match_prefix`, :meth:`share_prefix`,
     :meth:`cache_full_blocks`): find the cached prefix of a prompt, share those blocks
-    with the new sequence's table, and give keys to blocks as they fill up.
+    with the new sequence's table, and give keys to blocks as their tokens are scheduled.
 
     Args:
         num_blocks: blocks in the pool.
@@ -212,10 +263,7 @@ class PrefixCachingAllocator(BlockAllocator):
         self.entries: list[CachedBlock | None] = [None] * self.num_blocks  # by block id
         self.blocks_by_key: dict[bytes, list[int]] = {}  # more than one only after a collision or a duplicate
         self._next_serial = 0
-        self.num_query_tokens = 0
-        self.num_hit_tokens = 0
-        self.num_evictions = 0
-        self.num_collisions = 0
+        self._stats = PrefixCacheStats()  # the one set of counters; stats() hands out copies
 
     # ---- the free queue ----
 
@@ -227,44 +275,30 @@ class PrefixCachingAllocator(BlockAllocator):
         """Every free block in the order :meth:`allocate` hands them out: keyless, then cached LRU."""
         return list(self.free_block_ids) + list(self.evictable_block_ids)
 
-    def allocate(self, seq_id=None) -> int:
-        """Take a keyless free block if any, else evict the least recently used cached one (refcount 1)."""
-        self.check_not_from_subscriber("PrefixCachingAllocator.allocate")
+    def _take_free_block(self, seq_id) -> int:
+        """A keyless free block if any, else the least recently used cached one, evicted ("evict" event)."""
         if self.free_block_ids:
-            block_id, evicted = self.free_block_ids.popleft(), None
-        elif self.evictable_block_ids:
-            block_id, _ = self.evictable_block_ids.popitem(last=False)
-            evicted = self._drop_key(block_id)
-            self.num_evictions += 1
-        else:
-            raise OutOfBlocks(f"no free block: all {self.num_blocks} blocks are in use")
-        self._refcounts[block_id] = 1
-        self._ever_allocated[block_id] = 1
-        if evicted is not None:
-            self.emit("evict", block_id, seq_id, key=evicted.key)
-        self.emit("allocate", block_id, seq_id)
+            return super()._take_free_block(seq_id)
+        block_id, _ = self.evictable_block_ids.popitem(last=False)
+        evicted = self._drop_key(block_id)
+        self._stats.evictions += 1
+        self.emit("evict", block_id, seq_id, key=evicted.key)
         return block_id
 
-    def free(self, block_id: int, seq_id=None) -> None:
-        """Drop one reference; at 0 a cached block joins the LRU end, a keyless one the deque."""
-        self.check_not_from_subscriber("PrefixCachingAllocator.free")
-        block_id = self._check_allocated(block_id, "free")
-        self._refcounts[block_id] -= 1
-        if self._refcounts[block_id] > 0:
-            self.emit("decref", block_id, seq_id, refcount=self._refcounts[block_id])
-            return
-        cached = self.entries[block_id] is not None
-        if cached:
-            self.evictable_block_ids[block_id] = None
-        else:
-            self.free_block_ids.append(block_id)
-        self.emit("free", block_id, seq_id, cached=cached)
+    def _put_free_block(self, block_id: int) -> dict:
+        """A cached block joins the LRU end, a keyless one the deque; the "free" event says which (``cached``)."""
+        if self.entries[block_id] is None:
+            super()._put_free_block(block_id)
+            return {"cached": False}
+        self.evictable_block_ids[block_id] = None
+        return {"cached": True}
 
     def free_sequence(self, block_ids: list[int], seq_id=None) -> None:
-        """Drop one reference on each of a sequence's blocks, tail first.
+        """Drop one reference on each of a sequence's blocks, tail first (as vLLM).
 
         The last block joins the LRU queue first, so it is evicted first: a sequence's
-        deepest blocks go before the prefix it may share with others.
+        deepest blocks go before the prefix it may share with others. Subscribers hear of
+        the frees once all are done, as in :meth:`BlockAllocator.free_sequence`.
 
         Args:
             block_ids: the sequence's blocks, logical block 0 first.
@@ -272,8 +306,7 @@ class PrefixCachingAllocator(BlockAllocator):
 
         Raises as :meth:`BlockAllocator.free_sequence` does, before any block is freed.
         """
-        for block_id in reversed(self._check_free_sequence(block_ids)):
-            self.free(block_id, seq_id)
+        super().free_sequence(self._check_free_sequence(block_ids)[::-1], seq_id)
 
     # ---- keys ----
 
@@ -315,9 +348,10 @@ class PrefixCachingAllocator(BlockAllocator):
 
         Args:
             token_ids: the prompt's token ids.
-            cache_salt: the request's salt (str or bytes): only requests with the same salt share.
+            cache_salt: the request's salt (str or bytes): only requests with the same salt share;
+                an empty one is no salt.
         """
-        check_salt(cache_salt)
+        cache_salt = check_salt(cache_salt)
         B = self.block_size
         blocks, keys, parent_key, parent, collisions = [], [], None, None, 0
         for i in range((len(token_ids) - 1) // B if token_ids else 0):
@@ -340,23 +374,28 @@ class PrefixCachingAllocator(BlockAllocator):
         """
         return sum(self._refcounts[self._check_block_id(b, "count")] == 0 for b in block_ids)
 
-    def share_prefix(self, table: BlockTable, match: PrefixMatch, preempted: bool = False) -> None:
-        """Start an empty table with the matched blocks (one more reference each) and count the query.
+    def share_prefix(self, table: BlockTable, match: PrefixMatch, *, preempted: bool = False) -> None:
+        """Start an empty table with the matched blocks (one more reference each) and count the lookup.
 
         Call it for every request admitted with caching on, even with an empty match, so
-        that queries and hits count every prompt once. Then append the rest of the prompt
+        that the counters count every lookup once. Then append the rest of the prompt
         with ``table.append_tokens``: the matched blocks are out of the free queue by then,
         so the new blocks can never evict them. Emits one "hit" per matched block.
 
         Args:
             table: the new sequence's table, empty and on this allocator.
             match: from :meth:`match_prefix` in this same state (no allocation in between).
+            preempted: whether the request was preempted before (``seq.num_preemptions > 0``):
+                its lookup counts into the ``preempted_*`` counters, not the hit rate's
+                (see :class:`PrefixCacheStats`).
 
-        Raises:
+        Raises (before anything changes):
             ValueError: the table is not empty or belongs to another allocator, or the match
                 is stale (one of its blocks lost its key since).
+            TypeError: ``preempted`` is not a bool.
         """
         self.check_not_from_subscriber("PrefixCachingAllocator.share_prefix")
+        preempted = check_bool(preempted, "preempted")
         if table.allocator is not self:
             raise ValueError("table belongs to another allocator")
         if table.blocks or table.num_tokens:
@@ -374,35 +413,40 @@ class PrefixCachingAllocator(BlockAllocator):
         table.blocks = list(match.block_ids)
         table.num_tokens = match.num_tokens
         table.released = False
-        self.num_query_tokens += match.num_query_tokens
-        self.num_hit_tokens += match.num_tokens
-        self.num_collisions += match.num_collisions
+        self._stats.record(match.queries, match.num_tokens, preempted)
+        self._stats.collisions += match.collisions
         for block_id, free in zip(match.block_ids, was_free):
             self.emit("hit", block_id, table.seq_id, refcount=self._refcounts[block_id], was_free=free)
 
-    def cache_full_blocks(self, table: BlockTable, token_ids: Sequence[int], num_computed_tokens: int,
+    def cache_full_blocks(self, table: BlockTable, token_ids: Sequence[int], num_tokens: int,
                           cache_salt: str | bytes | None = None) -> int:
-        """Give a key to each of the table's blocks that is full and computed and has none yet.
+        """Give a key to each of the table's blocks whose tokens are all scheduled and that has none yet.
 
-        Call it after every step that computes tokens (prompt chunks and generated tokens
-        alike), with the sequence's whole token list. Returns how many blocks got a key.
-        Emits "cache" for each.
+        The contract (vLLM's, "keys at allocation"): call it right after ``table.append_tokens(n)``
+        while scheduling, with ``num_tokens = seq.num_computed_tokens + n``, the tokens whose K/V
+        this step *will* write (drafts excluded). A block gets its key once its tokens are all
+        scheduled, before its K/V is written, so a request admitted later in the same step can
+        hit it. That is safe: within one forward pass every sequence's K/V of a layer is written
+        before that layer's attention reads. A key given for K/V that the step then does not
+        write (a victim preempted later in the same pass, a step that fails) must not survive
+        it: that is the scheduler's to undo. Returns how many blocks got a key. Emits "cache"
+        for each.
 
         Args:
             table: the sequence's table, on this allocator.
-            token_ids: every token of the sequence so far (prompt, then output).
-            num_computed_tokens: tokens whose K/V are in the cache (at most ``len(token_ids)``
-                and ``table.num_tokens``).
+            token_ids: every token of the sequence so far (prompt, then output; drafts excluded).
+            num_tokens: tokens whose K/V are in the cache or written this step (at most
+                ``len(token_ids)`` and ``table.num_tokens``).
             cache_salt: the request's salt, the same one given to :meth:`match_prefix`.
         """
         self.check_not_from_subscriber("PrefixCachingAllocator.cache_full_blocks")
-        check_salt(cache_salt)
+        cache_salt = check_salt(cache_salt)
         if table.allocator is not self:
             raise ValueError("table belongs to another allocator")
         limit = min(len(token_ids), table.num_tokens)
-        n = check_int(num_computed_tokens, "num_computed_tokens")
+        n = check_int(num_tokens, "num_tokens")
         if n > limit:
-            raise ValueError(f"num_computed_tokens {n} is more than the sequence's {limit} tokens with slots")
+            raise ValueError(f"num_tokens {n} is more than the sequence's {limit} tokens with slots")
         B, blocks = self.block_size, table.blocks
         first = n // B  # blocks 0..first-1 are full and computed; keys are given in order, so scan back
         while first > 0 and self.entries[blocks[first - 1]] is None:
@@ -424,8 +468,19 @@ class PrefixCachingAllocator(BlockAllocator):
         return len(new)
 
     def reset_prefix_cache(self) -> int:
-        """Drop every key no sequence holds: free cached blocks become keyless (in LRU order). Returns how many."""
+        """Drop every key, once no sequence holds a block: the cached blocks become keyless (in LRU order).
+
+        For new weights, say, when every cached K/V is stale. Returns how many keys it dropped.
+
+        Raises (before anything changes):
+            ValueError: some blocks are still held. Their keys would survive the reset (a
+                held block cannot lose its key: its holder may be shared into), so new requests
+                would still hit K/V of the old state. vLLM refuses too (it returns False).
+        """
         self.check_not_from_subscriber("PrefixCachingAllocator.reset_prefix_cache")
+        if self.num_used:
+            raise ValueError(f"cannot reset the prefix cache: {self.num_used} blocks are still held by sequences, "
+                             "and their keys would survive the reset; finish or abort them first")
         dropped = list(self.evictable_block_ids)
         for block_id in dropped:
             self._drop_key(block_id)
@@ -436,15 +491,9 @@ class PrefixCachingAllocator(BlockAllocator):
 
     # ---- metrics ----
 
-    @property
-    def hit_rate(self) -> float:
-        """Hit tokens over query tokens (0.0 before any query)."""
-        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
-
     def stats(self) -> PrefixCacheStats:
-        """The counters now: query and hit tokens, hit rate, evictions, collisions, cached blocks."""
-        return PrefixCacheStats(self.num_query_tokens, self.num_hit_tokens, self.hit_rate, self.num_evictions,
-                                self.num_collisions, self.num_cached_blocks)
+        """A copy of the counters now (see :class:`PrefixCacheStats`); cached blocks: :attr:`num_cached_blocks`."""
+        return replace(self._stats)
 
     def __repr__(self) -> str:
         return (f"PrefixCachingAllocator(num_blocks={self.num_blocks}, block_size={self.block_size}, "

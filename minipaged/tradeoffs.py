@@ -301,7 +301,7 @@ def prefix_hit_rate(prompts: list[list[int]], block_size: int, num_blocks: int |
         table.append_tokens(len(prompt) - table.num_tokens)
         allocator.cache_full_blocks(table, prompt, len(prompt))
         table.release()
-    return allocator.hit_rate
+    return allocator.stats().hit_rate
 
 
 # ----------------------------------------------------------------------------

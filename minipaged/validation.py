@@ -99,6 +99,21 @@ def check_choice(value, name: str, choices: tuple[str, ...]) -> str:
     return value
 
 
+def check_salt(cache_salt, name: str = "cache_salt") -> str | bytes | None:
+    """``cache_salt`` normalised: a str or bytes salt as it is, None for no salt; a ``TypeError`` naming ``name`` else.
+
+    An empty salt (``""`` or ``b""``) is no salt, as in vLLM (``if request.cache_salt``): it returns
+    None, so a request with it shares blocks with requests that have none.
+
+    Args:
+        cache_salt: the prefix cache's salt (str, bytes or None).
+        name: the argument's name in the caller, for the message.
+    """
+    if cache_salt is not None and not isinstance(cache_salt, (str, bytes)):
+        raise TypeError(f"{name} must be a str, bytes or None, got {type(cache_salt).__name__} {cache_salt!r:.40}")
+    return cache_salt or None
+
+
 def check_token_ids(token_ids, name: str, vocab_size: int) -> list[int]:
     """``token_ids`` as a non-empty list of Python ints in ``[0, vocab_size)``, or an error that names ``name``.
 
@@ -398,14 +413,3 @@ def check_positions(config, num_prompt_tokens: int, max_new_tokens: int, name: s
             f"{config.max_position_embeddings}"
         )
 
-
-def check_salt(cache_salt, name: str = "cache_salt"):
-    """``cache_salt`` normalised (an empty one is no salt, None, as in vLLM), or a TypeError naming ``name``.
-
-    Args:
-        cache_salt: None, a str or bytes.
-        name: the argument's name, for the message.
-    """
-    if cache_salt is not None and not isinstance(cache_salt, (str, bytes)):
-        raise TypeError(f"{name} must be a str, bytes or None, got {type(cache_salt).__name__} {cache_salt!r:.40}")
-    return cache_salt or None

@@ -59,7 +59,7 @@ def run_ops(alloc, operations, tables, on_append=None):
             except OutOfBlocks:
                 out_of_blocks += 1
                 assert snapshot(alloc, tables) == before, "OutOfBlocks changed the state"
-                assert not alloc.can_allocate(table.blocks_needed(n))
+                assert not alloc.can_allocate(table.num_new_blocks(n))
             else:
                 if on_append:
                     on_append(table, slots)
@@ -196,13 +196,11 @@ def test_constructor_and_count_arguments_are_validated():
     with pytest.raises(ValueError, match="num_tokens must be >= 0"):
         table.append_tokens(-1)
     with pytest.raises(TypeError, match="num_tokens must be an int"):
-        table.blocks_needed(2.5)
+        table.num_new_blocks(2.5)
     with pytest.raises(IndexError, match="outside this sequence's 0 tokens"):
         table.slot(0)
     with pytest.raises(TypeError, match="position must be an int"):
         table.slot(0.0)
-    with pytest.raises(TypeError, match="width must be an int"):
-        table.as_tensor(2.0)
 
 
 def test_refcount_above_one_keeps_the_block_until_the_last_holder_frees_it():
@@ -232,9 +230,9 @@ def test_unsubscribe_and_custom_events():
 def test_block_table_allocates_only_at_block_boundaries():
     alloc = BlockAllocator(8, 4)
     table = BlockTable(alloc, "s")
-    assert table.blocks_needed(4) == 1 and table.blocks_needed(5) == 2
+    assert table.num_new_blocks(4) == 1 and table.num_new_blocks(5) == 2
     assert table.append_tokens(3).tolist() == [0, 1, 2]
-    assert table.blocks_needed(1) == 0 and table.blocks_needed(2) == 1
+    assert table.num_new_blocks(1) == 0 and table.num_new_blocks(2) == 1
     assert table.append_tokens(1).tolist() == [3]  # fills block 0 exactly: no new block
     assert table.num_blocks == 1 and table.tail_waste == 0
     other = BlockTable(alloc, "o")
@@ -279,9 +277,32 @@ def test_block_tables_tensor_pads_with_zero():
     t = block_tables_tensor([a, b])
     assert t.dtype == torch.int32 and t.tolist() == [[0, 0, 0], [1, 2, 3]]
     assert block_tables_tensor([a, b], width=5).shape == (2, 5)
-    assert a.as_tensor(4).tolist() == [0, 0, 0, 0] and a.as_tensor().dtype == torch.int32
     with pytest.raises(ValueError, match="smaller than the longest table"):
         block_tables_tensor([a, b], width=2)
-    with pytest.raises(ValueError, match="smaller than this table's 3 blocks"):
-        b.as_tensor(2)
     assert block_tables_tensor([]).shape == (0, 0)
+
+
+class LifoAllocator(BlockAllocator):
+    """Only the free-queue hooks differ: a freed block is handed out next (vLLM's order for keyless blocks)."""
+
+    def _put_free_block(self, block_id):
+        self.free_block_ids.appendleft(block_id)
+        return {"lifo": True}
+
+
+def test_a_subclass_changes_only_the_free_order_through_the_two_hooks():
+    alloc = LifoAllocator(4, 4)
+    events = []
+    alloc.subscribe(lambda e: events.append((e.kind, e.block_id, e.info)))
+    table = BlockTable(alloc, "s")
+    table.append_tokens(9)  # blocks 0, 1, 2
+    table.release()  # in table order: 0, then 1, then 2, each to the front
+    assert list(alloc.free_block_ids) == [2, 1, 0, 3] and alloc.refcounts == [0] * 4
+    assert alloc.allocate("t") == 2  # the last one freed comes back first
+    assert events[3:6] == [("free", b, {"lifo": True}) for b in (0, 1, 2)] and events[-1] == ("allocate", 2, {})
+    with pytest.raises(BlockError, match="double free"):  # the base class's checks, refcounts and events stay
+        alloc.free(0)
+    alloc.free(2)
+    with pytest.raises(BlockError, match="cannot free block 2: it is free"):
+        alloc.free_sequence([2, 1])
+    assert list(alloc.free_block_ids) == [2, 1, 0, 3]

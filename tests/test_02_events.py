@@ -162,7 +162,7 @@ def test_whatever_the_subscribers_raise_the_pool_stays_consistent(ops, raise_eve
         warnings.simplefilter("ignore", RuntimeWarning)
         for op, which, n in ops:
             table = tables[which % len(tables)]
-            if op == "append" and table.blocks_needed(n) <= alloc.num_free:
+            if op == "append" and table.num_new_blocks(n) <= alloc.num_free:
                 table.append_tokens(n)
             elif op == "fork" and not table.released:
                 tables.append(table.fork(len(tables)))

@@ -33,7 +33,7 @@ def test_no_copy_when_the_shared_last_block_is_full():
     parent = BlockTable(alloc, "p")
     parent.append_tokens(8)
     child = parent.fork("c")
-    assert child.blocks_needed(1) == 1
+    assert child.num_new_blocks(1) == 1
     child.append_tokens(1)
     assert child.blocks == [0, 1, 2] and child.pending_copies == [] and alloc.refcounts[:3] == [2, 2, 1]
 
@@ -43,7 +43,7 @@ def test_copy_on_write_is_all_or_nothing():
     parent = BlockTable(alloc, "p")
     parent.append_tokens(6)
     child = parent.fork("c")
-    assert child.blocks_needed(3) == 2  # 9 tokens need a third block, and the copy of block 1
+    assert child.num_new_blocks(3) == 2  # 9 tokens need a third block, and the copy of block 1
     before = (list(alloc.free_block_ids), alloc.refcounts, child.blocks, child.num_tokens)
     with pytest.raises(OutOfBlocks, match="needs 2 blocks but only 1"):
         child.append_tokens(3)

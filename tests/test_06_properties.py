@@ -23,9 +23,9 @@ PREFIXES = [[], [1, 2, 3], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 3, 4, 5, 6, 7, 8]]
 
 ops = st.lists(
     st.one_of(
-        # a new request: a shared prefix, a short suffix, a salt
+        # a new request: a shared prefix, a short suffix, a salt ("" is no salt), preempted before or not
         st.tuples(st.just("new"), st.sampled_from(range(len(PREFIXES))), st.lists(st.integers(0, 3), max_size=6),
-                  st.sampled_from([None, "s"])),
+                  st.sampled_from([None, "", "s"]), st.booleans()),
         st.tuples(st.just("append"), st.integers(0, 7), st.lists(st.integers(0, 3), min_size=1, max_size=5)),
         st.tuples(st.just("fork"), st.integers(0, 7)),
         st.tuples(st.just("release"), st.integers(0, 7)),
@@ -51,8 +51,10 @@ class Model:
         self.kv = [None] * (alloc.num_blocks * alloc.block_size)
         self.live = []  # (table, tokens, salt)
 
-    def write(self, table, tokens, new):
+    def write(self, table, tokens, new, salt):
+        """Schedule ``new`` tokens, key the blocks they fill (keys at allocation), then write their K/V."""
         slots = table.append_tokens(len(new))
+        self.alloc.cache_full_blocks(table, tokens + new, len(tokens) + len(new), salt)
         B = self.alloc.block_size
         for src, dst in table.take_pending_copies():  # before the write, as the engine does
             self.kv[dst * B:(dst + 1) * B] = self.kv[src * B:(src + 1) * B]
@@ -83,41 +85,53 @@ class Model:
 def test_random_runs_keep_refcounts_contents_and_queues_consistent(num_blocks, block_size, weak, operations):
     alloc = PrefixCachingAllocator(num_blocks, block_size, **({"hash_fn": weak_hash} if weak else {}))
     model = Model(alloc)
+    counted = {"requests": 0, "queries": 0, "hits": 0, "preempted_requests": 0, "preempted_queries": 0,
+               "preempted_hits": 0}
     for op in operations:
         kind = op[0]
         if kind == "new":
-            prompt, salt = PREFIXES[op[1]] + op[2] or [0], op[3]
+            prompt, salt, preempted = PREFIXES[op[1]] + op[2] or [0], op[3], op[4]
             match = alloc.match_prefix(prompt, salt)
             assert match.num_tokens < len(prompt)
-            need = BlockTable(alloc).blocks_needed(len(prompt)) - len(match.block_ids)
+            need = BlockTable(alloc).num_new_blocks(len(prompt)) - len(match.block_ids)
             if need + alloc.num_free_among(match.block_ids) > alloc.num_free:
                 continue  # the engine would wait: admission counts hits that sit in the free queue
             table = BlockTable(alloc, len(model.live))
-            alloc.share_prefix(table, match)
+            alloc.share_prefix(table, match, preempted=preempted)
+            prefix = "preempted_" if preempted else ""
+            counted[prefix + "requests"] += 1
+            counted[prefix + "queries"] += len(prompt)
+            counted[prefix + "hits"] += match.num_tokens
             tokens = list(prompt[:match.num_tokens])
             assert [model.kv[s] for s in table.slots().tolist()] == prefixes(tokens), "a hit returned other K/V"
-            model.write(table, tokens, prompt[match.num_tokens:])
-            alloc.cache_full_blocks(table, tokens, len(tokens), salt)
+            model.write(table, tokens, prompt[match.num_tokens:], salt)
             model.live.append((table, tokens, salt))
         elif kind == "reset":
-            alloc.reset_prefix_cache()
+            if alloc.num_used:  # refused, as vLLM refuses: nothing changes
+                before = (alloc.free_queue(), list(alloc.entries))
+                with pytest.raises(ValueError, match=f"{alloc.num_used} blocks are still held"):
+                    alloc.reset_prefix_cache()
+                assert (alloc.free_queue(), list(alloc.entries)) == before
+            else:
+                cached = alloc.num_cached_blocks
+                assert alloc.reset_prefix_cache() == cached and alloc.num_cached_blocks == 0
         elif model.live:
             i = op[1] % len(model.live)
             table, tokens, salt = model.live[i]
             if kind == "append":
                 before = (alloc.free_queue(), alloc.refcounts, list(table.blocks), table.num_tokens)
                 try:
-                    model.write(table, tokens, op[2])
+                    model.write(table, tokens, op[2], salt)
                 except OutOfBlocks:
                     assert (alloc.free_queue(), alloc.refcounts, list(table.blocks), table.num_tokens) == before
-                else:
-                    alloc.cache_full_blocks(table, tokens, len(tokens), salt)
             elif kind == "fork":
                 model.live.append((table.fork(len(model.live)), list(tokens), salt))
             elif kind == "release":
                 table.release()
                 del model.live[i]
         model.check()
+        stats = alloc.stats()
+        assert {name: getattr(stats, name) for name in counted} == counted
     for table, _, _ in model.live:
         table.release()
     assert alloc.refcounts == [0] * num_blocks and alloc.num_free == num_blocks
