@@ -243,6 +243,10 @@ def _load_triton() -> AttentionBackend:
         from minipaged import kernels
     except ImportError as exc:
         raise ImportError(f"backend='triton' needs minipaged.kernels ({exc}); use backend='torch' instead") from exc
+    if not kernels.HAVE_TRITON:  # the kernels module imports without Triton; its functions would fail at every call
+        from minipaged._triton import require_triton
+
+        require_triton("backend='triton'")
     return AttentionBackend(
         "triton",
         decode=kernels.paged_decode_attention,

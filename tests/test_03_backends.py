@@ -225,6 +225,27 @@ print("loop:", "minipaged.attention_loop" in sys.modules, "triton" in sys.module
     assert run.stdout.splitlines() == ["loaded: []", "loop: True False"], run.stdout
 
 
+def test_without_triton_the_triton_backend_says_to_use_torch():
+    script = """
+import sys
+class NoTriton:  # `import triton` fails, as where Triton has no wheels
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ImportError("No module named 'triton'")
+sys.meta_path.insert(0, NoTriton())
+from minipaged.attention import get_backend
+get_backend("torch")
+try:
+    get_backend("triton")
+except ImportError as exc:
+    print(type(exc).__name__, exc)
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("TritonUnavailable backend='triton' needs Triton"), run.stdout
+    assert "use backend='torch'" in run.stdout
+
+
 def _imports(path: Path) -> set[str]:
     """Every minipaged module ``path`` imports, at top level or inside a function."""
     names = set()
