@@ -1,4 +1,4 @@
-"""Attention that reads K/V through a block table, and the contiguous reference it must match.
+"""Attention that reads K/V through a block table, the contiguous reference it must match, and the backend seam.
 
 Per layer the cache is ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]``.
 A sequence's logical token ``t`` lives in physical block ``block_tables[s, t // block_size]``
@@ -11,16 +11,21 @@ at offset ``t % block_size``; its *slot* is ``block_id * block_size + offset``.
 - :class:`AttentionMetadata` describes one packed batch: where each new token's K/V
   goes and what each sequence reads.
 
-Every read path has the same signature and the same input checks
-(:func:`minipaged.validation.check_paged_attention`) for every backend:
+Every path takes a ``backend=``: the name of an :class:`AttentionBackend` in the registry
+(:func:`register_backend`, :func:`get_backend`). The read and write paths run the same input
+checks (:func:`minipaged.validation.check_paged_attention`, ``check_kv_write``) before they hand
+the call to the backend, so a bad input gets the same error on every backend. Registered here:
 
-- ``"loop"``: block by block, one sequence at a time. Slow and obviously right.
-- ``"torch"``: vectorised gather through the block table, masked softmax, batched matmul.
-- ``"triton"``: the chapter-04 kernels in :mod:`minipaged.kernels`.
+- ``"torch"``: vectorised gather through the block table, masked softmax, batched matmul (this module).
+- ``"loop"``: block by block, one sequence at a time. Slow and obviously right
+  (:mod:`minipaged.attention_loop`, loaded when asked for).
+- ``"triton"``: the chapter-04 kernels in :mod:`minipaged.kernels` (loaded when asked for, so an
+  engine on ``"torch"`` never imports Triton).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -29,9 +34,8 @@ import torch.nn.functional as F
 
 from minipaged.accounting import blocks_needed
 from minipaged.block_manager import BlockTable, block_tables_tensor
-from minipaged.validation import check_choice, check_paged_attention, check_scale, check_tensor
-
-BACKENDS = ("loop", "torch", "triton")
+from minipaged.cache import write_kv_torch
+from minipaged.validation import check_paged_attention, check_scale, check_tensor
 
 # Gathered K+V bytes the "torch" backend handles at once. A short batch is gathered
 # whole (one gather and one attention call per layer, whatever the batch size). A
@@ -87,50 +91,169 @@ def contiguous_attention(q, k, v, *, scale=None, causal=True):
     return out.transpose(0, 1).to(q.dtype)
 
 
-# --------------------------------------------------------------------------- backends
+# --------------------------------------------------------------------------- the backend seam
 
 
-def _check_backend(backend):
-    check_choice(backend, "backend", BACKENDS)
+def no_limits(block_size: int, head_dim: int, dtype: torch.dtype) -> None:
+    """The ``check`` of a backend that runs any cache shape and dtype: it accepts everything."""
 
 
-def _kernel(name):
-    """A chapter-04 kernel, imported only when asked for, with an error that says what to do."""
+@dataclass(frozen=True)
+class AttentionBackend:
+    """One attention backend: the functions that write new K/V into the paged cache and read it back.
+
+    A backend is a name and four functions. Build one, register it with
+    ``register_backend(name, backend)``, and ``backend=name`` reaches it everywhere: the read and
+    write paths below, ``LlamaForCausalLM.forward``, ``generate_paged`` and the engine. The
+    callers check every input first (``check_paged_attention`` for the reads, ``check_kv_write``
+    for the write) and handle the empty batch, so a backend's functions receive valid tensors of
+    at least one sequence and may assume:
+
+    - ``q``: float ``[num_tokens, num_heads, head_dim]``; ``num_heads`` is a multiple of
+      ``num_kv_heads`` (GQA: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``).
+    - ``k_cache, v_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]`` in ``q.dtype``;
+      one layer's pools. Slot ``s`` is block ``s // block_size``, offset ``s % block_size``.
+    - ``block_tables``: int32 ``[num_seqs, max_blocks_per_seq]``; logical block ``j`` of
+      sequence ``i`` is physical block ``block_tables[i, j]``. Entries past the sequence's
+      ``ceil(seq_lens[i] / block_size)`` blocks are padding: never read them.
+    - ``seq_lens``: int32 or int64 ``[num_seqs]``, each context length *including* this step's
+      tokens, whose K/V is already in the cache (the write runs first).
+    - ``scale``: a float, the softmax scale (``head_dim ** -0.5`` unless the caller chose one);
+      passed by keyword.
+
+    Args:
+        name: the registry key, e.g. ``"torch"``.
+        decode: ``decode(q, k_cache, v_cache, block_tables, seq_lens, scale=...)``, one query token per
+            sequence (``num_tokens == num_seqs``), each attending to its whole context.
+            Returns ``[num_seqs, num_heads, head_dim]`` in ``q.dtype``.
+        prefill: ``prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=...)``.
+            ``query_start_loc``: int32 or int64 ``[num_seqs + 1]``; sequence ``i``'s queries are rows
+            ``query_start_loc[i] : query_start_loc[i + 1]`` of ``q``, the *last* ``q_len`` positions of
+            its context, so query ``j`` sees positions ``0 .. seq_lens[i] - q_len + j`` (causal).
+            Returns ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
+        write: ``write(key, value, k_cache, v_cache, slot_mapping)``, in place, returns None.
+            ``key, value: [num_tokens, num_kv_heads, head_dim]``; ``slot_mapping``: int32 or int64
+            ``[num_tokens]``, token ``i``'s slot, or ``-1`` for "don't write" (skip that token).
+        check: ``check(block_size, head_dim, dtype)``, returns None. The engine calls it once, before it
+            builds anything, so a backend that cannot run that cache shape or dtype (a kernel's
+            limits) says so at once instead of failing at every step: raise ``TypeError`` for a
+            dtype and ``ValueError`` for a shape, naming the problem. :func:`no_limits` (the
+            default) accepts everything, as the torch backend does.
+
+    The read functions must not change the caches; ``write`` changes only the slots it is given.
+    """
+
+    name: str
+    decode: Callable
+    prefill: Callable
+    write: Callable
+    check: Callable = no_limits
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(f"AttentionBackend.name must be a non-empty str, got {self.name!r:.60}")
+        for field in ("decode", "prefill", "write", "check"):
+            if not callable(getattr(self, field)):
+                got = type(getattr(self, field)).__name__
+                raise TypeError(f"AttentionBackend.{field} must be a function, got {got}")
+
+
+# name -> the backend, or a loader (no arguments) that imports its module and returns it on first use
+_REGISTRY: dict[str, AttentionBackend | Callable[[], AttentionBackend]] = {}
+
+
+def register_backend(name: str, backend, *, replace: bool = False) -> None:
+    """Make ``backend=name`` reach ``backend`` in every read and write path.
+
+    Args:
+        name: the key, a non-empty str.
+        backend: an :class:`AttentionBackend` named ``name``, or a loader: a function of no
+            arguments that returns one. A loader runs the first time :func:`get_backend` asks for
+            ``name`` (so the backend's module, and what it imports, loads only when used).
+        replace: a name already registered is refused unless this is True, so that no backend is
+            replaced by accident (``"torch"`` included).
+
+    Raises:
+        TypeError: ``name`` is not a str, or ``backend`` is neither a backend nor a function.
+        ValueError: ``name`` is empty or already registered (without ``replace``), or ``backend``
+            carries another name.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__} {name!r:.60}")
+    if not name:
+        raise ValueError("name must not be empty")
+    if not isinstance(replace, bool):
+        raise TypeError(f"replace must be a bool, got {type(replace).__name__}")
+    if isinstance(backend, AttentionBackend):
+        if backend.name != name:
+            raise ValueError(f"backend is named {backend.name!r}, but it is being registered as {name!r}")
+    elif not callable(backend):
+        raise TypeError(f"backend must be an AttentionBackend or a function that returns one, "
+                        f"got {type(backend).__name__}")  # fmt: skip
+    if name in _REGISTRY and not replace:
+        raise ValueError(f"backend {name!r} is already registered; pass replace=True to replace it")
+    _REGISTRY[name] = backend
+
+
+def backend_names() -> tuple[str, ...]:
+    """The registered backends' names, in registration order."""
+    return tuple(_REGISTRY)
+
+
+def get_backend(name: str) -> AttentionBackend:
+    """The backend registered as ``name``, loading it on first use.
+
+    Raises:
+        TypeError: ``name`` is not a str (``backend=1``), or a loader returned something else.
+        ValueError: no backend is registered as ``name``; the message lists those that are.
+        ImportError: the backend's module cannot be imported (``"triton"`` without Triton).
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be one of {backend_names()}, got {type(name).__name__} {name!r:.60}")
+    if name not in _REGISTRY:
+        raise ValueError(f"backend must be one of {backend_names()}, got {name!r}")
+    entry = _REGISTRY[name]
+    if not isinstance(entry, AttentionBackend):
+        entry = entry()
+        if not isinstance(entry, AttentionBackend) or entry.name != name:
+            raise TypeError(f"the loader of backend {name!r} must return an AttentionBackend named {name!r}, "
+                            f"got {entry!r:.80}")  # fmt: skip
+        _REGISTRY[name] = entry
+    return entry
+
+
+def resolve_backend(backend) -> AttentionBackend:
+    """``backend`` itself if it is an :class:`AttentionBackend` (resolved once by a caller), else the registered one.
+
+    Args:
+        backend: a registered name, or an :class:`AttentionBackend` (registered or not).
+    """
+    return backend if isinstance(backend, AttentionBackend) else get_backend(backend)
+
+
+def _load_loop() -> AttentionBackend:
+    from minipaged.attention_loop import LOOP  # chapter 03's block-by-block reference, loaded when asked for
+
+    return LOOP
+
+
+def _load_triton() -> AttentionBackend:
+    """The chapter-04 kernels, imported only when ``"triton"`` is asked for, with an error that says what to do."""
     try:
         from minipaged import kernels
     except ImportError as exc:
         raise ImportError(f"backend='triton' needs minipaged.kernels ({exc}); use backend='torch' instead") from exc
-    fn = getattr(kernels, name, None)
-    if fn is None:
-        raise NotImplementedError(f"minipaged.kernels has no {name} yet (chapter 04 writes it); use backend='torch'")
-    return fn
+    if not kernels.HAVE_TRITON:  # the kernels module imports without Triton; its functions would fail at every call
+        from minipaged._triton import require_triton
 
-
-# --------------------------------------------------------------------------- the loop reference
-
-
-def _attend_blocks(q, k_cache, v_cache, block_ids, seq_len, scale):
-    """One sequence, block by block: ``q [q_len, num_heads, head_dim]`` are its last ``q_len`` tokens."""
-    q_len, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    q = q.float().view(q_len, num_kv_heads, group, head_dim) * scale
-    query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-    scores, values = [], []
-    for logical in range(blocks_needed(seq_len, block_size)):
-        physical = int(block_ids[logical])  # the block table lookup
-        start = logical * block_size
-        n = min(block_size, seq_len - start)  # the last block may be partly filled
-        k = k_cache[physical, :n].float()  # [n, num_kv_heads, head_dim]
-        v = v_cache[physical, :n].float()
-        s = torch.einsum("qhgd,khd->qhgk", q, k)  # every query head against its KV head
-        key_pos = torch.arange(start, start + n, device=q.device)
-        s = s.masked_fill((key_pos[None, :] > query_pos[:, None])[:, None, None, :], float("-inf"))  # causal
-        scores.append(s)
-        values.append(v)
-    p = torch.cat(scores, dim=-1).softmax(dim=-1)  # one softmax over the whole context
-    out = torch.einsum("qhgk,khd->qhgd", p, torch.cat(values))
-    return out.reshape(q_len, num_heads, head_dim)
+        require_triton("backend='triton'")
+    return AttentionBackend(
+        "triton",
+        decode=kernels.paged_decode_attention,
+        prefill=kernels.paged_prefill_attention,  # one launch for the whole batch, decode rows included
+        write=kernels.write_kv,
+        check=kernels.check_supported,
+    )
 
 
 # --------------------------------------------------------------------------- decode
@@ -144,21 +267,16 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, 
     max_blocks_per_seq]``; ``seq_lens: [num_seqs]`` context lengths *including*
     the current token, whose K/V is already in the cache. ``scale`` defaults to
     ``head_dim ** -0.5``. Returns ``[num_seqs, num_heads, head_dim]`` in ``q.dtype``.
+
+    ``backend`` is a registered name (see :class:`AttentionBackend`) or a backend itself. The
+    inputs are checked here, for every backend, before the backend's ``decode`` runs.
     """
-    _check_backend(backend)
-    if backend == "triton":  # the kernel runs the same checks, plus its own limits
-        return _kernel("paged_decode_attention")(q, k_cache, v_cache, block_tables, seq_lens, scale=scale)
+    impl = resolve_backend(backend)
     check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens)
     scale = check_scale(scale, q.shape[-1])
     if q.shape[0] == 0:
         return torch.empty_like(q)
-    if backend == "loop":
-        out = [
-            _attend_blocks(q[s : s + 1], k_cache, v_cache, block_tables[s], seq_len, scale)
-            for s, seq_len in enumerate(seq_lens.tolist())
-        ]
-        return torch.cat(out).to(q.dtype)
-    return _paged_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    return impl.decode(q, k_cache, v_cache, block_tables, seq_lens, scale=scale)
 
 
 _workspace: dict = {}  # (device, dtype) -> flat gather buffer, kept between calls
@@ -183,6 +301,10 @@ def _gather_buffers(num_blocks, k_cache):
 
 
 def _paged_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, scale):
+    """The torch backend's decode: each context gathered through its block table, then one fused attention.
+
+    The arguments and the result are :class:`AttentionBackend`'s ``decode``'s.
+    """
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -236,22 +358,31 @@ def paged_prefill_attention(
     of the context, and query ``j`` attends causally over positions
     ``0 .. seq_len - q_len + j``: the earlier chunks already paged in, plus
     this chunk up to itself. Returns ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
+
+    ``backend`` is a registered name (see :class:`AttentionBackend`) or a backend itself. The
+    inputs are checked here, for every backend, before the backend's ``prefill`` runs.
     """
-    _check_backend(backend)
-    if backend == "triton":  # one launch for the whole batch; the kernel runs the same checks, plus its own limits
-        return _kernel("paged_prefill_attention")(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=scale
-        )
+    impl = resolve_backend(backend)
     check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
-    starts = query_start_loc.tolist()
     scale = check_scale(scale, q.shape[-1])
+    if q.shape[0] == 0:
+        return torch.empty_like(q)
+    return impl.prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=scale)
+
+
+def _paged_prefill_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
+    """The torch backend's prefill: decode rows in one vectorised call, each longer chunk on its gathered context.
+
+    The arguments and the result are :class:`AttentionBackend`'s ``prefill``'s.
+    """
+    starts = query_start_loc.tolist()
     block_size = k_cache.shape[1]
     num_kv_heads, head_dim = k_cache.shape[2:]
     out = torch.empty_like(q)
     # In a mixed step (chapter 05: decodes plus prefill chunks) a one-token query is
     # plain decode: those rows take the vectorised decode path in one call instead of
     # one small attention call per sequence.
-    decoding = [i for i in range(len(starts) - 1) if starts[i + 1] - starts[i] == 1] if backend == "torch" else []
+    decoding = [i for i in range(len(starts) - 1) if starts[i + 1] - starts[i] == 1]
     if len(decoding) > 1:
         rows = torch.tensor([starts[i] for i in decoding], device=q.device)
         seqs = torch.tensor(decoding, device=q.device)
@@ -261,15 +392,17 @@ def paged_prefill_attention(
         if i in done:
             continue
         a, b = starts[i], starts[i + 1]
-        if backend == "loop":
-            out[a:b] = _attend_blocks(q[a:b], k_cache, v_cache, block_tables[i], seq_len, scale).to(q.dtype)
-            continue
         ids = block_tables[i, : blocks_needed(seq_len, block_size)]
         # Slicing to seq_len drops the unwritten tail, so no masking of V is needed here.
         k = k_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:seq_len]
         v = v_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:seq_len]
         out[a:b] = contiguous_attention(q[a:b], k, v, scale=scale)
     return out
+
+
+register_backend("loop", _load_loop)
+register_backend("torch", AttentionBackend("torch", _paged_decode_torch, _paged_prefill_torch, write_kv_torch))
+register_backend("triton", _load_triton)
 
 
 # --------------------------------------------------------------------------- one batch, as the model sees it
@@ -320,4 +453,7 @@ class AttentionMetadata:
         return first + torch.arange(len(first), device=first.device) - starts
 
 
-__all__ = ["BACKENDS", "AttentionMetadata", "contiguous_attention", "paged_attention", "paged_prefill_attention"]
+__all__ = [
+    "AttentionBackend", "AttentionMetadata", "backend_names", "contiguous_attention", "get_backend", "no_limits",
+    "paged_attention", "paged_prefill_attention", "register_backend", "resolve_backend",
+]

@@ -6,7 +6,9 @@ index is its slot, ``block_id * block_size + offset``, so a write is one
 ``index_copy_`` and a read is one ``index_select``.
 
 - :func:`write_kv` is the write path on raw cache tensors: new tokens' K/V go to
-  their slots (``-1`` = skip). Chapter 03's model calls it for every layer.
+  their slots (``-1`` = skip). Chapter 03's model calls it for every layer; it checks the
+  inputs and hands the write to the attention backend's ``write`` (for ``"torch"``,
+  :func:`write_kv_torch`: one ``index_copy_`` per pool).
 - :class:`PagedKVCache` owns the pools of every layer and their allocator.
 """
 
@@ -17,9 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from minipaged.block_manager import BlockAllocator, BlockTable
-from minipaged.validation import check_choice, check_fits_memory, check_int, check_kv_write
-
-WRITE_BACKENDS = ("torch", "triton")
+from minipaged.validation import check_fits_memory, check_int, check_kv_write
 
 
 @dataclass
@@ -66,7 +66,7 @@ def _binary(n: int) -> str:
     return f"{n} B"
 
 
-def write_kv(key, value, k_cache, v_cache, slot_mapping, *, backend: str = "torch") -> None:
+def write_kv(key, value, k_cache, v_cache, slot_mapping, *, backend="torch") -> None:
     """Store token ``i``'s K and V at slot ``slot_mapping[i]`` of ``k_cache`` and ``v_cache``, in place.
 
     Args:
@@ -74,18 +74,25 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping, *, backend: str = "torc
         k_cache, v_cache: one layer's pools, ``[num_blocks, block_size, num_kv_heads, head_dim]``.
         slot_mapping: int64 (or int32) ``[num_tokens]``: ``block_id * block_size + offset``,
             or ``-1`` to skip the token (a padding token).
-        backend: ``"torch"``, one ``index_copy_`` per pool on its flattened view; or
-            ``"triton"``, chapter 04's scatter kernel (``minipaged.kernels.write_kv``).
+        backend: the attention backend whose ``write`` stores them (a registered name, see
+            :class:`minipaged.attention.AttentionBackend`, or a backend itself): ``"torch"`` and
+            ``"loop"`` use :func:`write_kv_torch`; ``"triton"``, chapter 04's scatter kernel.
 
-    Both backends check their inputs with :func:`minipaged.validation.check_kv_write`
-    and raise before anything is written.
+    The inputs are checked here with :func:`minipaged.validation.check_kv_write`, for every
+    backend, and a bad one raises before anything is written.
     """
-    check_choice(backend, "backend", WRITE_BACKENDS)
-    if backend == "triton":
-        from minipaged.kernels import write_kv as triton_write_kv  # chapter 04, reached by name only
+    from minipaged.attention import resolve_backend  # chapter 03's backend registry, reached by name only
 
-        return triton_write_kv(key, value, k_cache, v_cache, slot_mapping)
+    impl = resolve_backend(backend)
     check_kv_write(key, value, k_cache, v_cache, slot_mapping)
+    impl.write(key, value, k_cache, v_cache, slot_mapping)
+
+
+def write_kv_torch(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """The torch write: one ``index_copy_`` per pool on its flattened view, where a slot is a row number.
+
+    The arguments are :func:`write_kv`'s, already checked; ``-1`` slots are skipped.
+    """
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous: a slot is a row of their flattened view")
     keep = slot_mapping >= 0
@@ -153,12 +160,18 @@ class PagedKVCache:
             raise IndexError(f"layer {layer} is out of range: the cache has {self.num_layers} layers")
         return layer
 
-    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, *,
+              backend="torch") -> None:  # fmt: skip
         """Store token ``i``'s K/V of ``layer`` at ``slot_mapping[i]``; a slot of -1 is skipped (padding).
 
-        ``key, value: [num_tokens, num_kv_heads, head_dim]``; the scatter is :func:`write_kv`.
+        Args:
+            layer: which layer's pools.
+            key, value: ``[num_tokens, num_kv_heads, head_dim]``, the new tokens' K and V.
+            slot_mapping: int64 (or int32) ``[num_tokens]``, each token's slot.
+            backend: the attention backend whose ``write`` stores them, as for :func:`write_kv`.
         """
-        write_kv(key, value, self.k_caches[self._check_layer(layer)], self.v_caches[layer], slot_mapping)
+        layer = self._check_layer(layer)
+        write_kv(key, value, self.k_caches[layer], self.v_caches[layer], slot_mapping, backend=backend)
 
     def gather(self, layer: int, table: BlockTable) -> tuple[torch.Tensor, torch.Tensor]:
         """The reference read: one sequence's K and V as contiguous ``[num_tokens, heads, head_dim]``."""

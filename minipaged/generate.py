@@ -2,11 +2,12 @@
 
 Chapter 05's :class:`~minipaged.engine.Engine` is the real serving loop
 (a scheduler, arrivals, preemption, metrics). Chapter 03 only has to show that
-the paged cache gives the same tokens as a contiguous one, and these three
+the paged cache gives the same tokens as a contiguous one, and these
 functions are all that takes:
 
 - :func:`generate_contiguous`: one prompt through the contiguous cache, the reference;
 - :func:`build_metadata`: reserve a step's slots in the block tables and describe the step;
+- :func:`step_tokens`: the tokens one sequence feeds in a step (a prompt chunk, or its last output);
 - :func:`generate_paged`: a whole batch of prompts through one shared
   :class:`~minipaged.cache.PagedKVCache`, with optional chunked prefill.
 
@@ -109,6 +110,37 @@ def generate_contiguous(model: LlamaForCausalLM, prompt_token_ids: list[int], ma
     return out
 
 
+def _check_prompts(model: LlamaForCausalLM, prompts, max_new_tokens: int) -> list[list[int]]:
+    """A batch's prompts as lists of ints, each checked against the model (:func:`check_prompt`).
+
+    Args:
+        model: the model whose vocabulary and context length the prompts must fit.
+        prompts: a non-empty list of prompts.
+        max_new_tokens: the tokens each prompt may grow by.
+    """
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+        raise TypeError(f"prompts must be a list of prompts (lists of token ids), got {type(prompts).__name__}")
+    if len(prompts) == 0:
+        raise ValueError("prompts must hold at least one prompt")
+    return [check_prompt(model.config, p, max_new_tokens, f"prompts[{i}]") for i, p in enumerate(prompts)]
+
+
+def step_tokens(prompt: list[int], fed: int, output: list[int], prefill_chunk_size: int | None) -> list[int]:
+    """The tokens one sequence computes in the next step: its next prompt chunk, or else its newest output token.
+
+    Args:
+        prompt: the sequence's prompt.
+        fed: how many prompt tokens are already in the cache.
+        output: the tokens generated so far (at least one once the whole prompt is fed).
+        prefill_chunk_size: the most prompt tokens one step feeds (None: the rest of the prompt at once).
+    """
+    remaining = len(prompt) - fed
+    if not remaining:
+        return output[-1:]
+    n = remaining if prefill_chunk_size is None else min(remaining, prefill_chunk_size)
+    return prompt[fed : fed + n]
+
+
 @torch.no_grad()
 def generate_paged(
     model: LlamaForCausalLM,
@@ -130,7 +162,8 @@ def generate_paged(
         prompts: each prompt's token ids (at least one each).
         max_new_tokens: the most tokens to generate per prompt.
         block_size, num_blocks: the pool; ``num_blocks`` defaults to exactly what the batch needs.
-        backend: the attention backend, ``"loop"``, ``"torch"`` or ``"triton"``.
+        backend: the name of a registered attention backend (``"torch"``, ``"loop"``, ``"triton"``, or one of
+            yours: :class:`~minipaged.attention.AttentionBackend`).
         prefill_chunk_size: prompt tokens a sequence feeds per step (None: the whole prompt at once).
         stop_token_ids, ignore_eos, min_tokens: when each output stops, as for :func:`generate_contiguous`.
 
@@ -140,11 +173,7 @@ def generate_paged(
     decode tokens share a batch, as in vLLM. Raises ``OutOfBlocks`` when the pool is too small.
     """
     max_new_tokens = check_int(max_new_tokens, "max_new_tokens")
-    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
-        raise TypeError(f"prompts must be a list of prompts (lists of token ids), got {type(prompts).__name__}")
-    if len(prompts) == 0:
-        raise ValueError("prompts must hold at least one prompt")
-    prompts = [check_prompt(model.config, p, max_new_tokens, f"prompts[{i}]") for i, p in enumerate(prompts)]
+    prompts = _check_prompts(model, prompts, max_new_tokens)
     block_size = check_int(block_size, "block_size", minimum=1)
     rules = _stop_rules(model, max_new_tokens, stop_token_ids, ignore_eos, min_tokens)
     if prefill_chunk_size is not None:
@@ -164,14 +193,7 @@ def generate_paged(
             active = [i for i in range(len(prompts)) if not done[i]]
             if not active:
                 return outputs
-            step_ids = []
-            for i in active:
-                remaining = len(prompts[i]) - fed[i]
-                if remaining:
-                    n = remaining if prefill_chunk_size is None else min(remaining, prefill_chunk_size)
-                    step_ids.append(prompts[i][fed[i] : fed[i] + n])
-                else:
-                    step_ids.append(outputs[i][-1:])
+            step_ids = [step_tokens(prompts[i], fed[i], outputs[i], prefill_chunk_size) for i in active]
             md = build_metadata([tables[i] for i in active], [len(s) for s in step_ids], device=model.device)
             input_ids = torch.tensor([t for s in step_ids for t in s], device=model.device)
             logits = model(input_ids, md.positions(), cache, md, backend=backend)

@@ -1,8 +1,8 @@
 """A tiny Llama-style decoder (RMSNorm, RoPE, GQA, SwiGLU) with a contiguous and a paged KV cache.
 
 Parameter names are Hugging Face Llama's (``model.layers.0.self_attn.q_proj.weight``,
-...), so a state dict moves in and out unchanged (:meth:`LlamaForCausalLM.from_pretrained`,
-:meth:`LlamaForCausalLM.save_pretrained`). By default weights are random and seeded:
+...), so a state dict moves in and out unchanged (:func:`minipaged.checkpoint.load_pretrained`,
+:func:`minipaged.checkpoint.save_pretrained`). By default weights are random and seeded:
 nothing is downloaded; the trained course model is a checkpoint shipped with the
 package (:func:`minipaged.checkpoint.load_course_model`). Either way it is a real
 decoder, so that "greedy output through the paged cache equals greedy output
@@ -30,7 +30,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minipaged.attention import AttentionMetadata, contiguous_attention, paged_attention, paged_prefill_attention
+from minipaged.attention import (
+    AttentionMetadata,
+    contiguous_attention,
+    get_backend,
+    paged_attention,
+    paged_prefill_attention,
+)
 from minipaged.cache import write_kv
 from minipaged.stopping import eos_token_ids
 from minipaged.validation import check_int, check_real
@@ -205,32 +211,6 @@ class LlamaForCausalLM(nn.Module):
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
 
-    @classmethod
-    def from_pretrained(cls, directory, dtype: torch.dtype = torch.float32, device="cpu") -> LlamaForCausalLM:
-        """Load a Hugging Face checkpoint directory (``config.json`` + ``model.safetensors``).
-
-        Args:
-            directory: the checkpoint directory of a Llama-family model.
-            dtype: the dtype to compute in (the stored tensors are converted).
-            device: where the model goes.
-
-        Unsupported fields are refused by name; see :mod:`minipaged.checkpoint`.
-        """
-        from minipaged.checkpoint import load_pretrained
-
-        return load_pretrained(directory, dtype=dtype, device=device)
-
-    def save_pretrained(self, directory, extra_config: dict | None = None):
-        """Write this model as a Hugging Face checkpoint directory; see :func:`minipaged.checkpoint.save_pretrained`.
-
-        Args:
-            directory: where ``config.json`` and ``model.safetensors`` go (created if needed).
-            extra_config: more ``config.json`` fields (for example ``eos_token_id``).
-        """
-        from minipaged.checkpoint import save_pretrained
-
-        return save_pretrained(self, directory, extra_config)
-
     @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
@@ -248,8 +228,9 @@ class LlamaForCausalLM(nn.Module):
             input_ids, positions: int64 ``[num_tokens]``, the step's new tokens of every sequence, packed.
             kv_caches: a :class:`~minipaged.cache.PagedKVCache` or a list of per-layer ``(k_cache, v_cache)``.
             attn_metadata: the step's :class:`~minipaged.attention.AttentionMetadata`.
-            backend: the attention backend (``"loop"``, ``"torch"`` or ``"triton"``); the K/V
-                writes use the Triton kernel with ``"triton"`` and PyTorch otherwise.
+            backend: the name of a registered attention backend (``"torch"``, ``"loop"``, ``"triton"`` or one
+                of yours, see :class:`~minipaged.attention.AttentionBackend`), looked up once per forward:
+                every layer writes and reads through its functions.
             all_logits: return every token's logits, not only each sequence's last.
 
         Each layer writes the new K/V to ``attn_metadata.slot_mapping``, then
@@ -275,15 +256,15 @@ class LlamaForCausalLM(nn.Module):
             caches = list(kv_caches)
         if len(caches) != len(self.model.layers):
             raise ValueError(f"kv_caches has {len(caches)} layers, the model {len(self.model.layers)}")
-        write_backend = "triton" if backend == "triton" else "torch"
+        impl = get_backend(backend)  # an unknown name fails here, before any layer writes
 
         def attend(layer, q, k, v):
             k_cache, v_cache = caches[layer]
-            write_kv(k, v, k_cache, v_cache, md.slot_mapping, backend=write_backend)
+            write_kv(k, v, k_cache, v_cache, md.slot_mapping, backend=impl)
             tables, lens = md.block_tables, md.seq_lens
             if md.is_decode:
-                return paged_attention(q, k_cache, v_cache, tables, lens, backend=backend)
-            return paged_prefill_attention(q, k_cache, v_cache, tables, lens, md.query_start_loc, backend=backend)
+                return paged_attention(q, k_cache, v_cache, tables, lens, backend=impl)
+            return paged_prefill_attention(q, k_cache, v_cache, tables, lens, md.query_start_loc, backend=impl)
 
         hidden = self.model(input_ids, positions, self.rope_cos, self.rope_sin, attend)
         if not all_logits:

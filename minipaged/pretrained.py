@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from minipaged import tokenizer as byte_tokenizer
-from minipaged.checkpoint import CONFIG_NAME, COURSE_MODEL_DIR
+from minipaged.checkpoint import CONFIG_NAME, COURSE_MODEL_DIR, load_pretrained
 from minipaged.gguf import CONVERTER_VERSION, TOKENIZER_CONFIG_NAME, TOKENIZER_NAME, convert
 from minipaged.model import LlamaForCausalLM
 from minipaged.validation import check_bool, check_token_ids
@@ -152,7 +152,7 @@ def load_model(name_or_path, dtype: torch.dtype = torch.float32, device="cpu") -
         dtype: the dtype to compute in.
         device: where the model goes.
     """
-    return LlamaForCausalLM.from_pretrained(checkpoint_dir(name_or_path), dtype=dtype, device=device)
+    return load_pretrained(checkpoint_dir(name_or_path), dtype=dtype, device=device)
 
 
 class TextTokenizer:

@@ -24,7 +24,7 @@ depends only on the seed and the step number. The learning rate warms up, stays
 constant, and decays linearly over the last ``--decay`` fraction of the steps
 ("warmup-stable-decay"), so ``--steps`` can be raised on resume before the
 decay has begun. At the end the model is exported with
-:meth:`~minipaged.model.LlamaForCausalLM.save_pretrained` in float16.
+:func:`~minipaged.checkpoint.save_pretrained` in float16.
 
 ``--report DIR`` loads a checkpoint directory and prints, for each of
 ``REPORT_PROMPTS``, its greedy continuation and a temperature-0.8 sample, each
@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from minipaged import tokenizer
+from minipaged.checkpoint import load_pretrained, save_pretrained
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 from minipaged.validation import check_int, check_prompt, check_real
 
@@ -271,7 +272,7 @@ def report(directory, max_tokens: int = 200, prompts: list[str] | None = None) -
 
     Returns one dict per prompt and decoding: ``prompt``, ``temperature``, ``text`` and ``repeats``.
     """
-    model = LlamaForCausalLM.from_pretrained(directory).eval()
+    model = load_pretrained(directory).eval()
     prompts = REPORT_PROMPTS if prompts is None else prompts
     rows = []
     for temperature in (0.0, 0.8):
@@ -425,7 +426,7 @@ def main(argv=None) -> dict | list[dict]:
                "parameters": sum(p.numel() for p in model.parameters()), "held_out_bits_per_byte": bpb,
                "mix": MIX, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                "python": sys.version.split()[0], "torch": torch.__version__}
-    model.half().save_pretrained(args.out / "export", extra_config={"eos_token_id": tokenizer.EOS_ID})
+    save_pretrained(model.half(), args.out / "export", extra_config={"eos_token_id": tokenizer.EOS_ID})
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
     return summary

@@ -169,5 +169,5 @@ def test_write_kv_rejects_bad_input_before_writing():
     with pytest.raises(ValueError, match="contiguous"):
         write_kv(key, key, k_cache.transpose(0, 1).contiguous().transpose(0, 1), v_cache, torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="backend must be one of"):
-        write_kv(key, key, k_cache, v_cache, torch.tensor([0, 1]), backend="loop")
+        write_kv(key, key, k_cache, v_cache, torch.tensor([0, 1]), backend="cuda")
     assert not k_cache.any() and not v_cache.any()  # nothing was written

@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from minipaged.attention import contiguous_attention, paged_attention, paged_prefill_attention
-from minipaged.checkpoint import CONFIG_NAME, WEIGHTS_NAME, BadCheckpoint, UnsupportedCheckpoint
+from minipaged.checkpoint import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    BadCheckpoint,
+    UnsupportedCheckpoint,
+    load_pretrained,
+    save_pretrained,
+)
 from minipaged.generate import generate_contiguous, generate_paged
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 
@@ -108,7 +115,7 @@ TINY = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=24, num_hidd
 
 @pytest.fixture()
 def checkpoint(tmp_path):
-    return LlamaForCausalLM(TINY, seed=0).save_pretrained(tmp_path / "ckpt")
+    return save_pretrained(LlamaForCausalLM(TINY, seed=0), tmp_path / "ckpt")
 
 
 def write_config(directory, edit):
@@ -131,14 +138,14 @@ def write_config(directory, edit):
 def test_a_malformed_config_is_a_named_error_with_the_file_and_the_field(checkpoint, edit, error, match):
     write_config(checkpoint, edit)
     with pytest.raises(error, match=match) as info:
-        LlamaForCausalLM.from_pretrained(checkpoint)
+        load_pretrained(checkpoint)
     assert str(checkpoint / CONFIG_NAME) in str(info.value)
 
 
 @pytest.mark.parametrize("rope", [{"rope_type": "default"}, {"type": "default"}, None])
 def test_default_rope_scaling_is_plain_rope(checkpoint, rope):
     write_config(checkpoint, {"rope_scaling": rope})  # was: {"rope_type": "default"} refused
-    loaded = LlamaForCausalLM.from_pretrained(checkpoint)
+    loaded = load_pretrained(checkpoint)
     assert loaded.config == TINY
 
 
@@ -146,8 +153,8 @@ def test_a_truncated_weights_file_is_a_named_error(checkpoint):
     weights = checkpoint / WEIGHTS_NAME
     weights.write_bytes(weights.read_bytes()[:-100])
     with pytest.raises(BadCheckpoint, match="cannot be read") as info:  # was: safetensors' SafetensorError
-        LlamaForCausalLM.from_pretrained(checkpoint)
+        load_pretrained(checkpoint)
     assert str(weights) in str(info.value)
     weights.write_bytes(b"")
     with pytest.raises(BadCheckpoint, match=WEIGHTS_NAME):
-        LlamaForCausalLM.from_pretrained(checkpoint)
+        load_pretrained(checkpoint)

@@ -18,6 +18,8 @@ from minipaged.checkpoint import (
     UnsupportedCheckpoint,
     config_from_hf,
     load_course_model,
+    load_pretrained,
+    save_pretrained,
 )
 from minipaged.generate import generate_contiguous, generate_paged
 from minipaged.model import LlamaConfig, LlamaForCausalLM
@@ -31,7 +33,7 @@ SMALL = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hid
 
 def saved(tmp_path, config=SMALL, seed=0) -> tuple[LlamaForCausalLM, Path]:
     model = LlamaForCausalLM(config, seed=seed).eval()
-    return model, model.save_pretrained(tmp_path / "ckpt")
+    return model, save_pretrained(model, tmp_path / "ckpt")
 
 
 def edit_config(directory: Path, **fields) -> None:
@@ -43,7 +45,7 @@ def edit_config(directory: Path, **fields) -> None:
 def test_round_trip_keeps_every_tensor_and_the_config(tmp_path):
     model, directory = saved(tmp_path)
     assert sorted(p.name for p in directory.iterdir()) == sorted([CONFIG_NAME, GENERATION_CONFIG_NAME, WEIGHTS_NAME])
-    loaded = LlamaForCausalLM.from_pretrained(directory)
+    loaded = load_pretrained(directory)
     assert loaded.config == model.config
     for name, tensor in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
@@ -61,9 +63,9 @@ def test_config_json_uses_hugging_face_fields(tmp_path):
 
 def test_float16_checkpoint_loads_in_the_dtype_asked_for(tmp_path):
     model = LlamaForCausalLM(SMALL, seed=3).half()
-    directory = model.save_pretrained(tmp_path / "half")
+    directory = save_pretrained(model, tmp_path / "half")
     assert json.loads((directory / CONFIG_NAME).read_text())["torch_dtype"] == "float16"
-    loaded = LlamaForCausalLM.from_pretrained(directory)
+    loaded = load_pretrained(directory)
     assert loaded.dtype == torch.float32
     assert torch.equal(loaded.lm_head.weight, model.lm_head.weight.float())
 
@@ -75,7 +77,7 @@ def test_tied_embeddings_share_one_tensor_and_store_it_once(tmp_path):
     model, directory = saved(tmp_path, config)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert "lm_head.weight" not in load_file(str(directory / WEIGHTS_NAME))
-    loaded = LlamaForCausalLM.from_pretrained(directory)
+    loaded = load_pretrained(directory)
     assert loaded.config.tie_word_embeddings
     assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
     assert torch.equal(loaded.lm_head.weight, model.model.embed_tokens.weight)
@@ -90,7 +92,7 @@ def test_tied_checkpoint_that_also_stores_lm_head_loads(tmp_path):
     tensors = load_file(str(directory / WEIGHTS_NAME))
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
     save_file(tensors, str(directory / WEIGHTS_NAME))
-    assert torch.equal(LlamaForCausalLM.from_pretrained(directory).lm_head.weight, model.lm_head.weight)
+    assert torch.equal(load_pretrained(directory).lm_head.weight, model.lm_head.weight)
 
 
 def test_defaults_of_an_older_config_fill_in(tmp_path):
@@ -123,7 +125,7 @@ def test_unsupported_fields_are_refused_by_name_and_value(tmp_path, fields, mess
     _, directory = saved(tmp_path)
     edit_config(directory, **fields)
     with pytest.raises(UnsupportedCheckpoint, match=message):
-        LlamaForCausalLM.from_pretrained(directory)
+        load_pretrained(directory)
 
 
 def test_tensors_the_model_does_not_have_are_refused(tmp_path):
@@ -134,7 +136,7 @@ def test_tensors_the_model_does_not_have_are_refused(tmp_path):
     tensors["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
     save_file(tensors, str(directory / WEIGHTS_NAME))
     with pytest.raises(UnsupportedCheckpoint, match=r"model\.layers\.0\.self_attn\.q_proj\.bias"):
-        LlamaForCausalLM.from_pretrained(directory)
+        load_pretrained(directory)
 
 
 def test_missing_tensor_wrong_shape_and_missing_file_are_refused(tmp_path):
@@ -144,19 +146,19 @@ def test_missing_tensor_wrong_shape_and_missing_file_are_refused(tmp_path):
     tensors = load_file(str(directory / WEIGHTS_NAME))
     save_file({k: v for k, v in tensors.items() if k != "model.norm.weight"}, str(directory / WEIGHTS_NAME))
     with pytest.raises(ValueError, match=r"lacks tensors: \['model\.norm\.weight'\]"):
-        LlamaForCausalLM.from_pretrained(directory)
+        load_pretrained(directory)
     edit_config(directory, intermediate_size=50)
     save_file(tensors, str(directory / WEIGHTS_NAME))
     with pytest.raises(ValueError, match=r"down_proj\.weight has shape \(32, 48\), but config\.json implies \(32, 50"):
-        LlamaForCausalLM.from_pretrained(directory)
+        load_pretrained(directory)
     (directory / WEIGHTS_NAME).unlink()
     with pytest.raises(FileNotFoundError, match="model.safetensors does not exist"):
-        LlamaForCausalLM.from_pretrained(directory)
+        load_pretrained(directory)
 
 
 def test_a_loaded_checkpoint_runs_through_the_paged_cache(tmp_path):
     model, directory = saved(tmp_path, seed=5)
-    loaded = LlamaForCausalLM.from_pretrained(directory)
+    loaded = load_pretrained(directory)
     prompts = [[1, 2, 3, 4, 5], [9] * 11]
     assert generate_paged(loaded, prompts, 6, block_size=4) == [generate_contiguous(model, p, 6) for p in prompts]
 
@@ -166,15 +168,15 @@ def test_eos_and_bos_round_trip_and_generation_config_takes_precedence(tmp_path)
     model, directory = saved(tmp_path, config)
     assert json.loads((directory / CONFIG_NAME).read_text())["eos_token_id"] == [7, 3]
     assert json.loads((directory / GENERATION_CONFIG_NAME).read_text()) == {"bos_token_id": 1, "eos_token_id": [7, 3]}
-    assert LlamaForCausalLM.from_pretrained(directory).config == model.config
+    assert load_pretrained(directory).config == model.config
     # A checkpoint's generation_config.json decides what generation stops at, as vLLM reads it.
     (directory / GENERATION_CONFIG_NAME).write_text(json.dumps({"eos_token_id": 2, "bos_token_id": None}))
-    loaded = LlamaForCausalLM.from_pretrained(directory).config
+    loaded = load_pretrained(directory).config
     assert (loaded.eos_token_id, loaded.bos_token_id) == (2, 1)  # a null in it leaves config.json's value
     (directory / GENERATION_CONFIG_NAME).unlink()  # without one, config.json's
-    assert LlamaForCausalLM.from_pretrained(directory).config.eos_token_id == (7, 3)
+    assert load_pretrained(directory).config.eos_token_id == (7, 3)
     edit_config(directory, eos_token_id=None)
-    assert LlamaForCausalLM.from_pretrained(directory).config.eos_token_id is None
+    assert load_pretrained(directory).config.eos_token_id is None
 
 
 def test_a_checkpoint_whose_eos_is_in_both_files_reads_it():

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from minipaged.attention import _attend_blocks, _paged_decode_torch
+from minipaged.attention import _paged_decode_torch
+from minipaged.attention_loop import _attend_blocks
 from minipaged.checks import FAIL, PASS, ch03
 
 pytestmark = pytest.mark.ch03

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from minipaged import tokenizer, train
+from minipaged.checkpoint import load_pretrained, save_pretrained
 from minipaged.model import LlamaForCausalLM
 
 pytestmark = pytest.mark.ch03
@@ -77,8 +78,8 @@ def test_training_resumes_where_it_stopped(tmp_path):
     state = torch.load(resumed / "train_state.pt", weights_only=False)
     assert state["step"] == 2
     summary = train.main(["--out", str(resumed), "--steps", "4", *TINY])
-    a = LlamaForCausalLM.from_pretrained(straight / "export")
-    b = LlamaForCausalLM.from_pretrained(resumed / "export")
+    a = load_pretrained(straight / "export")
+    b = load_pretrained(resumed / "export")
     for name, tensor in a.state_dict().items():
         assert torch.allclose(tensor, b.state_dict()[name], atol=1e-3), name
     assert summary["step"] == 4 and set(summary["held_out_bits_per_byte"]) == {"code", "docs", "mix"}
@@ -93,7 +94,7 @@ def test_the_same_seed_reproduces_held_out_bits_per_byte_and_another_seed_gives_
     for name, seed in [("a", 0), ("b", 0), ("c", 1)]:
         summary = train.main(["--out", str(tmp_path / name), "--steps", "30", *TINY, "--warmup", "5",
                               "--seed", str(seed)])  # fmt: skip
-        export = LlamaForCausalLM.from_pretrained(tmp_path / name / "export")
+        export = load_pretrained(tmp_path / name / "export")
         runs[name] = summary["held_out_bits_per_byte"]["mix"], export
     (bpb_a, a), (bpb_b, b), (_, c) = runs["a"], runs["b"], runs["c"]
     assert abs(bpb_a - bpb_b) <= 0.02
@@ -112,7 +113,7 @@ def test_the_command_line_trains_and_exports_a_checkpoint_from_pretrained_loads(
     proc = subprocess.run([sys.executable, "-m", "minipaged.train", "--out", str(out), "--steps", "3", *TINY],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
-    model = LlamaForCausalLM.from_pretrained(out / "export")
+    model = load_pretrained(out / "export")
     assert model.config.vocab_size == tokenizer.VOCAB_SIZE and model.config.hidden_size == 32
     summary = json.loads((out / "summary.json").read_text())
     assert summary["step"] == 3 and summary["held_out_bits_per_byte"]["mix"] > 0
@@ -183,7 +184,7 @@ def test_greedy_samples_is_the_contiguous_greedy_loop_and_sampling_is_seeded():
 
 def test_report_prints_each_prompt_s_continuations_and_their_repeats(tmp_path, capsys, monkeypatch):
     args = train.parse_args(["--out", "x", *TINY])
-    LlamaForCausalLM(train.model_config(args), seed=3).save_pretrained(tmp_path)
+    save_pretrained(LlamaForCausalLM(train.model_config(args), seed=3), tmp_path)
     rows = train.report(tmp_path, 8, ["ab", "cd"])
     assert [(r["prompt"], r["temperature"]) for r in rows] == [("ab", 0.0), ("cd", 0.0), ("ab", 0.8), ("cd", 0.8)]
     assert all(isinstance(r["repeats"], train.Repeats) and len(r["text"]) <= 8 for r in rows)

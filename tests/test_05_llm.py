@@ -25,7 +25,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 import minipaged.detokenizer as detokenizer_module
 import minipaged.engine as engine_module
 from minipaged.chat_template import ChatTemplateError, NoChatTemplate, apply_chat_template, render_chat_template
-from minipaged.checkpoint import save_pretrained
+from minipaged.checkpoint import load_pretrained, save_pretrained
 from minipaged.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from minipaged.engine import Engine
 from minipaged.generate import generate_contiguous
@@ -105,7 +105,7 @@ def tokenizers_(bpe):
 @pytest.fixture(scope="module")
 def model(checkpoint):
     torch.set_num_threads(1)
-    return LlamaForCausalLM.from_pretrained(checkpoint).eval()
+    return load_pretrained(checkpoint).eval()
 
 
 def make_llm(model, tokenizer, **options):

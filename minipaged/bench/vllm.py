@@ -59,7 +59,7 @@ from minipaged import tokenizer
 from minipaged.accounting import blocks_needed
 from minipaged.bench import positive_int
 from minipaged.chat_template import apply_chat_template
-from minipaged.checkpoint import load_course_model
+from minipaged.checkpoint import load_course_model, load_pretrained, save_pretrained
 from minipaged.engine import Engine
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 from minipaged.near_ties import NEAR_TIE_THRESHOLD, compare_tokens, margins_close, teacher_forced_margins
@@ -285,13 +285,13 @@ def throughput(name: str, vllm_python: Path, repeats: int = 3, threads: int | No
     with tempfile.TemporaryDirectory() as tmp:
         if "model" in w:
             model_dir, tok = checkpoint_dir(w["model"]), load_tokenizer(w["model"])
-            model = LlamaForCausalLM.from_pretrained(model_dir)
+            model = load_pretrained(model_dir)
             warmup = [{"prompt_token_ids": chat_token_ids(tok, [{"role": "user", "content": "Hello!"}]),
                        "max_tokens": 4, "ignore_eos": True}] * 2  # fmt: skip
             timed = [chat_batch(tok, r, w["max_tokens"]) for r in range(repeats)]
         else:
             model_dir, model = Path(tmp), LlamaForCausalLM(w["config"], seed=0).eval()
-            model.save_pretrained(model_dir)
+            save_pretrained(model, model_dir)
             warmup = random_batch(w["config"], 2, 16, 4, seed=1000)
             timed = [random_batch(w["config"], w["num_requests"], w["prompt_len"], w["max_tokens"], seed=r)
                      for r in range(repeats)]  # fmt: skip
@@ -399,7 +399,7 @@ def compare(name: str, model_dir: Path, batches: list[list[dict]], what: list[st
         tokenizer_name: what the token ids mean (recorded as ``tokenizer``; None: random ids).
         vllm_python: the vLLM venv's interpreter.
     """
-    model = LlamaForCausalLM.from_pretrained(model_dir)
+    model = load_pretrained(model_dir)
     limits = {"num_blocks": blocks_for(batches) * 2, "max_num_seqs": 8, "max_num_batched_tokens": 1024}
     ours = run_minipaged(model, batches, **limits)
     theirs = run_vllm(model_dir, batches, **limits, vllm_python=vllm_python, threads=torch.get_num_threads())
@@ -536,8 +536,8 @@ def check(update: bool, vllm_python: Path, results: Path = RESULTS) -> int:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         dirs = {"course": Path(tmp) / "course", "tiny": Path(tmp) / "tiny"}
-        load_course_model().save_pretrained(dirs["course"])  # export; vLLM reads these directories
-        LlamaForCausalLM(LlamaConfig(), seed=0).eval().save_pretrained(dirs["tiny"])
+        save_pretrained(load_course_model(), dirs["course"])  # export; vLLM reads these directories
+        save_pretrained(LlamaForCausalLM(LlamaConfig(), seed=0).eval(), dirs["tiny"])
         runs = [("course model", dirs["course"], "course", "bytes"), ("tiny random model", dirs["tiny"], "tiny", None),
                 ("SmolLM2-135M-Instruct", checkpoint_dir(SMOLLM2), "smollm2", SMOLLM2)]  # fmt: skip
         models = [compare(name, d, *check_batches(key), tok, vllm_python) for name, d, key, tok in runs]
