@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from tqdm.auto import tqdm
 
-from minipaged.attention import AttentionMetadata
+from minipaged.attention import AttentionMetadata, get_backend
 from minipaged.block_manager import BlockAllocator, BlockTable, ReentrantCallError
 from minipaged.cache import PagedKVCache
 from minipaged.clock import VirtualClock
@@ -128,6 +128,10 @@ class Engine:
             if not callable(part):
                 raise TypeError(f"{name} must be a class (or a factory), got {type(part).__name__}")
         self.model, self.config, mc = model, config or EngineConfig(), model.config
+        try:  # refuse now a backend that would fail at every step
+            get_backend(self.config.backend).check(self.config.block_size, mc.head_dim, model.dtype)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"EngineConfig(backend={self.config.backend!r}) cannot run this engine: {exc}") from None
         self.cache = PagedKVCache(mc.num_hidden_layers, self.config.num_blocks, self.config.block_size,
                                   mc.num_key_value_heads, mc.head_dim, model.dtype, model.device, allocator)  # fmt: skip
         self.scheduler = scheduler(self.config, self.cache.allocator, block_table, speculator)

@@ -59,13 +59,13 @@ from dataclasses import dataclass, field
 import torch
 
 from minipaged.accounting import blocks_needed
+from minipaged.attention import get_backend
 from minipaged.block_manager import BlockTable
 from minipaged.request_queue import SCHEDULING_POLICIES, create_request_queue
 from minipaged.sequence import Sequence, SequenceStatus
 from minipaged.validation import check_bool, check_choice, check_int, check_real
 
 PREEMPTION_MODES = ("recompute", "swap")
-ENGINE_BACKENDS = ("loop", "torch", "triton")
 
 
 @dataclass
@@ -115,7 +115,10 @@ class EngineConfig:
         check_bool(self.keep_finished, "EngineConfig.keep_finished")
         check_choice(self.preemption_mode, "EngineConfig.preemption_mode", PREEMPTION_MODES)
         check_choice(self.scheduling_policy, "EngineConfig.scheduling_policy", tuple(SCHEDULING_POLICIES))
-        check_choice(self.backend, "EngineConfig.backend", ENGINE_BACKENDS)
+        try:
+            get_backend(self.backend)  # a name of the attention registry (loaded on first use)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"EngineConfig.{exc}") from None
 
     @property
     def watermark_blocks(self) -> int:

@@ -282,12 +282,17 @@ def test_free_sequence_of_the_prefix_cache_checks_every_block_before_freeing_any
     ("sha256", "must be callable"),
 ])  # fmt: skip
 def test_a_hash_function_that_cannot_make_keys_is_refused_at_construction(hash_fn, match):
-    from minipaged.scheduler import EngineConfig
+    from functools import partial
+
+    from minipaged.engine import Engine
+    from minipaged.model import LlamaForCausalLM
+
+    model = LlamaForCausalLM()
 
     with pytest.raises(TypeError, match="hash_fn " + match):
         PrefixCachingAllocator(4, 4, hash_fn=hash_fn)
-    with pytest.raises(TypeError, match="EngineConfig.prefix_caching_hash_fn " + match):  # was: every step raised
-        EngineConfig(prefix_caching_hash_fn=hash_fn)
+    with pytest.raises(TypeError, match="hash_fn " + match):  # was: every step raised; now the engine never starts
+        Engine(model, allocator=partial(PrefixCachingAllocator, hash_fn=hash_fn))
 
 
 def test_keyless_blocks_are_reused_fifo_where_vllm_reuses_them_lifo():
