@@ -17,7 +17,7 @@ while the other is the bottleneck). :func:`compare_disaggregation` measures both
    for the prompt only; it never computes the second one).
 2. When a prefill step samples the request's first token (streamed to the user from there: its
    TTFT ends here), the request leaves the prefill engine with its blocks
-   (:meth:`Engine.take_prefilled <minipaged.engine.Engine.take_prefilled>`) and waits for the decode engine.
+   (:func:`take_prefilled`) and waits for the decode engine.
 3. When the decode engine has a free seat and room (its own FCFS rule, after the requests it
    preempted itself), the **KV transfer** starts (:func:`transfer_kv`): blocks are allocated in
    the decode pool (after the ones its prefix cache already holds, which are shared), every
@@ -25,7 +25,7 @@ while the other is the bottleneck). :func:`compare_disaggregation` measures both
    block table over them. Its source blocks stay held until the transfer ends.
 4. The transfer takes ``bytes / bandwidth`` over one link (:class:`KVLink`, one transfer at a
    time). When it ends, the source blocks are freed in the prefill pool and the request joins the
-   decode engine's running batch (:meth:`Engine.add_prefilled <minipaged.engine.Engine.add_prefilled>`):
+   decode engine's running batch (:func:`add_prefilled`):
    the decode engine cannot start it earlier. Its next step computes the first token's K/V and
    samples the second token; the time from the first token to the last, transfer included, is its TPOT.
 
@@ -93,9 +93,11 @@ from minipaged.cache import PagedKVCache
 from minipaged.clock import StepCost, VirtualClock
 from minipaged.engine import Engine, RequestOutput, StepOutput
 from minipaged.metrics import request_latencies, summarize
-from minipaged.scheduler import EngineConfig, can_admit, check_fits_pool
-from minipaged.sequence import SamplingParams, Sequence
-from minipaged.validation import check_hashable, check_int, check_prompt, check_real
+from minipaged.prefix_cache import PrefixCachingAllocator
+from minipaged.replay import check_workload
+from minipaged.scheduler import EngineConfig, check_fits_pool
+from minipaged.sequence import SamplingParams, Sequence, SequenceStatus
+from minipaged.validation import check_hashable, check_int, check_real
 from minipaged.workload import LogNormal, RequestSpec, WorkloadPreset, prompt_token_ids
 
 LLAMA_2_7B_KV_BYTES_PER_TOKEN = kv_bytes_per_token("Llama-2-7B")  # 2 * 32 layers * 32 heads * 128 * 2 B = 512 KiB
@@ -168,6 +170,83 @@ class KVTransfer:
     def wait(self) -> float:
         """Seconds between the first token and the transfer's start (the decode engine had no room)."""
         return self.start_time - self.ready_time
+
+
+def take_prefilled(engine: Engine, request_id) -> Sequence:
+    """Take a request whose prompt is computed and whose first token is sampled out of ``engine``.
+
+    The engine forgets it (it is no longer running there); its block table still holds its
+    blocks in that engine's pool, so their K/V stays put until the caller, who now owns the
+    table, has copied it elsewhere and calls ``seq.block_table.release()``. Between steps only;
+    all checks come first, so an error changes nothing.
+
+    Args:
+        engine: the prefill engine.
+        request_id: a running request of one sample whose next token to compute is its first output.
+
+    Raises:
+        TypeError: ``request_id`` is not hashable.
+        KeyError: no such request.
+        ValueError: it has several samples, or is not in that state (waiting, mid-prefill, decoding).
+        ReentrantCallError: called during a step (by an event subscriber).
+    """
+    engine._refuse_during_step("take_prefilled")
+    check_hashable(request_id, "request_id")
+    if request_id not in engine.requests:
+        raise KeyError(f"take_prefilled: no request with id {request_id!r}")
+    seqs = engine.requests[request_id]
+    if len(seqs) != 1:
+        raise ValueError(f"take_prefilled: request {request_id!r} has {len(seqs)} samples; only one can move")
+    seq = seqs[0]
+    if seq not in engine.scheduler.running or seq.num_output_tokens != 1 or seq.num_uncomputed_tokens != 1:
+        raise ValueError(f"take_prefilled: request {request_id!r} must be running with its prompt computed and "
+                         f"exactly its first token sampled, got {seq!r}")  # fmt: skip
+    engine.scheduler.running.remove(seq)
+    engine.forget(request_id)
+    return seq
+
+
+def add_prefilled(engine: Engine, seq: Sequence) -> None:
+    """Run a request whose K/V another engine computed: it joins ``engine.scheduler.running`` as it is.
+
+    ``seq.block_table`` must already hold its computed tokens' K/V in *this* engine's pool
+    (see :func:`transfer_kv`); its next step computes the token after them. Between steps only;
+    all checks come first, so an error changes nothing.
+
+    Args:
+        engine: the decode engine.
+        seq: a running, unfinished :class:`~minipaged.sequence.Sequence` of one sample, whose one
+            uncomputed token is its latest output, with a table of this pool holding exactly its
+            computed tokens.
+
+    Raises:
+        TypeError: ``seq`` is not a Sequence.
+        ValueError: its state or table does not fit (another pool, wrong length, released), its id
+            is in use, no seat is free (``max_num_seqs``), or it could never fit this pool.
+        ReentrantCallError: called during a step (by an event subscriber).
+    """
+    engine._refuse_during_step("add_prefilled")
+    if not isinstance(seq, Sequence):
+        raise TypeError(f"seq must be a Sequence, got {type(seq).__name__}")
+    table = seq.block_table
+    if (seq.status is not SequenceStatus.RUNNING or seq.pending_forks or seq.num_output_tokens < 1
+            or seq.num_uncomputed_tokens != 1):  # fmt: skip
+        raise ValueError(f"add_prefilled: seq must be running, one sample, with its latest token uncomputed, "
+                         f"got {seq!r}")  # fmt: skip
+    if table is None or table.allocator is not engine.cache.allocator or table.released or table.pending_copies:
+        raise ValueError(f"add_prefilled: seq {seq.seq_id!r}'s block table must be a live table of this "
+                         "engine's pool (transfer its K/V here first)")  # fmt: skip
+    if table.num_tokens != seq.num_computed_tokens:
+        raise ValueError(f"add_prefilled: seq {seq.seq_id!r}'s table holds {table.num_tokens} tokens but "
+                         f"{seq.num_computed_tokens} are computed")  # fmt: skip
+    if seq.request_id in engine.requests or seq.seq_id in engine.seqs:
+        raise ValueError(f"add_prefilled: request_id {seq.request_id!r} is already in use")
+    if engine.scheduler.num_seats >= engine.config.max_num_seqs:
+        raise ValueError(f"add_prefilled: no free seat ({engine.config.max_num_seqs} sequences run already)")
+    check_fits_pool(engine.config, seq.num_prompt_tokens, seq.sampling_params.max_tokens,
+                    f"add_prefilled: request {seq.request_id!r}", "this engine's pool")  # fmt: skip
+    engine.scheduler.running.append(seq)
+    engine.register([seq])
 
 
 def transfer_kv(seq: Sequence, src: PagedKVCache, dst: PagedKVCache, match=None) -> BlockTable:
@@ -275,6 +354,8 @@ class DisaggregatedEngine:
         decode_config: the decode engine's (defaults if None); same ``block_size`` as the prefill engine's.
         link: the :class:`KVLink` (defaults if None).
         prefill_clock, decode_clock: each engine's :class:`~minipaged.clock.VirtualClock` (new ones if None).
+        prefill_allocator, decode_allocator: each engine's allocator class (the ``allocator`` seam of
+            :class:`~minipaged.engine.Engine`); both cache prefixes by default.
 
     Public state: ``prefill`` and ``decode`` (the two :class:`~minipaged.engine.Engine`), ``link``,
     ``waiting_transfer`` (requests with their first token, not yet moving: (seq, ready time)),
@@ -284,7 +365,8 @@ class DisaggregatedEngine:
 
     def __init__(self, model, prefill_config: EngineConfig | None = None, decode_config: EngineConfig | None = None,
                  link: KVLink | None = None, prefill_clock: VirtualClock | None = None,
-                 decode_clock: VirtualClock | None = None):  # fmt: skip
+                 decode_clock: VirtualClock | None = None, *, prefill_allocator=PrefixCachingAllocator,
+                 decode_allocator=PrefixCachingAllocator):  # fmt: skip
         for name, config in (("prefill_config", prefill_config), ("decode_config", decode_config)):
             if config is not None and not isinstance(config, EngineConfig):
                 raise TypeError(f"{name} must be an EngineConfig, got {type(config).__name__}")
@@ -300,8 +382,8 @@ class DisaggregatedEngine:
         if prefill_config.block_size != decode_config.block_size:
             raise ValueError(f"prefill_config.block_size ({prefill_config.block_size}) and decode_config.block_size "
                              f"({decode_config.block_size}) must be equal: a transfer moves whole blocks")  # fmt: skip
-        self.prefill = Engine(model, prefill_config, prefill_clock or VirtualClock())
-        self.decode = Engine(model, decode_config, decode_clock or VirtualClock())
+        self.prefill = Engine(model, prefill_config, prefill_clock or VirtualClock(), allocator=prefill_allocator)
+        self.decode = Engine(model, decode_config, decode_clock or VirtualClock(), allocator=decode_allocator)
         start = max(self.prefill.clock.now(), self.decode.clock.now())
         self.prefill.clock.wait_until(start)
         self.decode.clock.wait_until(start)
@@ -326,8 +408,8 @@ class DisaggregatedEngine:
         return min(self.prefill.clock.now(), self.decode.clock.now())
 
     def _in_use(self, request_id) -> bool:
-        return (request_id in self._params or request_id in self.prefill.samples
-                or request_id in self.decode.samples)  # fmt: skip
+        return (request_id in self._params or request_id in self.prefill.requests
+                or request_id in self.decode.requests)  # fmt: skip
 
     def add_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
                     request_id=None, arrival_time: float | None = None,
@@ -342,26 +424,19 @@ class DisaggregatedEngine:
                 prefill engine then.
             cache_salt: the prefix cache's salt (str or bytes; None: no salt).
         """
-        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        params = sampling_params or SamplingParams()
-        if params.n != 1:
-            raise ValueError(f"sampling_params.n must be 1 in disaggregated serving (each sample would need its own "
-                             f"copy of the prompt's blocks), got {params.n}")  # fmt: skip
-        model_config = self.prefill.model.config
-        prompt = check_prompt(model_config, prompt_token_ids, params.max_tokens, "prompt_token_ids")
-        params.stop_rules(model_config.eos_token_id, model_config.vocab_size)  # a stop token outside the vocabulary
-        arrival = self.now() if arrival_time is None else check_real(arrival_time, "arrival_time")
-        if cache_salt is not None and not isinstance(cache_salt, (str, bytes)):
-            raise TypeError(f"cache_salt must be str, bytes or None, got {type(cache_salt).__name__} {cache_salt!r}")
         if request_id is None:
             while self._in_use(self._next_id):
                 self._next_id += 1
             request_id = self._next_id
-        else:
-            check_hashable(request_id, "request_id")
-            if self._in_use(request_id):
-                raise ValueError(f"request_id {request_id!r} is already in use")
+        elif self._in_use(check_hashable(request_id, "request_id")):
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        # The engine's own checks (prompt, parameters, salt), on the request as it will arrive; nothing is queued.
+        seq = self.prefill.make_request(prompt_token_ids, sampling_params, request_id, None, cache_salt)[0]
+        params, prompt, cache_salt = sampling_params or SamplingParams(), seq.prompt_token_ids, seq.cache_salt
+        if params.n != 1:
+            raise ValueError(f"sampling_params.n must be 1 in disaggregated serving (each sample would need its own "
+                             f"copy of the prompt's blocks), got {params.n}")  # fmt: skip
+        arrival = self.now() if arrival_time is None else check_real(arrival_time, "arrival_time")
         name = f"request {request_id!r}"
         check_fits_pool(self.prefill.config, len(prompt), min(params.max_tokens, 2), name, "the prefill engine's pool")
         check_fits_pool(self.decode.config, len(prompt), params.max_tokens, name, "the decode engine's pool")
@@ -394,9 +469,9 @@ class DisaggregatedEngine:
                 del self.arrivals[i]
                 break
         else:
-            if request_id in self.prefill.samples:
+            if request_id in self.prefill.requests:
                 self.prefill.abort(request_id)
-            elif request_id in self.decode.samples:
+            elif request_id in self.decode.requests:
                 self.decode.abort(request_id)
             else:
                 self._abort_in_transit(request_id)
@@ -429,19 +504,12 @@ class DisaggregatedEngine:
         if not self.waiting_transfer or self.decode.scheduler.waiting:
             return False
         seq, _ = self.waiting_transfer[0]
-        config, allocator = self.decode.config, self.decode.cache.allocator
-        seats = self.decode.scheduler.num_seats + len(self.in_flight)  # a request on the link has its seat
-        match = self._decode_hit(seq)
-        hit = match.block_ids if match else []
-        touched = allocator.num_free_among(hit) if hit else 0  # hit blocks in the free queue leave it when shared
-        need = blocks_needed(seq.num_computed_tokens + 1, config.block_size) - len(hit)
-        return can_admit(allocator.num_free - touched, need, config.watermark_blocks, seats, config.max_num_seqs)
+        # The decode engine's own admission rule; a request on the link has its seat already.
+        return self.decode.scheduler.fits(seq, seq.num_computed_tokens + 1, self._decode_hit(seq), len(self.in_flight))
 
     def _decode_hit(self, seq: Sequence):
         """The decode pool's own cached prefix of ``seq`` (None without prefix caching there): those blocks stay."""
-        if not self.decode.scheduler.prefix_caching:
-            return None
-        return self.decode.cache.allocator.match_prefix(seq.token_ids, seq.cache_salt)
+        return self.decode.scheduler.match_prefix(seq)
 
     def next_event(self) -> tuple[float, str] | None:
         """The earliest thing that can happen next, ``(time, kind)``, or None when nothing can."""
@@ -486,11 +554,11 @@ class DisaggregatedEngine:
         out = self.prefill.step()
         self.prefill_stalled = not out.scheduled
         moved = []
-        for seq_id in out.new_tokens:
-            seq = self.prefill.requests.get(seq_id)
+        for seq_id in out.sampled:
+            seq = self.prefill.seqs.get(seq_id)
             if seq is None or seq.is_finished:  # finished in the prefill engine (one token asked, or a stop token)
                 continue
-            self.prefill.take_prefilled(seq_id)
+            take_prefilled(self.prefill, seq_id)
             asked = self._params[seq.request_id]
             seq.sampling_params = replace(seq.sampling_params, max_tokens=asked.max_tokens, min_tokens=asked.min_tokens)
             self.waiting_transfer.append((seq, out.time))
@@ -520,7 +588,7 @@ class DisaggregatedEngine:
         seq = transfer.seq
         seq.block_table = transfer.dst_table
         try:
-            self.decode.add_prefilled(seq)
+            add_prefilled(self.decode, seq)
         except BaseException:
             seq.block_table = transfer.src_table
             raise
@@ -548,23 +616,16 @@ class DisaggregatedEngine:
         """Replay a workload to the end; returns its sequences in the workload's order (finished, with timings).
 
         Each request makes exactly its ``output_len`` tokens (``ignore_eos=True``, as in
-        :class:`~minipaged.engine.Replay`).
+        :class:`~minipaged.replay.Replay`).
 
         Args:
             workload: the requests, arrival times relative to now.
-            seed: the seed of the prompts' token ids (as :class:`~minipaged.engine.Replay`).
+            seed: the seed of the prompts' token ids (as :class:`~minipaged.replay.Replay`).
             prompts: each request's prompt token ids instead of seeded random ones.
         """
-        if prompts is not None and len(prompts) != len(workload):
-            raise ValueError(f"prompts must hold one prompt per request: {len(workload)}, got {len(prompts)}")
+        check_workload(self.decode, workload, prompts)  # the engine's replay checks (the decode pool's size)
         start, vocab = self.now(), self.prefill.model.config.vocab_size
         ids = []
-        for i, r in enumerate(workload):
-            if not isinstance(r, RequestSpec):
-                raise TypeError(f"workload[{i}] must be a RequestSpec, got {type(r).__name__}")
-            if prompts is not None and len(prompts[i]) != r.prompt_len:
-                raise ValueError(f"prompts[{i}] has {len(prompts[i])} tokens but workload[{i}].prompt_len is "
-                                 f"{r.prompt_len}")  # fmt: skip
         try:  # all or none: a request that cannot fit leaves none of the earlier ones queued
             for i, r in enumerate(workload):
                 prompt = prompt_token_ids(i, r.prompt_len, vocab, seed) if prompts is None else prompts[i]

@@ -319,29 +319,40 @@ class Scheduler:
         return budget
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        """Admit waiting sequences in the policy's order while the head fits (see :func:`can_admit`)."""
+        """Admit waiting sequences in the policy's order while the head fits (see :meth:`fits`)."""
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            saved = seq.num_computed_tokens  # > 0 only for a swapped-out sequence: its K/V comes back first
-            match = self.allocator.match_prefix(seq.token_ids, seq.cache_salt) if self.prefix_caching else None
-            hit_blocks = match.block_ids if match else []
-            start = max(len(hit_blocks) * self.config.block_size, saved)
+            match = self.match_prefix(seq)
+            # A swapped-out sequence (num_computed_tokens > 0) gets its K/V back first.
+            start = max(len(match.block_ids) * self.config.block_size if match else 0, seq.num_computed_tokens)
             n = self._chunk(seq, budget, start)
-            # Hit blocks that sit in the free queue leave it when shared: count them with the new blocks.
-            touched = self.allocator.num_free_among(hit_blocks) if match else 0
-            if n == 0 or not can_admit(
-                self.allocator.num_free - touched,
-                blocks_needed(start + n, self.config.block_size) - len(hit_blocks),
-                self.config.watermark_blocks,
-                self.num_seats + len(seq.pending_forks),  # its samples will need seats of their own
-                self.config.max_num_seqs,
-            ):
+            if n == 0 or not self.fits(seq, start + n, match):
                 break
             self.waiting.popleft()
             self._start(seq, match, start, out)
             out.add(seq, n, seq.block_table.append_tokens(n))
             self._cache_blocks(seq, start + n)
             budget -= n
+
+    def match_prefix(self, seq: Sequence):
+        """The longest cached prefix of ``seq``'s tokens in this pool (None without prefix caching)."""
+        return self.allocator.match_prefix(seq.token_ids, seq.cache_salt) if self.prefix_caching else None
+
+    def fits(self, seq: Sequence, num_tokens: int, match=None, num_other_seats: int = 0) -> bool:
+        """May ``seq`` start now with its first ``num_tokens`` tokens in blocks, ``match`` shared (:func:`can_admit`)?
+
+        Args:
+            seq: the waiting sequence (its pending samples need seats too).
+            num_tokens: the tokens its table will hold after this step.
+            match: its prefix hit from :meth:`match_prefix` (hit blocks in the free queue count as taken).
+            num_other_seats: seats taken outside the scheduler (a disaggregated decode engine's transfers).
+        """
+        hit_blocks = match.block_ids if match else []
+        touched = self.allocator.num_free_among(hit_blocks) if match else 0
+        return can_admit(self.allocator.num_free - touched,
+                         blocks_needed(num_tokens, self.config.block_size) - len(hit_blocks),
+                         self.config.watermark_blocks, self.num_seats + len(seq.pending_forks) + num_other_seats,
+                         self.config.max_num_seqs)  # fmt: skip
 
     def _start(self, seq: Sequence, match, start: int, out: SchedulerOutput) -> None:
         """Give an admitted sequence its table (a prefix hit shared into it, room for swapped-out K/V) and run it."""

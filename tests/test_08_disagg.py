@@ -18,7 +18,9 @@ from minipaged.disagg import (
     DISAGG_PRESET,
     DisaggregatedEngine,
     KVLink,
+    add_prefilled,
     compare_disaggregation,
+    take_prefilled,
     transfer_kv,
 )
 from minipaged.engine import Engine
@@ -170,9 +172,11 @@ def test_property_tokens_and_pools(model, specs, prefill_blocks, decode_blocks, 
     """Any workload (shared prefixes included): every step leaves both pools consistent; outputs equal one engine's."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(512) for _ in range(12)] for _ in range(2)]
-    cfg = {"block_size": 4, "max_num_seqs": seats, "max_num_batched_tokens": budget, "enable_prefix_caching": caching,
-           "preemption_mode": mode, "chunked_prefill": chunked}  # fmt: skip
-    d = DisaggregatedEngine(model, small(prefill_blocks, **cfg), small(decode_blocks, **cfg), KVLink(bandwidth=bw))
+    cfg = {"block_size": 4, "max_num_seqs": seats, "max_num_batched_tokens": budget, "preemption_mode": mode,
+           "chunked_prefill": chunked}  # fmt: skip
+    alloc = engine_helpers.allocator_for(caching)
+    d = DisaggregatedEngine(model, small(prefill_blocks, **cfg), small(decode_blocks, **cfg), KVLink(bandwidth=bw),
+                            prefill_allocator=alloc, decode_allocator=alloc)  # fmt: skip
     ref = Engine(model, EngineConfig(num_blocks=64, block_size=4, keep_finished=True))
     ids = []
     for i, (length, n, gap) in enumerate(specs):
@@ -211,7 +215,7 @@ def test_decode_starts_only_after_the_transfer_and_prefill_cache_is_kept(model):
         check_pools(d)
     assert events[:4] == ["arrive", "prefill", "transfer_start", "transfer_end"]
     (t,) = d.transfers
-    a = d.decode.requests["a"]
+    a = d.decode.seqs["a"]
     assert a.token_times[0] == t.ready_time  # the first token comes from the prefill engine
     assert a.token_times[1] > t.end_time  # the second from a decode step that began when the K/V had arrived
     assert t.num_tokens == len(prompt) and t.num_blocks == blocks_needed(len(prompt), 4)
@@ -229,7 +233,7 @@ def test_transfer_kv_copies_every_layer_and_is_all_or_nothing(model, monkeypatch
     src = Engine(model, small(12))
     src.add_request(list(range(3, 22)), SamplingParams(max_tokens=3), request_id="r")
     src.step()
-    seq = src.take_prefilled("r")
+    seq = take_prefilled(src, "r")
     mc = model.config
     dst = PagedKVCache(mc.num_hidden_layers, 10, 4, mc.num_key_value_heads, mc.head_dim)
     table = transfer_kv(seq, src.cache, dst)
@@ -260,7 +264,7 @@ def test_transfer_kv_bad_inputs(model):
     src = Engine(model, small(12))
     src.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=3), request_id="r")
     src.step()
-    seq = src.take_prefilled("r")
+    seq = take_prefilled(src, "r")
     mc = model.config
     dst = PagedKVCache(mc.num_hidden_layers, 10, 4, mc.num_key_value_heads, mc.head_dim)
     with pytest.raises(TypeError, match="seq"):
@@ -287,33 +291,33 @@ def test_take_and_add_prefilled_check_everything_first(model):
     e.add_request([1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=4), request_id="r")
     e.add_request(list(range(40)), SamplingParams(max_tokens=2, n=2), request_id="n2")
     with pytest.raises(KeyError):
-        e.take_prefilled("nope")
+        take_prefilled(e, "nope")
     with pytest.raises(ValueError, match="must be running"):
-        e.take_prefilled("r")  # still waiting
+        take_prefilled(e, "r")  # still waiting
     e.step()  # r: prompt + first token; n2: a first chunk only
     with pytest.raises(ValueError, match="2 samples"):
-        e.take_prefilled("n2")
+        take_prefilled(e, "n2")
     running = list(e.scheduler.running)
     assert "n2" in e.requests and len(running) == 2  # the refusals changed nothing
-    seq = e.take_prefilled("r")
+    seq = take_prefilled(e, "r")
     assert "r" not in e.seqs and seq not in e.scheduler.running and seq.block_table.num_tokens == 6
 
     d = Engine(model, small(12, max_num_seqs=1))
     with pytest.raises(TypeError, match="seq must be a Sequence"):
-        d.add_prefilled("r")
+        add_prefilled(d, "r")
     with pytest.raises(ValueError, match="live table of this engine's pool"):
-        d.add_prefilled(seq)  # its table is still the first engine's
+        add_prefilled(d, seq)  # its table is still the first engine's
     seq.block_table = transfer_kv(seq, e.cache, d.cache)
     d.add_request([9, 9], SamplingParams(max_tokens=2), request_id="other")
     d.step()
     with pytest.raises(ValueError, match="no free seat"):
-        d.add_prefilled(seq)
-    assert seq not in d.scheduler.running and "r" not in d.requests and "r" not in d.samples
+        add_prefilled(d, seq)
+    assert seq not in d.scheduler.running and "r" not in d.seqs and "r" not in d.requests
     d.step()
     assert not d.has_unfinished()
-    d.add_prefilled(seq)
+    add_prefilled(d, seq)
     with pytest.raises(ValueError, match="already in use"):
-        d.add_prefilled(seq)
+        add_prefilled(d, seq)
     while d.has_unfinished():
         d.step()
     assert seq.output_token_ids == generate_contiguous(model, [1, 2, 3, 4, 5, 6], 4)
@@ -326,7 +330,7 @@ def test_hooks_refuse_to_run_during_a_step(model):
     errors = []
 
     def meddle(event):
-        for call in (lambda: e.take_prefilled("r"), lambda: e.add_prefilled(e.seqs["r"])):
+        for call in (lambda: take_prefilled(e, "r"), lambda: add_prefilled(e, e.seqs["r"])):
             try:
                 call()
             except RuntimeError as exc:
@@ -386,7 +390,7 @@ def test_a_failing_transfer_end_changes_nothing(model, monkeypatch):
     def refuse(seq):
         raise ValueError("no")
 
-    monkeypatch.setattr(d.decode, "add_prefilled", refuse)
+    monkeypatch.setattr("minipaged.disagg.add_prefilled", lambda engine, seq: refuse(seq))
     with pytest.raises(ValueError, match="no"):
         d.step()
     assert d.in_flight[0] is t and t.seq.block_table is t.src_table
@@ -490,7 +494,7 @@ def test_abort_anywhere_frees_both_pools(model, seed):
         if live and rng.random() < 0.15:
             rid = rng.choice(live)
             where.add("arrivals" if rid in [a.request_id for a in d.arrivals] else
-                      "prefill" if rid in d.prefill.samples else "decode" if rid in d.decode.samples else
+                      "prefill" if rid in d.prefill.requests else "decode" if rid in d.decode.requests else
                       "link" if rid in [t.request_id for t in d.in_flight] else "waiting_transfer")  # fmt: skip
             d.abort(rid)
             aborted.add(rid)
@@ -513,11 +517,12 @@ def test_decode_engine_waits_for_a_transfer_instead_of_spinning(model, seed):
     """Regression (found by fuzzing): a request the decode engine preempted cannot come back while a transfer holds
     its blocks; the decode engine must wait for that transfer to end, not step on the spot forever."""
     rng = random.Random(seed)
-    cfg = {"max_num_seqs": rng.randint(1, 4), "max_num_batched_tokens": rng.choice([8, 16, 64]),
-           "enable_prefix_caching": rng.random() < 0.5, "preemption_mode": rng.choice(["recompute", "swap"]),
-           "chunked_prefill": rng.random() < 0.5}  # fmt: skip
+    cfg = {"max_num_seqs": rng.randint(1, 4), "max_num_batched_tokens": rng.choice([8, 16, 64])}
+    alloc = engine_helpers.allocator_for(rng.random() < 0.5)
+    cfg |= {"preemption_mode": rng.choice(["recompute", "swap"]), "chunked_prefill": rng.random() < 0.5}
     pb, db = rng.randint(10, 24), rng.randint(10, 24)
-    d = DisaggregatedEngine(model, small(pb, **cfg), small(db, **cfg), KVLink(bandwidth=rng.choice([1e8, 1e9, 25e9])))
+    d = DisaggregatedEngine(model, small(pb, **cfg), small(db, **cfg), KVLink(bandwidth=rng.choice([1e8, 1e9, 25e9])),
+                            prefill_allocator=alloc, decode_allocator=alloc)  # fmt: skip
     prefixes = [[rng.randrange(512) for _ in range(12)] for _ in range(2)]
     requests = {}
     for i in range(rng.randint(1, 8)):
@@ -550,6 +555,6 @@ def test_blocks_the_decode_pool_has_cached_are_shared_not_moved(model):
     assert done["second"].output_token_ids == generate_contiguous(model, prefix + [9, 8, 7, 6, 5], 4)
     assert_all_free(d)
     # Without caching in the decode engine every block moves.
-    d = DisaggregatedEngine(model, small(20), small(20, enable_prefix_caching=False))
+    d = DisaggregatedEngine(model, small(20), small(20), decode_allocator=engine_helpers.allocator_for(False))
     d.generate([prefix + [1, 2], prefix + [9, 8, 7, 6, 5]], SamplingParams(max_tokens=3))
     assert [t.num_hit_blocks for t in d.transfers] == [0, 0] and d.transfers[1].num_blocks == 5
