@@ -1,44 +1,26 @@
 """The serving loop: requests join and leave the batch at every step, over one paged KV cache.
 
-One :meth:`Engine.step` is four calls, all or nothing (a failed step is rolled back,
-:mod:`minipaged.rollback`):
+One :meth:`Engine.step` is four calls, all or nothing (:mod:`minipaged.rollback` undoes a failed one):
 
-1. ``scheduler.schedule()``: who runs, how many tokens each computes, and the cache slots
-   their K/V goes to (allocating blocks, maybe preempting);
-2. :meth:`Engine.execute`: the K/V moves the plan asks for, then one forward pass of the
-   model over all scheduled tokens packed together, addressed through the block tables;
+1. ``scheduler.schedule()``: who runs, how many tokens each computes, and the slots their K/V goes to;
+2. :meth:`Engine.execute`: the plan's K/V moves, then one forward pass over every scheduled token;
 3. :meth:`Engine.sample`: a token for every sequence whose chunk reached its end;
-4. ``scheduler.postprocess()``: advance counters, finish sequences (:mod:`minipaged.stopping`),
-   free blocks. The step is recorded in ``engine.metrics`` and its finished requests are handed
-   over in ``StepOutput.outputs`` (and, unless ``keep_finished``, forgotten).
+4. ``scheduler.postprocess()``: advance counters, finish sequences (:mod:`minipaged.stopping`), free blocks.
 
-The engine's parts are seams, each a constructor argument: the allocator (chapter 06's prefix
-cache is an allocator), the block table class, the scheduler (whose ``scheduling_policy`` is a
-waiting-queue class, :mod:`minipaged.request_queue`), the speculator (chapter 08), and the
-attention backend (``EngineConfig.backend``, a name of :mod:`minipaged.attention`'s registry).
-
-Public state (the live dashboard reads it; keep these names stable):
-
-* ``engine.scheduler.waiting`` and ``engine.scheduler.running`` of
-  :class:`~minipaged.sequence.Sequence`; each running one has a ``block_table``.
-* ``engine.cache.allocator``: the block pool and its event bus.
-* ``engine.metrics``: the step ``history`` and the counters (:class:`~minipaged.metrics.Metrics`).
-* ``engine.seqs``: every unfinished sequence by its seq_id; ``engine.requests``: each unfinished
-  request's sequences by its request_id, in sample order (finished ones too with ``keep_finished``).
-* ``engine.swap_space``: swap mode's CPU copies of preempted sequences' K/V, by seq_id.
-
-Time comes from ``engine.clock``, virtual by default (deterministic, see :mod:`minipaged.clock`).
-A request with one sample is one sequence whose seq_id is its request_id; with
-``SamplingParams.n`` samples its sequences are ``(request_id, 0) .. (request_id, n - 1)``, and
-they share the prompt's blocks by fork.
+Each part is a seam (the constructor's arguments and ``EngineConfig.backend``). Public state, which
+the live dashboard reads: ``scheduler.waiting`` and ``scheduler.running`` (of
+:class:`~minipaged.sequence.Sequence`), ``cache.allocator`` (the pool and its event bus),
+``metrics``, ``seqs`` (seq_id -> unfinished sequence), ``requests`` (request_id -> its sequences,
+in sample order), ``swap_space`` (seq_id -> swapped-out K/V) and ``clock`` (virtual by default).
+A request with ``SamplingParams.n`` samples is the sequences ``(request_id, 0) .. (request_id, n - 1)``
+(with one sample, the seq_id is the request_id); they share the prompt's blocks by fork.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
-from tqdm.auto import tqdm
 
 from minipaged.attention import AttentionMetadata, get_backend
 from minipaged.block_manager import BlockAllocator, BlockTable, ReentrantCallError
@@ -46,50 +28,12 @@ from minipaged.cache import PagedKVCache
 from minipaged.clock import VirtualClock
 from minipaged.metrics import HISTORY_WINDOW, Metrics
 from minipaged.model import LlamaConfig
+from minipaged.outputs import RequestOutput, StepOutput
 from minipaged.rollback import StepUndo
 from minipaged.scheduler import EngineConfig, Scheduler, SchedulerOutput
 from minipaged.sequence import SamplingParams, Sequence, SequenceStatus, sample
 from minipaged.stopping import mask_stop_tokens
 from minipaged.validation import check_hashable, check_int, check_prompt, check_real, check_salt
-
-
-@dataclass
-class RequestOutput:
-    """A request that finished, as :meth:`Engine.step` hands it over: its id and its samples, in order."""
-
-    request_id: object
-    seqs: list[Sequence]
-
-    @property
-    def output_token_ids(self) -> list[list[int]]:
-        """Each sample's generated tokens (a stop token that ended it included)."""
-        return [s.output_token_ids for s in self.seqs]
-
-    @property
-    def finish_reason(self) -> list[str]:
-        """Each sample's ``finish_reason``: ``"stop"``, ``"length"``, or ``"abort"`` for one aborted alone."""
-        return [s.finish_reason for s in self.seqs]
-
-    @property
-    def stop_reason(self) -> list[int | None]:
-        """Each sample's ``stop_reason``: the stop token that ended it, None for the EOS or a length."""
-        return [s.stop_reason for s in self.seqs]
-
-
-@dataclass
-class StepOutput:
-    """What one step did, by seq_id; ``outputs``: the requests it finished."""
-
-    step: int
-    time: float
-    scheduled: dict = field(default_factory=dict)  # seq_id -> tokens computed this step
-    sampled: dict = field(default_factory=dict)  # seq_id -> the token sampled this step
-    drafts: dict = field(default_factory=dict)  # seq_id -> draft tokens it verified (speculative decoding)
-    accepted: dict = field(default_factory=dict)  # seq_id -> the drafts it accepted, before its sampled token
-    admitted: list = field(default_factory=list)
-    preempted: list = field(default_factory=list)
-    finished: list = field(default_factory=list)
-    outputs: list[RequestOutput] = field(default_factory=list)
 
 
 class Engine:
@@ -132,8 +76,9 @@ class Engine:
             get_backend(self.config.backend).check(self.config.block_size, mc.head_dim, model.dtype)
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"EngineConfig(backend={self.config.backend!r}) cannot run this engine: {exc}") from None
-        self.cache = PagedKVCache(mc.num_hidden_layers, self.config.num_blocks, self.config.block_size,
-                                  mc.num_key_value_heads, mc.head_dim, model.dtype, model.device, allocator)  # fmt: skip
+        cfg = self.config
+        self.cache = PagedKVCache(mc.num_hidden_layers, cfg.num_blocks, cfg.block_size, mc.num_key_value_heads,
+                                  mc.head_dim, model.dtype, model.device, allocator)  # fmt: skip
         self.scheduler = scheduler(self.config, self.cache.allocator, block_table, speculator)
         self.speculator = speculator
         self.metrics = Metrics(self.config.num_blocks, self.config.block_size,
@@ -156,7 +101,7 @@ class Engine:
     # -- requests ---------------------------------------------------------
 
     def add_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
-                    request_id=None, arrival_time: float | None = None, cache_salt: str | bytes | None = None):  # fmt: skip
+                    request_id=None, arrival_time: float | None = None, cache_salt=None):  # fmt: skip
         """Queue a request and return its id. Errors (bad input, too big for the pool) change nothing.
 
         Args:
@@ -225,14 +170,13 @@ class Engine:
     def abort(self, request_id, sample: int | None = None) -> None:
         """Drop a waiting or running request (all its samples, or one); its blocks and swapped-out K/V are freed.
 
-        Now, or, when called during a step (by an event subscriber), at the end of that step. Unless
+        Now, or at the end of the step when an event subscriber calls it during one. Unless
         ``keep_finished``, the engine then forgets the request once none of its samples is unfinished.
 
         Args:
             request_id: the request.
-            sample: None: every sample; an index in ``[0, n)``: only that sample (the LLM front end stops one
-                sample at a stop string this way; sample 0 before its prompt is computed takes the
-                samples waiting to fork from it along).
+            sample: None: every sample; an index in ``[0, n)``: only that sample (the LLM front end stops
+                one at a stop string; sample 0 before its prompt is computed takes its pending forks along).
 
         Raises:
             TypeError: ``request_id`` is not hashable, or ``sample`` is not an int.
@@ -277,44 +221,33 @@ class Engine:
     def step(self) -> StepOutput:
         """Schedule, execute, sample, postprocess; record the step and hand over the requests it finished.
 
-        All or nothing: if anything raises inside the step, the bookkeeping is put back as it was
-        (:class:`~minipaged.rollback.StepUndo`), a ``"rollback"`` event tells the allocator's
-        subscribers, and the exception propagates; the next ``step()`` works. Only K/V in slots that
-        no sequence counts as computed may differ.
-
-        Raises:
-            ReentrantCallError: called during a step (by an event subscriber); the running step goes on.
+        All or nothing: if anything raises, :class:`~minipaged.rollback.StepUndo` puts the bookkeeping
+        back as it was and the exception propagates; the next ``step()`` works. Raises
+        :class:`ReentrantCallError` when an event subscriber calls it during a step.
         """
         self._refuse_during_step("step")
-        undo = StepUndo(self)
-        self._in_step, self.cache.allocator.subscriber_guard = True, "Engine.step"
-        try:
+        with StepUndo(self) as undo:
             out = self.scheduler.schedule()
             undo.protect_kv(out)
             logits = self.execute(out)
             sampled, accepted = self.sample(out, logits)
             finished = self.scheduler.postprocess(out, sampled, self.clock.now(), accepted)
             return self._record(out, sampled, accepted, finished)
-        except BaseException:
-            undo.restore()
-            raise
-        finally:
-            self._in_step, self.cache.allocator.subscriber_guard = False, None
-            aborts, self._deferred_aborts = self._deferred_aborts, []
-            for request_id, sample_index in aborts:  # unless the step finished them meanwhile
-                seqs = self.requests.get(request_id, ())
-                if seqs and not all(s.is_finished for s in (seqs if sample_index is None else [seqs[sample_index]])):
-                    self.abort(request_id, sample_index)
+
+    def _apply_deferred_aborts(self) -> None:
+        """The aborts event subscribers asked for during the step, unless the step finished those requests."""
+        aborts, self._deferred_aborts = self._deferred_aborts, []
+        for request_id, sample_index in aborts:
+            seqs = self.requests.get(request_id, ())
+            if seqs and not all(s.is_finished for s in (seqs if sample_index is None else [seqs[sample_index]])):
+                self.abort(request_id, sample_index)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
-        """Move K/V as the plan says, then one forward pass; the logits rows to sample from (None: nothing ran).
+        """Carry out the plan ``out``'s K/V moves, then one forward pass; the clock advances by the step's cost.
 
-        Rows: one per sequence whose chunk reaches its last token, or, for one that verifies ``k``
-        drafts (``out.spec_token_ids``), its last ``k + 1``. The clock advances by the step's cost.
-
-        Args:
-            out: this step's plan (sequences, their ``num_new_tokens`` and slot mappings, K/V moves).
+        Returns the logits rows to sample from (None: nothing ran): one per sequence whose chunk reaches
+        its last token, or, for one that verifies ``k`` drafts (``out.spec_token_ids``), its last ``k + 1``.
         """
         moved = self.cache.move_kv(out, self.swap_space)  # before anything lands in the new blocks
         if out.is_empty:
@@ -339,13 +272,9 @@ class Engine:
     def sample(self, out: SchedulerOutput, logits: torch.Tensor | None) -> tuple[dict, dict]:
         """A token for every sequence whose chunk ended (and the samples about to fork from it); drafts verified.
 
-        Stop tokens are masked first where a request is short of its ``min_tokens``; with drafts,
-        the speculator's ``verify`` keeps the ones the model agrees with. Returns seq_id -> sampled
-        token, and seq_id -> accepted drafts.
-
-        Args:
-            out: this step's plan.
-            logits: what :meth:`execute` returned.
+        Stop tokens are masked first where a request is short of its ``min_tokens``; with drafts, the
+        speculator's ``verify`` keeps the ones the model agrees with. Takes the plan ``out`` and what
+        :meth:`execute` returned; returns seq_id -> sampled token, and seq_id -> accepted drafts.
         """
         if logits is None:
             return {}, {}
@@ -379,25 +308,15 @@ class Engine:
 
     def run(self, workload: list, progress: bool = True, seed: int = 0,
             prompts: list[list[int]] | None = None) -> list[Sequence]:  # fmt: skip
-        """Replay a workload to the end (:class:`~minipaged.replay.Replay`); its sequences in the workload's order.
+        """Replay a workload to the end: ``Replay(self, workload, seed, prompts).run(progress)``.
 
-        Each request makes exactly its ``num_output_tokens`` (``ignore_eos=True``), as in vLLM's benchmarks.
-
-        Args:
-            workload: the :class:`~minipaged.workload.RequestSpec` s, arrival times relative to the start.
-            progress: show a progress bar of finished requests.
-            seed: the seed of the prompts' token ids.
-            prompts: each request's prompt token ids instead of seeded random ones.
+        Each request makes exactly its output length (``ignore_eos=True``), as in vLLM's benchmarks.
+        Returns its sequences in the workload's order.
         """
         from minipaged.replay import Replay  # the replay drives the engine; the engine does not need it to step
 
         self._refuse_during_step("run")
-        replay = Replay(self, workload, seed, prompts)
-        with tqdm(total=len(workload), desc="requests", disable=not progress) as bar:
-            while not replay.done:
-                replay.step()
-                bar.update(self.metrics.history[-1].finished)
-        return replay.seqs
+        return Replay(self, workload, seed, prompts).run(progress)
 
     def generate(self, prompts: list[list[int]], sampling_params: SamplingParams | None = None) -> list[list[int]]:
         """Offline convenience: every prompt arrives now, all or none; returns the output tokens of every sample.

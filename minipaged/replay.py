@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from tqdm.auto import tqdm
+
 from minipaged.scheduler import check_fits_pool
 from minipaged.sequence import SamplingParams, Sequence
 from minipaged.validation import check_positions, check_prompt, check_real
@@ -104,3 +106,15 @@ class Replay:
             self._add_arrivals()
         self.engine.step()
         return not self.done
+
+    def run(self, progress: bool = True) -> list[Sequence]:
+        """Step to the end; the workload's sequences, in its order (finished, with their timings).
+
+        Args:
+            progress: show a progress bar of finished requests.
+        """
+        with tqdm(total=len(self.seqs), desc="requests", disable=not progress) as bar:
+            while not self.done:
+                self.step()
+                bar.update(self.engine.metrics.history[-1].finished)
+        return self.seqs

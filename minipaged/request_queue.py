@@ -64,7 +64,8 @@ def register_policy(name: str, queue_class: type) -> None:
         raise TypeError(f"name must be a str, got {type(name).__name__}")
     if name in SCHEDULING_POLICIES:
         raise ValueError(f"scheduling policy {name!r} is already registered")
-    if not (isinstance(queue_class, type) and issubclass(queue_class, deque) and callable(getattr(queue_class, "victim", None))):
+    victim = getattr(queue_class, "victim", None)
+    if not (isinstance(queue_class, type) and issubclass(queue_class, deque) and callable(victim)):
         raise TypeError(f"queue_class must be a deque subclass with a victim(running) method, got {queue_class!r:.60}")
     SCHEDULING_POLICIES[name] = queue_class
 

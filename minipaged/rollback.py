@@ -96,9 +96,26 @@ def _restore(obj, state) -> None:
 class StepUndo:
     """What :meth:`~minipaged.engine.Engine.step` changes, saved before it starts, so that a failed step can be undone.
 
+    Used as ``with StepUndo(engine) as undo:`` around a step: inside it the engine is *in its step*
+    (an event subscriber's change raises ``ReentrantCallError``, its abort waits); if the block
+    raises, :meth:`restore` runs and the exception propagates; either way the aborts that
+    subscribers asked for then run.
+
     Args:
         engine: the engine about to step.
     """
+
+    def __enter__(self) -> StepUndo:
+        self.engine._in_step, self.engine.cache.allocator.subscriber_guard = True, "Engine.step"
+        return self
+
+    def __exit__(self, kind, exc, traceback) -> None:
+        try:
+            if exc is not None:
+                self.restore()
+        finally:
+            self.engine._in_step, self.engine.cache.allocator.subscriber_guard = False, None
+            self.engine._apply_deferred_aborts()
 
     def __init__(self, engine):
         self.engine = engine
