@@ -142,7 +142,8 @@ needs_disagg_handoff = pytest.mark.skipif(not hasattr(disagg, "take_prefilled") 
 @pytest.mark.parametrize("make, match", [
     (lambda m: Engine(None), "model must be a LlamaForCausalLM"),  # was: AttributeError
     (lambda m: Engine(m, clock="wall"), "clock must be a VirtualClock, a WallClock or None"),  # was: on first use
-    (lambda m: Engine(m, EngineConfig(backend=1)), r"EngineConfig.backend must be one of \('loop', 'torch', 'triton'\)"),
+    (lambda m: Engine(m, EngineConfig(backend=1)),
+     r"EngineConfig.backend must be one of \('loop', 'torch', 'triton'\)"),
     (lambda m: Engine(m, allocator=1), "allocator must be a class"),
     (lambda m: EngineConfig(preemption_mode=1), "EngineConfig.preemption_mode must be one of"),
     (lambda m: EngineConfig(scheduling_policy=None), "EngineConfig.scheduling_policy must be one of"),
@@ -238,7 +239,8 @@ REENTRANT_CALLS = {
 def test_a_subscriber_that_calls_back_in_during_a_step_is_refused_and_changes_nothing(model, call):
     """Was: a nested step ran on half-scheduled state, handed over a wrong token, and the outer step rolled back."""
     caching = not call.startswith("BlockAllocator")
-    engines = [small_engine(model, PrefixCachingAllocator if caching else BlockAllocator) for _ in range(2)]  # the second one's meddles
+    allocator = PrefixCachingAllocator if caching else BlockAllocator
+    engines = [small_engine(model, allocator) for _ in range(2)]  # the second one's meddles
     for e in engines:
         e.add_request([1, 2, 3, 4], SamplingParams(max_tokens=6), request_id="a")
         e.add_request([5, 6, 7], SamplingParams(max_tokens=4), request_id="b")

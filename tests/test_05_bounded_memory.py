@@ -80,7 +80,8 @@ def test_a_failed_step_puts_back_the_record_the_window_dropped(model, monkeypatc
         engine.add_request(p, SamplingParams(max_tokens=5))
     for _ in range(4):
         engine.step()
-    before = (list(engine.metrics.history), engine.metrics.num_steps, engine.metrics.num_finished, dict(engine.requests))
+    m = engine.metrics
+    before = (list(m.history), m.num_steps, m.num_finished, dict(engine.requests))
     assert len(before[0]) == 3
 
     record_step = engine.metrics.record_step
@@ -93,7 +94,7 @@ def test_a_failed_step_puts_back_the_record_the_window_dropped(model, monkeypatc
     with pytest.raises(RuntimeError, match="late fault"):
         engine.step()
     monkeypatch.undo()
-    after = (list(engine.metrics.history), engine.metrics.num_steps, engine.metrics.num_finished, dict(engine.requests))
+    after = (list(m.history), m.num_steps, m.num_finished, dict(engine.requests))
     assert after == before
     while engine.has_unfinished():
         engine.step()
