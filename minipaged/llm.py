@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
+from minipaged.block_manager import BlockAllocator
 from minipaged.chat_template import apply_chat_template
 from minipaged.detokenizer import IncrementalDetokenizer
 from minipaged.engine import Engine
@@ -33,7 +34,7 @@ from minipaged.model import LlamaForCausalLM
 from minipaged.pretrained import load_model, load_tokenizer
 from minipaged.scheduler import EngineConfig
 from minipaged.sequence import SamplingParams, Sequence
-from minipaged.validation import check_prompt
+from minipaged.validation import check_bool, check_prompt
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -142,6 +143,24 @@ def _check_params(sampling_params) -> SamplingParams:
     return sampling_params
 
 
+def engine_parts(enable_prefix_caching: bool, speculative_config) -> dict:
+    """The engine's ``allocator`` and ``speculator`` arguments for vLLM's two options of those names.
+
+    Args:
+        enable_prefix_caching: True: :class:`~minipaged.prefix_cache.PrefixCachingAllocator`; False: the plain pool.
+        speculative_config: None (no speculator), or what :class:`~minipaged.speculative.NgramSpeculator` takes.
+    """
+    from minipaged.prefix_cache import PrefixCachingAllocator  # chapters 06 and 08, reached by name only
+    from minipaged.speculative import NgramSpeculator, SpeculativeConfig
+
+    check_bool(enable_prefix_caching, "enable_prefix_caching")
+    if speculative_config is not None and not isinstance(speculative_config, (dict, SpeculativeConfig)):
+        raise TypeError("speculative_config must be a SpeculativeConfig, a dict or None, "
+                        f"got {type(speculative_config).__name__}")  # fmt: skip
+    return {"allocator": PrefixCachingAllocator if enable_prefix_caching else BlockAllocator,
+            "speculator": None if speculative_config is None else NgramSpeculator(speculative_config)}
+
+
 class LLM:
     """A model, its tokenizer and a paged engine behind one text-in, text-out object (vLLM's ``LLM``).
 
@@ -153,16 +172,22 @@ class LLM:
             directory, or a tokenizer object with ``encode``, ``decode``, ``chat_template``,
             ``bos_token_id`` and ``eos_token_id`` (a :class:`~minipaged.pretrained.TextTokenizer`).
         clock: the engine's clock (None: a :class:`~minipaged.clock.VirtualClock`).
+        enable_prefix_caching: share cached prompt blocks between requests (chapter 06's
+            :class:`~minipaged.prefix_cache.PrefixCachingAllocator`); on by default, as in vLLM.
+        speculative_config: None (off), or n-gram speculative decoding (chapter 08's
+            :class:`~minipaged.speculative.NgramSpeculator`): a ``SpeculativeConfig`` or vLLM's dict form.
         **engine_options: :class:`~minipaged.scheduler.EngineConfig` fields (``num_blocks``,
-            ``block_size``, ``enable_prefix_caching``, ...).
+            ``block_size``, ``max_num_seqs``, ...).
 
     Attributes:
         engine: the :class:`~minipaged.engine.Engine` every request runs through.
         tokenizer: the tokenizer.
     """
 
-    def __init__(self, model=DEFAULT_MODEL, tokenizer=None, clock=None, **engine_options):
+    def __init__(self, model=DEFAULT_MODEL, tokenizer=None, clock=None, enable_prefix_caching=True,
+                 speculative_config=None, **engine_options):  # fmt: skip
         config = EngineConfig(**engine_options)  # an unknown or bad option fails before anything loads
+        parts = engine_parts(enable_prefix_caching, speculative_config)
         if isinstance(model, LlamaForCausalLM):
             if tokenizer is None:
                 raise ValueError("tokenizer is required when model is a LlamaForCausalLM (a name or a directory "
@@ -176,7 +201,7 @@ class LLM:
             if not callable(getattr(tokenizer, attr, None)):
                 raise TypeError(f"tokenizer must have an {attr}() method, got {type(tokenizer).__name__}")
         self.tokenizer = tokenizer
-        self.engine = Engine(model, config, clock)
+        self.engine = Engine(model, config, clock, **parts)
 
     # -- prompts ----------------------------------------------------------
 

@@ -362,7 +362,7 @@ def engine_workload(preset: WorkloadPreset | str, num_requests: int = 64, rate: 
 
 
 def run_engine(model, config: EngineConfig, workload: list[RequestSpec], prompts: list | None = None,
-               clock=None) -> dict:  # fmt: skip
+               clock=None, allocator=PrefixCachingAllocator) -> dict:  # fmt: skip
     """Serve a workload once; the run's summary plus the pool's and the scheduler's counters.
 
     Args:
@@ -371,6 +371,7 @@ def run_engine(model, config: EngineConfig, workload: list[RequestSpec], prompts
         workload: the requests.
         prompts: their token ids (None: seeded random ones).
         clock: None for a :class:`~minipaged.clock.VirtualClock`, or a wall clock for the bench.
+        allocator: the engine's allocator class (chapter 07 runs with prefix caching on; ``BlockAllocator``: off).
 
     Returns:
         :func:`~minipaged.metrics.summarize`'s numbers plus ``normalized_latency`` (mean E2E / output
@@ -378,7 +379,7 @@ def run_engine(model, config: EngineConfig, workload: list[RequestSpec], prompts
         the longest prompts), ``preemptions``, ``mean_running``, ``max_running``,
         ``kv_usage`` and ``token_occupancy`` (means over the steps), ``hit_rate`` and ``swapped_blocks``.
     """
-    engine = Engine(model, replace(config, keep_finished=True), clock or VirtualClock(StepCost()))
+    engine = Engine(model, replace(config, keep_finished=True), clock or VirtualClock(StepCost()), allocator=allocator)
     seqs = engine.run(workload, progress=False, prompts=prompts)
     summary = summarize(seqs)
     latencies = request_latencies(seqs)
@@ -434,9 +435,10 @@ class Ablation:
     """One changed setting against :data:`BASE_CONFIG`."""
 
     name: str
-    factor: str  # which setting changed (a field of EngineConfig)
+    factor: str  # which setting changed (a field of EngineConfig, or "allocator")
     change: str  # what changed, in words
     fields: tuple  # (field, value) pairs replaced in the base config
+    allocator: type = PrefixCachingAllocator  # the engine's allocator (the baseline caches prefixes)
 
 
 def contiguous_block_size(workload: list[RequestSpec]) -> int:
@@ -455,8 +457,7 @@ ABLATIONS = (
     Ablation("no chunked prefill", "chunked_prefill", "a prompt is prefilled whole or waits",
              (("chunked_prefill", False),)),
     Ablation("swap", "preemption_mode", "victims' K/V copied to CPU and back", (("preemption_mode", "swap"),)),
-    Ablation("no prefix caching", "enable_prefix_caching", "the shared system prompt is recomputed",
-             (("enable_prefix_caching", False),)),
+    Ablation("no prefix caching", "allocator", "the shared system prompt is recomputed", (), BlockAllocator),
     Ablation("contiguous", "block_size", "one max-length block per sequence, same slots", (("block_size", None),)),
     Ablation("shortest prompt first", "scheduling_policy", "waiting queue ordered by prompt length",
              (("scheduling_policy", "shortest_prompt_first"),)),
@@ -476,7 +477,8 @@ def ablation_config(ablation: Ablation, workload: list[RequestSpec], base: Engin
 def ablation_runs(model, workload: list[RequestSpec], prompts: list | None = None,
                   ablations: Sequence[Ablation] = ABLATIONS, base: EngineConfig = BASE_CONFIG) -> dict[str, dict]:
     """One engine run per ablation on the same workload: ablation name -> :func:`run_engine`'s summary."""
-    return {a.name: run_engine(model, ablation_config(a, workload, base), workload, prompts) for a in ablations}
+    return {a.name: run_engine(model, ablation_config(a, workload, base), workload, prompts, allocator=a.allocator)
+            for a in ablations}
 
 
 ABLATION_COLUMNS = (("tok/s", "tokens_per_s", 1.0, ".0f"), ("TTFT p50 ms", "ttft_p50", 1e3, ".0f"),

@@ -136,7 +136,7 @@ def check_finished(seq) -> str:
 
 
 def allocator_for(caching: bool, hash_fn=None):
-    """The allocator class an engine test runs: chapter 06's prefix cache (with ``hash_fn`` if given), or the plain pool."""
+    """The allocator class an engine test runs: chapter 06's prefix cache (``hash_fn`` if given), or the plain pool."""
     from functools import partial
 
     from minipaged.block_manager import BlockAllocator

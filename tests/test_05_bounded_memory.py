@@ -80,17 +80,21 @@ def test_a_failed_step_puts_back_the_record_the_window_dropped(model, monkeypatc
         engine.add_request(p, SamplingParams(max_tokens=5))
     for _ in range(4):
         engine.step()
-    before = (list(engine.metrics.history), engine.metrics.num_steps, engine.metrics.num_finished, dict(engine.requests))
+    m = engine.metrics
+    before = (list(m.history), m.num_steps, m.num_finished, dict(engine.requests))
     assert len(before[0]) == 3
 
-    def boom(finished):  # after record_step: the window already dropped its oldest record
+    record_step = engine.metrics.record_step
+
+    def boom(*args):  # after record_step: the window already dropped its oldest record
+        record_step(*args)
         raise RuntimeError("late fault")
 
-    monkeypatch.setattr(engine, "_hand_over", boom)
+    monkeypatch.setattr(engine.metrics, "record_step", boom)
     with pytest.raises(RuntimeError, match="late fault"):
         engine.step()
     monkeypatch.undo()
-    after = (list(engine.metrics.history), engine.metrics.num_steps, engine.metrics.num_finished, dict(engine.requests))
+    after = (list(m.history), m.num_steps, m.num_finished, dict(engine.requests))
     assert after == before
     while engine.has_unfinished():
         engine.step()

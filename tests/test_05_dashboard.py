@@ -130,8 +130,7 @@ def make_engine(model):
     from minipaged.scheduler import EngineConfig
 
     # A pool small enough that the batch must preempt.
-    return Engine(model, EngineConfig(num_blocks=12, block_size=4, max_num_seqs=6, max_num_batched_tokens=32,
-                                      enable_prefix_caching=False))  # chapter 05: no sharing yet
+    return Engine(model, EngineConfig(num_blocks=12, block_size=4, max_num_seqs=6, max_num_batched_tokens=32))
 
 
 def test_replay_step_by_step_matches_engine_run(model):

@@ -60,7 +60,7 @@ def fault_sites(engine):
         "schedule": (engine.scheduler, "schedule", "before"),
         "schedule_midway": (BlockTable, "append_tokens", "after"),  # some tables already grew
         "swap": (engine.cache, "swap_out", "before") if engine.config.preemption_mode == "swap"
-        else (engine, "swap", "before"),
+        else (engine.cache, "move_kv", "before"),
         "forward": (engine.model, "forward", "before"),
         "mask": (engine_module, "mask_stop_tokens", "after"),
         "stop_mask": (StopRules, "mask", "after"),  # one request's min_tokens rows masked, the others' not yet
@@ -69,7 +69,7 @@ def fault_sites(engine):
         "postprocess_midway": (Sequence, "append_token", "after"),  # a sequence already took its token
         "metrics": (engine.metrics, "record_step", "after"),
         "finish": (Scheduler, "_release", "after"),  # a finished (or preempted) request's blocks already freed
-        "hand_over": (engine, "_hand_over", "before"),
+        "hand_over": (engine_module, "RequestOutput", "before"),  # a finished request about to be handed over
     }
 
 
@@ -130,8 +130,8 @@ class EngineMachine(RuleBasedStateMachine):
     @initialize(mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(), keep=st.booleans())
     def setup(self, mode, caching, keep):
         config = EngineConfig(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=12, watermark=0.0,
-                              preemption_mode=mode, enable_prefix_caching=caching, keep_finished=keep)  # fmt: skip
-        self.engine = Engine(MODEL, config)
+                              preemption_mode=mode, keep_finished=keep)  # fmt: skip
+        self.engine = Engine(MODEL, config, allocator=engine_helpers.allocator_for(caching))
         self.live: dict[int, tuple[list[int], SamplingParams]] = {}  # request_id -> (prompt, params)
         self.finished: set[int] = set()
         self.reasons: Counter = Counter()

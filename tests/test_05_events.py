@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from engine_helpers import allocator_for
 
 from minipaged.engine import Engine
 from minipaged.generate import generate_contiguous
@@ -29,8 +30,8 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 1, 2], [5, 6, 7, 8, 9, 10, 11, 12, 3], [4
 
 def make_engine(model, mode="recompute", prefix_caching=False, **kw):
     config = EngineConfig(num_blocks=9, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
-                          preemption_mode=mode, enable_prefix_caching=prefix_caching, keep_finished=True, **kw)
-    engine = Engine(model, config)
+                          preemption_mode=mode, keep_finished=True, **kw)
+    engine = Engine(model, config, allocator=allocator_for(prefix_caching))
     ids = [engine.add_request(p, SamplingParams(max_tokens=6)) for p in PROMPTS]
     return engine, ids
 

@@ -21,6 +21,7 @@ from minipaged.block_manager import BlockTable
 from minipaged.engine import Engine
 from minipaged.generate import generate_contiguous
 from minipaged.model import LlamaConfig, LlamaForCausalLM
+from minipaged.prefix_cache import PrefixCachingAllocator
 from minipaged.scheduler import EngineConfig, Scheduler
 from minipaged.sequence import SamplingParams, Sequence
 from minipaged.stopping import StopRules
@@ -67,8 +68,8 @@ def fault_points(engine, monkeypatch, stage, after_calls):
     elif stage == "swap" and engine.config.preemption_mode == "swap":  # inside the K/V copies
         wrap(engine.cache, "swap_in")
         wrap(engine.cache, "swap_out")
-    elif stage == "swap":
-        wrap(engine, "swap")
+    elif stage == "swap":  # the step's K/V moves (none but copy-on-write in recompute mode)
+        wrap(engine.cache, "move_kv")
     elif stage == "forward":
         wrap(engine.model, "forward")
     elif stage == "sample":
@@ -114,8 +115,8 @@ def test_a_fault_at_any_stage_leaves_the_engine_as_before_the_step(model, stage,
     rng = random.Random(f"{stage}-{mode}-{prefix_caching}-{SEED}")
     # A small pool: preemption (and so swaps) happens; shared prompt starts make prefix hits.
     config = EngineConfig(num_blocks=14, block_size=4, max_num_seqs=6, max_num_batched_tokens=16, keep_finished=True,
-                          preemption_mode=mode, enable_prefix_caching=prefix_caching)
-    engine = Engine(model, config)
+                          preemption_mode=mode)
+    engine = Engine(model, config, allocator=engine_helpers.allocator_for(prefix_caching))
     base = [rng.randrange(512) for _ in range(8)]
     prompts = [base[: rng.randint(2, 8)] + [rng.randrange(512) for _ in range(rng.randint(1, 10))] for _ in range(6)]
     for p in prompts:
@@ -192,7 +193,7 @@ def test_a_fault_in_the_stop_handling_leaves_the_engine_as_before_the_step(model
     eos_model = engine_helpers.with_eos(model, engine_helpers.STOP_EOS)
     config = EngineConfig(num_blocks=14, block_size=4, max_num_seqs=6, max_num_batched_tokens=16, keep_finished=True,
                           preemption_mode=mode)  # fmt: skip
-    engine = Engine(eos_model, config)
+    engine = Engine(eos_model, config, allocator=PrefixCachingAllocator)  # a finished request's blocks stay cached
     requests = []
     for _ in range(6):
         prompt = [rng.randrange(512) for _ in range(rng.randint(2, 12))]

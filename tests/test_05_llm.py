@@ -460,6 +460,27 @@ def test_a_stop_string_ends_every_sample_of_a_request(model, bpe):
     assert llm.engine.cache.allocator.num_used == 0 and not llm.engine.requests
 
 
+def test_vllms_prefix_caching_and_speculative_options_pick_the_engines_parts(model, bpe):
+    """``LLM(enable_prefix_caching=True, speculative_config=None)`` as vLLM: caching on by default, no drafts."""
+    from minipaged.block_manager import BlockAllocator
+    from minipaged.prefix_cache import PrefixCachingAllocator
+    from minipaged.speculative import NgramSpeculator
+
+    default = make_llm(model, bpe).engine
+    assert isinstance(default.cache.allocator, PrefixCachingAllocator) and default.speculator is None
+    plain = make_llm(model, bpe, enable_prefix_caching=False).engine
+    assert type(plain.cache.allocator) is BlockAllocator
+    spec = make_llm(model, bpe, speculative_config=SPEC).engine
+    assert isinstance(spec.speculator, NgramSpeculator) and spec.scheduler.speculator is spec.speculator
+    assert spec.speculator.config.num_speculative_tokens == SPEC["num_speculative_tokens"]
+    with pytest.raises(TypeError, match="enable_prefix_caching must be True or False, got int 1"):
+        LLM(model, bpe, enable_prefix_caching=1)
+    with pytest.raises(TypeError, match="speculative_config must be a SpeculativeConfig, a dict or None, got int"):
+        LLM(model, bpe, speculative_config=4)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(model, bpe, speculative_config={"method": "ngram"})
+
+
 def test_front_end_errors_name_the_argument_and_queue_nothing(model, bpe, tmp_path):
     with pytest.raises(ValueError, match="tokenizer is required"):
         LLM(model)

@@ -79,9 +79,8 @@ def test_outputs_match_contiguous_with_caching_under_preemption_chunking_and_abo
     outputs = {}
     for caching in (False, True):
         config = EngineConfig(num_blocks=14, block_size=4, max_num_seqs=8, max_num_batched_tokens=24 if chunked else 64,
-                              chunked_prefill=chunked, preemption_mode=mode, enable_prefix_caching=caching,
-                              keep_finished=True)
-        engine = Engine(model, config)
+                              chunked_prefill=chunked, preemption_mode=mode, keep_finished=True)
+        engine = Engine(model, config, allocator=engine_helpers.allocator_for(caching))
         aborted = drive(engine, requests, random.Random(3), abort_prob=0.08)
         assert engine.metrics.num_preemptions > 0
         assert engine.cache.allocator.num_free == config.num_blocks and not engine.swap_space  # nothing leaked
@@ -109,8 +108,8 @@ def test_random_shared_prefix_workloads_match_contiguous(model, seed, num_blocks
     config = EngineConfig(keep_finished=True, num_blocks=num_blocks, block_size=block_size, max_num_seqs=6,
                           max_num_batched_tokens=budget if chunked else 64, chunked_prefill=chunked,
                           preemption_mode=mode)  # fmt: skip
-    engine = Engine(model, config)
-    assert isinstance(engine.cache.allocator, PrefixCachingAllocator)  # caching is on by default
+    engine = Engine(model, config, allocator=PrefixCachingAllocator)
+    assert isinstance(engine.cache.allocator, PrefixCachingAllocator)  # the engine builds the allocator it is given
     aborted = drive(engine, requests, rng, abort_prob=0.05)
     assert engine.cache.allocator.num_free == num_blocks and not engine.swap_space
     for i, (prompt, n, _) in enumerate(requests):
@@ -130,7 +129,7 @@ def test_stops_with_shared_prefixes_and_parallel_samples_match_contiguous(model,
                 for prompt, n, _ in shared_prefix_requests(rng, model.config.vocab_size, 8, block_size=4)]  # fmt: skip
     config = EngineConfig(keep_finished=True, num_blocks=num_blocks, block_size=4, max_num_seqs=6,
                           max_num_batched_tokens=16 if chunked else 64, chunked_prefill=chunked, preemption_mode=mode)
-    engine = Engine(eos_model, config)
+    engine = Engine(eos_model, config, allocator=PrefixCachingAllocator)
 
     def add(engine, i, request):
         engine.add_request(request[0], request[1], request_id=i)
@@ -152,7 +151,8 @@ def test_stops_with_shared_prefixes_and_parallel_samples_match_contiguous(model,
 
 
 def test_a_hit_shares_blocks_and_starts_at_the_hit_length(model):
-    engine = Engine(model, EngineConfig(keep_finished=True, num_blocks=16, block_size=4))
+    engine = Engine(model, EngineConfig(keep_finished=True, num_blocks=16, block_size=4),
+                    allocator=PrefixCachingAllocator)
     prompt = list(range(1, 12))  # 11 tokens: blocks 0 and 1 full, block 2 partly
     engine.add_request(prompt, SamplingParams(max_tokens=5), request_id="a")
     engine.step()  # a's prompt computed: its two full blocks get keys
@@ -175,7 +175,8 @@ def test_a_hit_shares_blocks_and_starts_at_the_hit_length(model):
 
 
 def test_a_prompt_of_whole_blocks_recomputes_its_last_block(model):
-    engine = Engine(model, EngineConfig(keep_finished=True, num_blocks=16, block_size=4))
+    engine = Engine(model, EngineConfig(keep_finished=True, num_blocks=16, block_size=4),
+                    allocator=PrefixCachingAllocator)
     prompt = list(range(1, 9))  # exactly 2 blocks
     engine.generate([prompt], SamplingParams(max_tokens=1))
     engine.add_request(prompt, SamplingParams(max_tokens=3), request_id="again")
@@ -187,7 +188,8 @@ def test_a_prompt_of_whole_blocks_recomputes_its_last_block(model):
 
 
 def test_generated_tokens_are_cached_too(model):
-    engine = Engine(model, EngineConfig(keep_finished=True, num_blocks=16, block_size=4))
+    engine = Engine(model, EngineConfig(keep_finished=True, num_blocks=16, block_size=4),
+                    allocator=PrefixCachingAllocator)
     prompt = [5, 6, 7]
     out = engine.generate([prompt], SamplingParams(max_tokens=9))[0]
     # prompt + 8 fed-back outputs = 11 computed tokens: blocks 0 and 1 hold generated tokens and are cached.
@@ -197,7 +199,8 @@ def test_generated_tokens_are_cached_too(model):
 
 def test_admission_counts_a_free_hit_block_as_used(model):
     # 6 blocks, watermark 2. Request "a" leaves 2 cached blocks in the free queue.
-    engine = Engine(model, EngineConfig(keep_finished=True, num_blocks=6, block_size=4, watermark=0.34))
+    engine = Engine(model, EngineConfig(keep_finished=True, num_blocks=6, block_size=4, watermark=0.34),
+                    allocator=PrefixCachingAllocator)
     prefix = list(range(1, 9))
     engine.generate([prefix + [9]], SamplingParams(max_tokens=1))
     allocator = engine.cache.allocator
@@ -219,7 +222,8 @@ def test_admission_counts_a_free_hit_block_as_used(model):
 def test_salts_isolate_and_the_same_salt_shares(model):
     prompt = list(range(1, 10))
     for salt, shares in (("alice", True), ("bob", False), (None, False), (b"alice", False)):
-        engine = Engine(model, EngineConfig(keep_finished=True, num_blocks=16, block_size=4))
+        engine = Engine(model, EngineConfig(keep_finished=True, num_blocks=16, block_size=4),
+                        allocator=PrefixCachingAllocator)
         engine.add_request(prompt, SamplingParams(max_tokens=1), cache_salt="alice")
         while engine.has_unfinished():
             engine.step()
@@ -233,7 +237,7 @@ def test_swapped_out_sequence_drops_its_references_and_hits_again(model):
     # Two sequences share a 2-block prefix; the pool forces the younger one out by swap.
     config = EngineConfig(num_blocks=8, block_size=4, max_num_seqs=2, preemption_mode="swap",
                           watermark=0.0, keep_finished=True)
-    engine = Engine(model, config)
+    engine = Engine(model, config, allocator=PrefixCachingAllocator)
     prefix = list(range(1, 9))
     engine.add_request(prefix + [9], SamplingParams(max_tokens=14), request_id="old")
     engine.step()
@@ -257,8 +261,8 @@ def test_parallel_samples_equal_the_same_seed_run_alone(model):
     prompt = list(range(3, 13))  # 10 tokens, block size 4: the last prompt block is shared and partly filled
     params = SamplingParams(max_tokens=8, temperature=0.9, seed=11, n=4)
     for caching in (False, True):
-        engine = Engine(model, EngineConfig(num_blocks=32, block_size=4,
-                                            enable_prefix_caching=caching, keep_finished=True))
+        engine = Engine(model, EngineConfig(num_blocks=32, block_size=4, keep_finished=True),
+                        allocator=engine_helpers.allocator_for(caching))
         rid = engine.add_request(prompt, params)
         engine.step()  # the prompt: sample 0 computes it, samples 1..3 fork its table
         tables = [s.block_table.blocks for s in engine.requests[rid]]
@@ -280,7 +284,8 @@ def test_parallel_samples_equal_the_same_seed_run_alone(model):
 
 
 def test_generate_returns_every_sample_prompt_by_prompt(model):
-    engine = Engine(model, EngineConfig(keep_finished=True, num_blocks=32, block_size=4))
+    engine = Engine(model, EngineConfig(keep_finished=True, num_blocks=32, block_size=4),
+                    allocator=PrefixCachingAllocator)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
     outs = engine.generate(prompts, SamplingParams(max_tokens=3, n=2))
     greedy = [generate_contiguous(model, p, 3) for p in prompts]
@@ -292,7 +297,7 @@ def test_parallel_samples_under_preemption_and_abort(model):
     # Samples fork, run out of blocks, get preempted (each one alone afterwards), and one request is aborted.
     for mode in ("recompute", "swap"):
         engine = Engine(model, EngineConfig(num_blocks=10, block_size=4, max_num_seqs=4,
-                                            preemption_mode=mode, keep_finished=True))
+                                            preemption_mode=mode, keep_finished=True), allocator=PrefixCachingAllocator)
         prompt = list(range(1, 8))
         rid = engine.add_request(prompt, SamplingParams(max_tokens=12, n=3))
         other = engine.add_request([9, 8, 7], SamplingParams(max_tokens=12))
@@ -309,7 +314,8 @@ def test_parallel_samples_under_preemption_and_abort(model):
 
 
 def test_abort_before_the_fork_aborts_every_sample(model):
-    engine = Engine(model, EngineConfig(keep_finished=True, num_blocks=16, block_size=4, max_num_batched_tokens=4))
+    engine = Engine(model, EngineConfig(keep_finished=True, num_blocks=16, block_size=4, max_num_batched_tokens=4),
+                    allocator=PrefixCachingAllocator)
     rid = engine.add_request(list(range(1, 11)), SamplingParams(max_tokens=3, n=3))
     engine.step()  # a first chunk of the prompt only
     engine.abort(rid)
@@ -320,7 +326,7 @@ def test_abort_before_the_fork_aborts_every_sample(model):
 
 
 def test_bad_input_is_named_and_changes_nothing(model):
-    engine = Engine(model, EngineConfig(num_blocks=16, block_size=4, max_num_seqs=4))
+    engine = Engine(model, EngineConfig(num_blocks=16, block_size=4, max_num_seqs=4), allocator=PrefixCachingAllocator)
     with pytest.raises(ValueError, match="n must be >= 1"):
         SamplingParams(n=0)
     with pytest.raises(TypeError, match="n must be an int"):
@@ -328,10 +334,10 @@ def test_bad_input_is_named_and_changes_nothing(model):
     with pytest.raises(ValueError, match=r"SamplingParams.n = 5 .* max_num_seqs is 4"):
         engine.add_request([1, 2], SamplingParams(n=5), request_id="many")
     for salt in (3, ["a"], 1.5):
-        with pytest.raises(TypeError, match="cache_salt must be str, bytes or None"):
+        with pytest.raises(TypeError, match="cache_salt must be a str, bytes or None"):
             engine.add_request([1, 2], cache_salt=salt)
-    with pytest.raises(TypeError, match="enable_prefix_caching must be a bool"):
-        EngineConfig(enable_prefix_caching=1)
+    with pytest.raises(TypeError, match="allocator must be a class"):  # prefix caching is the allocator, not a flag
+        Engine(model, allocator=1)
     assert not engine.seqs and not engine.requests and not engine.has_unfinished()
     assert engine.cache.allocator.num_free == 16
     engine.add_request([1, 2], SamplingParams(n=4), request_id="ok")  # n == max_num_seqs is fine

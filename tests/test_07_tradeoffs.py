@@ -9,10 +9,11 @@ from hypothesis import strategies as st
 
 from minipaged import tradeoffs as T
 from minipaged.accounting import allocated_slots, utilisation
-from minipaged.block_manager import OutOfBlocks
+from minipaged.block_manager import BlockAllocator, OutOfBlocks
 from minipaged.engine import Engine
 from minipaged.generate import generate_contiguous
 from minipaged.model import LlamaConfig, LlamaForCausalLM
+from minipaged.prefix_cache import PrefixCachingAllocator
 from minipaged.scheduler import EngineConfig
 from minipaged.sequence import SamplingParams
 from minipaged.workload import RequestSpec, make_workload
@@ -147,7 +148,7 @@ def test_scheduling_policy_is_validated():
 def test_admission_order_follows_the_policy_and_outputs_stay_exact(policy):
     model = T.sweep_model()
     engine = Engine(model, EngineConfig(num_blocks=16, block_size=4, max_num_seqs=1, scheduling_policy=policy,
-                                        enable_prefix_caching=False, keep_finished=True))
+                                        keep_finished=True))
     prompts = {"long": list(range(1, 31)), "short": [5, 6, 7], "mid": list(range(9, 21))}
     for rid, p in prompts.items():
         engine.add_request(p, SamplingParams(max_tokens=3), request_id=rid)
@@ -162,7 +163,7 @@ def test_admission_order_follows_the_policy_and_outputs_stay_exact(policy):
 def test_shortest_prompt_first_readmits_preempted_sequences_first():
     model = T.sweep_model()
     config = EngineConfig(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, watermark=0.0,
-                          scheduling_policy="shortest_prompt_first", enable_prefix_caching=False, keep_finished=True)
+                          scheduling_policy="shortest_prompt_first", keep_finished=True)
     engine = Engine(model, config)
     prompts = {f"r{i}": list(range(1 + i, 9 + 3 * i)) for i in range(4)}
     for rid, p in prompts.items():
@@ -201,6 +202,18 @@ def test_run_engine_is_deterministic_and_does_not_depend_on_the_model():
     assert a["normalized_latency"] > 0 and 0 < a["kv_usage"] <= 1
 
 
+def test_run_engine_caches_prefixes_unless_given_the_plain_allocator():
+    workload = [RequestSpec(0.01 * i, 9, 3) for i in range(6)]
+    prompts = [list(range(1, 9)) + [20 + i] for i in range(6)]  # two shared blocks of 4, then one own token
+    config = EngineConfig(num_blocks=24, block_size=4, max_num_seqs=8, max_num_batched_tokens=32)
+    cached = T.run_engine(T.sweep_model(), config, workload, prompts)
+    plain = T.run_engine(T.sweep_model(), config, workload, prompts, allocator=BlockAllocator)
+    assert cached["hit_rate"] > 0 and plain["hit_rate"] == 0
+    assert cached["tokens_per_s"] > plain["tokens_per_s"]  # the hits skip part of the prefill
+    (no_caching,) = [a for a in T.ABLATIONS if a.name == "no prefix caching"]
+    assert no_caching.allocator is BlockAllocator and T.ABLATIONS[0].allocator is PrefixCachingAllocator
+
+
 def test_block_size_sweep_keeps_the_pool_slots():
     workload, _ = _small_workload()
     base = EngineConfig(num_blocks=24, block_size=4, max_num_seqs=8, max_num_batched_tokens=32)
@@ -218,6 +231,8 @@ def test_each_ablation_changes_one_factor():
     for a in T.ABLATIONS:
         config = T.ablation_config(a, workload)
         changed = {k for k, v in base_fields.items() if getattr(config, k) != v}
+        if a.allocator is not T.ABLATIONS[0].allocator:  # the engine's allocator: prefix caching on or off
+            changed.add("allocator")
         names.add(a.name)
         if a.factor == "-":
             assert not changed

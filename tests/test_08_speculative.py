@@ -24,13 +24,26 @@ from minipaged.engine import Engine
 from minipaged.generate import generate_contiguous
 from minipaged.scheduler import EngineConfig, Scheduler
 from minipaged.sequence import SamplingParams, Sequence, SequenceStatus
-from minipaged.speculative import NgramProposer, SpeculativeConfig, accept_greedy, accept_sampled, rollback_drafts
+from minipaged.speculative import (
+    NgramProposer,
+    NgramSpeculator,
+    SpeculativeConfig,
+    accept_greedy,
+    accept_sampled,
+    rollback_drafts,
+)
 from minipaged.stopping import StopRules
 from minipaged.tokenizer import encode
 
 pytestmark = pytest.mark.ch08
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+def spec_engine(model, spec=SPEC, caching=True, **config):
+    """An engine with n-gram drafts (``spec``, vLLM's dict) and, unless ``caching`` is False, prefix caching."""
+    return Engine(model, EngineConfig(**config), allocator=engine_helpers.allocator_for(caching),
+                  speculator=NgramSpeculator(spec))
 
 
 SNIPPETS = [
@@ -83,13 +96,13 @@ def repetitive_prompt(rng: random.Random) -> list[int]:
 
 
 def test_config_from_vllms_dict_and_its_defaults():
-    config = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
-    spec = config.speculative_config
+    spec = NgramSpeculator({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}).config
     assert isinstance(spec, SpeculativeConfig)
     assert (spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min) == (3, 4, 4)
     assert SpeculativeConfig(2).prompt_lookup_max == SpeculativeConfig(2).prompt_lookup_min == 5
     assert SpeculativeConfig(2, prompt_lookup_min=2).prompt_lookup_max == 2
-    assert EngineConfig().speculative_config is None
+    assert NgramSpeculator(SpeculativeConfig(2)).config == SpeculativeConfig(2)
+    assert Scheduler(EngineConfig(), BlockAllocator(4, 4)).speculator is None  # drafting is off unless given one
 
 
 @pytest.mark.parametrize("options, error, words", [
@@ -104,12 +117,12 @@ def test_config_from_vllms_dict_and_its_defaults():
 ])  # fmt: skip
 def test_bad_speculative_config_is_refused_naming_the_option(options, error, words):
     with pytest.raises(error, match=words):
-        EngineConfig(speculative_config=options)
+        NgramSpeculator(options)
 
 
 def test_speculative_config_of_the_wrong_type_is_a_type_error():
-    with pytest.raises(TypeError, match="speculative_config"):
-        EngineConfig(speculative_config=4)
+    with pytest.raises(TypeError, match="config must be a SpeculativeConfig or a dict, got int"):
+        NgramSpeculator(4)
     with pytest.raises(TypeError, match="SpeculativeConfig"):
         NgramProposer({"num_speculative_tokens": 2})
 
@@ -221,7 +234,7 @@ class Checker:
         engine = self.engine
         alloc, sched = engine.cache.allocator, engine.scheduler
         B = alloc.block_size
-        k = engine.config.speculative_config.num_speculative_tokens
+        k = engine.speculator.config.num_speculative_tokens
         free = alloc.free_queue() if hasattr(alloc, "free_queue") else list(alloc.free_block_ids)
         holders = Counter(b for s in sched.running for b in s.block_table.blocks)
         assert alloc.refcounts == [holders[b] for b in range(alloc.num_blocks)]
@@ -266,9 +279,8 @@ def drive(engine, requests, rng, abort_prob=0.0, checker=None):
 def test_greedy_output_equals_contiguous_under_preemption_chunking_aborts_and_sharing(model, chunked, mode, caching):
     rng = random.Random(f"{chunked}{mode}{caching}")
     config = EngineConfig(num_blocks=24, block_size=4, max_num_seqs=8, max_num_batched_tokens=64 if not chunked else 24,
-                          chunked_prefill=chunked, preemption_mode=mode, enable_prefix_caching=caching,
-                          keep_finished=True, speculative_config=SPEC)  # fmt: skip
-    engine = Engine(model, config)
+                          chunked_prefill=chunked, preemption_mode=mode, keep_finished=True)  # fmt: skip
+    engine = Engine(model, config, allocator=engine_helpers.allocator_for(caching), speculator=NgramSpeculator(SPEC))
     shared = repetitive_prompt(rng)
     requests = [(((shared if i % 3 == 0 else []) + repetitive_prompt(rng))[:40], rng.randint(4, 16)) for i in range(14)]
     checker = Checker(engine)
@@ -287,7 +299,7 @@ def test_greedy_output_equals_contiguous_under_preemption_chunking_aborts_and_sh
 
 
 def test_the_engine_counts_what_step_outputs_report(model):
-    engine = Engine(model, EngineConfig(num_blocks=40, block_size=4, speculative_config=SPEC))
+    engine = spec_engine(model, num_blocks=40, block_size=4)
     rng = random.Random(3)
     for _ in range(3):
         engine.add_request(repetitive_prompt(rng), SamplingParams(max_tokens=20))
@@ -315,7 +327,7 @@ def test_drafts_never_pass_max_tokens_and_stop_tokens_among_them_end_the_output(
     stops = tuple({o[5] for o in plain})  # a token each output produces mid-way
     params = SamplingParams(max_tokens=12, stop_token_ids=stops)
     want = Engine(model, EngineConfig(num_blocks=40, block_size=4)).generate(prompts, params)
-    spec = Engine(model, EngineConfig(num_blocks=40, block_size=4, speculative_config=SPEC))
+    spec = spec_engine(model, num_blocks=40, block_size=4)
     assert spec.generate(prompts, params) == want
     assert all(len(o) <= 12 for o in want) and any(len(o) < 12 for o in want)
     assert spec.metrics.num_draft_tokens > 0
@@ -324,7 +336,7 @@ def test_drafts_never_pass_max_tokens_and_stop_tokens_among_them_end_the_output(
 def free_run_with_drafts(model, prompts, max_tokens):
     """Run ``prompts`` with drafts and no stopping (ignore_eos); per request its output and, per verification step,
     ``(outputs before the step, accepted drafts)``."""
-    engine = Engine(model, EngineConfig(num_blocks=80, block_size=4, speculative_config=SPEC, keep_finished=True))
+    engine = spec_engine(model, num_blocks=80, block_size=4, keep_finished=True)
     ids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts]
     steps = {i: [] for i in ids}
     while engine.has_unfinished():
@@ -355,7 +367,7 @@ def test_a_stop_token_inside_accepted_drafts_ends_the_request_there(model):
     params = SamplingParams(max_tokens=24, stop_token_ids=(stop,))
     want = engine_helpers.reference(model, prompt, params)
     assert len(want) == o + i + 1 and want[-1] == stop
-    engine = Engine(model, EngineConfig(num_blocks=80, block_size=4, speculative_config=SPEC, keep_finished=True))
+    engine = spec_engine(model, num_blocks=80, block_size=4, keep_finished=True)
     rid = engine.add_request(prompt, params)
     while engine.has_unfinished():
         out = engine.step()
@@ -374,7 +386,7 @@ def test_a_fault_as_a_stop_inside_accepted_drafts_ends_the_request_rolls_the_ste
     prompt, stop, o, _ = stop_inside_accepted_drafts(model, random.Random(2))
     params = SamplingParams(max_tokens=24, stop_token_ids=(stop,))
     want = engine_helpers.reference(model, prompt, params)
-    engine = Engine(model, EngineConfig(num_blocks=80, block_size=4, speculative_config=SPEC, keep_finished=True))
+    engine = spec_engine(model, num_blocks=80, block_size=4, keep_finished=True)
     rid = engine.add_request(prompt, params)
     owner, name = {"check": (StopRules, "check"), "finish_reason": (Sequence, "append_token"),
                    "release": (Scheduler, "_release")}[site]  # fmt: skip
@@ -412,7 +424,7 @@ def test_min_tokens_masks_every_verified_position(model):
     params = SamplingParams(max_tokens=24, stop_token_ids=(stop,), min_tokens=o + i + 1)
     want = engine_helpers.reference(model, prompt, params)
     assert want[o + i] != stop and stop not in want[: o + i + 1]
-    engine = Engine(model, EngineConfig(num_blocks=80, block_size=4, speculative_config=SPEC, keep_finished=True))
+    engine = spec_engine(model, num_blocks=80, block_size=4, keep_finished=True)
     rid = engine.add_request(prompt, params)
     masked_drafts = 0
     while engine.has_unfinished():
@@ -430,7 +442,7 @@ def test_parallel_samples_and_sampled_requests_next_to_drafting_ones(model):
     prompt = repetitive_prompt(rng)
 
     def run():
-        engine = Engine(model, EngineConfig(num_blocks=40, block_size=4, max_num_seqs=8, speculative_config=SPEC))
+        engine = spec_engine(model, num_blocks=40, block_size=4, max_num_seqs=8)
         greedy = engine.add_request(prompt, SamplingParams(max_tokens=14, n=3))
         sampled = engine.add_request(prompt, SamplingParams(max_tokens=14, temperature=0.5, seed=1))
         outputs, drafted = {}, set()
@@ -468,7 +480,7 @@ def test_speculative_sampling_keeps_the_target_distribution():
 def test_a_rejected_draft_leaves_its_block_reserved_and_uncached(model):
     # One sequence, drafts that cross into a new block; after the step the drafts' block is kept, keyless.
     rng = random.Random(0)
-    engine = Engine(model, EngineConfig(num_blocks=40, block_size=4, speculative_config=SPEC, keep_finished=True))
+    engine = spec_engine(model, num_blocks=40, block_size=4, keep_finished=True)
     seen = 0
     for _ in range(30):
         prompt = repetitive_prompt(rng)
@@ -498,9 +510,7 @@ def test_no_drafting_without_repetition_and_spec_off_is_plain_decoding(model):
     rng = random.Random(1)
     prompts = [[rng.randrange(256) for _ in range(12)] for _ in range(3)]
     params = SamplingParams(max_tokens=6)
-    config = EngineConfig(num_blocks=40, block_size=4,
-                          speculative_config={"num_speculative_tokens": 3, "prompt_lookup_min": 4})
-    engine = Engine(model, config)
+    engine = spec_engine(model, {"num_speculative_tokens": 3, "prompt_lookup_min": 4}, num_blocks=40, block_size=4)
     assert engine.generate(prompts, params) == [reference(model, p, 6) for p in prompts]
     assert engine.metrics.num_draft_tokens == 0 and engine.metrics.mean_acceptance_length == 1.0
     assert engine.metrics.spec_acceptance_rate == 0.0
@@ -515,8 +525,8 @@ class Boom(Exception):
 
 STAGES = {  # where to raise: (object, attribute), after the call when "after"
     "forward": lambda e: (e.model, "forward", "before"),
-    "verify": lambda e: (e, "verify", "before"),
-    "propose": lambda e: (e.scheduler.proposer, "propose", "after"),
+    "verify": lambda e: (e.speculator, "verify", "before"),
+    "propose": lambda e: (e.speculator.proposer, "propose", "after"),
     "rollback": lambda e: (Sequence, "append_token", "after"),
     "sample": lambda e: (engine_module, "sample", "before"),
 }
@@ -526,9 +536,9 @@ STAGES = {  # where to raise: (object, attribute), after the call when "after"
 @pytest.mark.parametrize("stage", sorted(STAGES))
 def test_a_fault_in_a_speculative_step_leaves_the_engine_as_before(model, stage, mode, monkeypatch):
     rng = random.Random(f"{stage}{mode}")
-    config = EngineConfig(num_blocks=20, block_size=4, max_num_seqs=6, max_num_batched_tokens=16, keep_finished=True,
-                          preemption_mode=mode, speculative_config=SPEC)  # fmt: skip
-    engine = Engine(model, config)
+    config = dict(num_blocks=20, block_size=4, max_num_seqs=6, max_num_batched_tokens=16, keep_finished=True,
+                  preemption_mode=mode)  # fmt: skip
+    engine = spec_engine(model, **config)
     prompts = [repetitive_prompt(rng)[:24] for _ in range(5)]
     lengths = [rng.randint(6, 14) for _ in prompts]
     for p, n in zip(prompts, lengths):
@@ -564,7 +574,7 @@ def test_a_fault_in_a_speculative_step_leaves_the_engine_as_before(model, stage,
         seq = engine.seqs[rid]
         assert seq.output_token_ids == reference(model, p, seq.sampling_params.max_tokens), (stage, rid)
     assert engine.cache.allocator.num_used == 0
-    clean = Engine(model, config)  # the same requests without faults: the sampled one draws the same tokens
+    clean = spec_engine(model, **config)  # the same requests without faults: the sampled one draws the same tokens
     for p, n in zip(prompts, lengths):
         clean.add_request(p, SamplingParams(max_tokens=n))
     clean.add_request(prompts[0], SamplingParams(max_tokens=12, temperature=0.7, seed=3), request_id=sampled_rid)
@@ -591,9 +601,8 @@ def test_random_workloads_match_contiguous_and_keep_the_pool_consistent(seed, k,
     spec = {"num_speculative_tokens": k, "prompt_lookup_min": min_n, "prompt_lookup_max": min_n + extra}
     config = EngineConfig(num_blocks=num_blocks, block_size=block_size, max_num_seqs=4,
                           max_num_batched_tokens=budget if chunked else 64, chunked_prefill=chunked,
-                          preemption_mode=mode, enable_prefix_caching=caching, keep_finished=True,
-                          watermark=0.0, speculative_config=spec)  # fmt: skip
-    engine = Engine(model, config)
+                          preemption_mode=mode, keep_finished=True, watermark=0.0)  # fmt: skip
+    engine = Engine(model, config, allocator=engine_helpers.allocator_for(caching), speculator=NgramSpeculator(spec))
     # Some requests sample (temperature 0.8): they draft and verify by speculative sampling next to greedy ones.
     # Greedy requests stop at stop tokens drawn from what they generate, some with min_tokens or ignore_eos.
     requests = [(repetitive_prompt(rng)[:20], rng.randint(1, 12), rng.choice([0.0, 0.0, 0.8]))

@@ -59,8 +59,7 @@ def main(argv: list[str]) -> int:
     try:  # a pool or budget too small for some request is a usage error, found before anything runs
         config = EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens, watermark=args.watermark,
-                              preemption_mode=args.preemption_mode, backend=args.backend,
-                              enable_prefix_caching=False)  # chapter 05 measures batching and paging alone
+                              preemption_mode=args.preemption_mode, backend=args.backend)  # chapter 05: no caching
         probe = Engine(model, config)
         for r in workload:
             probe.add_request([0] * r.prompt_len, SamplingParams(max_tokens=r.output_len, ignore_eos=True))

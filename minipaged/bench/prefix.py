@@ -7,7 +7,7 @@ are Poisson at a rate above what the uncached engine can serve, so throughput is
 each system's capacity and the queue shows up in TTFT.
 
 Each workload runs on the same model and the same KV pool with
-``enable_prefix_caching`` off and on. Caching saves twice: a hit skips the
+the prefix cache off and on (the engine's ``allocator``). Caching saves twice: a hit skips the
 prefix's prefill, and the requests share the prefix's blocks, so more of them fit
 the pool at once. The script prints the throughput ratio (on / off), the TTFT
 p50 and p99 ratios (off / on: how many times shorter) and the hit rate.
@@ -21,10 +21,12 @@ import numpy as np
 import torch
 
 from minipaged.bench import best_runs
+from minipaged.block_manager import BlockAllocator
 from minipaged.clock import VirtualClock, WallClock
 from minipaged.engine import Engine
 from minipaged.metrics import format_summary
 from minipaged.model import LlamaConfig, LlamaForCausalLM
+from minipaged.prefix_cache import PrefixCachingAllocator
 from minipaged.scheduler import EngineConfig
 from minipaged.workload import RequestSpec, poisson_arrivals
 
@@ -87,20 +89,19 @@ def main(argv: list[str]) -> int:
           f"max_num_seqs {args.max_num_seqs}, budget {args.max_num_batched_tokens}; "
           f"{args.clock} clock, device {device}")
 
-    def config(caching: bool) -> EngineConfig:
-        return EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                            max_num_batched_tokens=args.max_num_batched_tokens, backend=args.backend,
-                            enable_prefix_caching=caching)  # fmt: skip
+    config = EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens, backend=args.backend)  # fmt: skip
 
-    Engine(model, config(False)).generate([[1, 2, 3]] * 2)  # warm-up: one-off costs of the first passes
+    Engine(model, config).generate([[1, 2, 3]] * 2)  # warm-up: one-off costs of the first passes
 
     ratios = {}
     for shot, prefix_len in SHOTS.items():
         workload, prompts = shared_prefix_workload(args.requests, args.rate, prefix_len, args.suffix_len,
                                                    args.output_len, vocab, args.seed)  # fmt: skip
         systems = {
-            name: (lambda caching=caching: Engine(model, config(caching),
-                                                  WallClock() if args.clock == "wall" else VirtualClock()))
+            name: (lambda caching=caching: Engine(model, config, WallClock() if args.clock == "wall" else
+                                                  VirtualClock(), allocator=PrefixCachingAllocator if caching else
+                                                  BlockAllocator))  # fmt: skip
             for name, caching in (("cache off", False), ("cache on", True))
         }
         runs = best_runs(systems, lambda engine, w=workload, p=prompts: engine.run(w, progress=False, prompts=p),

@@ -9,7 +9,7 @@ request greedy and arriving at once:
 * **code**: windows of the standard library's own source (what the model was trained on),
   where repetition is only what real code has.
 
-Each workload runs with ``speculative_config`` off and on, on the same requests, and the
+Each workload runs without and with an ``NgramSpeculator``, on the same requests, and the
 script checks that the outputs are equal token for token. It prints the acceptance rate,
 the mean acceptance length (tokens a drafting sequence gains per step), the tokens per
 engine step, the median time per output token, and the throughput ratio (on / off) on the
@@ -34,6 +34,7 @@ from minipaged.clock import VirtualClock, WallClock
 from minipaged.engine import Engine
 from minipaged.metrics import summarize
 from minipaged.scheduler import EngineConfig
+from minipaged.speculative import NgramSpeculator
 from minipaged.tokenizer import encode
 from minipaged.workload import RequestSpec
 
@@ -83,9 +84,12 @@ def code_prompts(num: int, length: int, seed: int = 0) -> list[list[int]]:
     return prompts
 
 
-def run(model, prompts: list[list[int]], max_tokens: int, config: EngineConfig, clock) -> tuple[Engine, list]:
-    """Every prompt arriving at time 0, greedy, ``max_tokens`` each; returns the engine and the sequences."""
-    engine = Engine(model, config, clock)
+def run(model, prompts: list[list[int]], max_tokens: int, parts: dict, clock) -> tuple[Engine, list]:
+    """Every prompt arriving at time 0, greedy, ``max_tokens`` each; returns the engine and the sequences.
+
+    ``parts``: the engine's ``config`` and ``speculator`` (``config(k)`` in :func:`main`).
+    """
+    engine = Engine(model, clock=clock, **parts)
     workload = [RequestSpec(0.0, len(p), max_tokens) for p in prompts]
     return engine, engine.run(workload, progress=False, prompts=prompts)
 
@@ -120,11 +124,12 @@ def main(argv: list[str]) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = load_course_model(device=device)
 
-    def config(k: int | None) -> EngineConfig:
+    def config(k: int | None) -> dict:
         spec = None if k is None else {"method": "ngram", "num_speculative_tokens": k,
                                        "prompt_lookup_min": args.lookup[0], "prompt_lookup_max": args.lookup[1]}
-        return EngineConfig(num_blocks=256, block_size=16, max_num_seqs=args.max_num_seqs,
-                            max_num_batched_tokens=512, speculative_config=spec)  # fmt: skip
+        return {"config": EngineConfig(num_blocks=256, block_size=16, max_num_seqs=args.max_num_seqs,
+                                       max_num_batched_tokens=512),
+                "speculator": None if spec is None else NgramSpeculator(spec)}  # fmt: skip
 
     print(f"course model, {args.requests} greedy requests per workload arriving at once, prompt {args.prompt_len} "
           f"bytes, {args.max_tokens} output tokens each, max_num_seqs {args.max_num_seqs}; ngram drafts "

@@ -100,7 +100,7 @@ def swap_recompute_rows(block_sizes, num_tokens: int, repeats: int) -> list[tupl
             cache.swap_in(in_ids, cache.swap_out(out_ids))
 
         engine_config = EngineConfig(num_blocks=n_blocks, block_size=B, max_num_batched_tokens=num_tokens,
-                                     watermark=0.0, enable_prefix_caching=False)  # fmt: skip
+                                     watermark=0.0)  # fmt: skip
         t_recompute = math.inf
         for _ in range(repeats):  # the prefill step alone: the engine is built outside the timing
             engine = Engine(model, engine_config)

@@ -12,12 +12,12 @@ Pure renderers first, each a function of plain data:
 
 Then :class:`EngineDashboard`, the live widget: the chapter 02 block-map
 controls (Step, Play/Pause, speed, Reset) over a
-:class:`~minipaged.engine.Replay` of a workload, one engine step per click.
+:class:`~minipaged.replay.Replay` of a workload, one engine step per click.
 
 In a notebook::
 
     def make_engine():  # a fresh engine each time, so Reset can start over
-        return Engine(model, EngineConfig(num_blocks=14, block_size=4, max_num_seqs=6, enable_prefix_caching=False))
+        return Engine(model, EngineConfig(num_blocks=14, block_size=4, max_num_seqs=6))
 
     dash = EngineDashboard(make_engine, workload)  # workload: list of RequestSpec
     dash            # the live widget (mark the cell # NBVAL_IGNORE_OUTPUT)
@@ -286,7 +286,7 @@ class EngineDashboard(BlockMapView):
     ``engine`` is a function that builds a fresh :class:`~minipaged.engine.Engine`
     (then Reset starts over with a new one), or an engine (then Reset is not
     available). ``workload`` is a list of :class:`~minipaged.workload.RequestSpec`
-    replayed through it by a :class:`~minipaged.engine.Replay`, one engine step
+    replayed through it by a :class:`~minipaged.replay.Replay`, one engine step
     per Step click or Play tick. A ``Replay`` may be passed instead of both.
 
     The controls are the chapter 02 block map's (Step, Play/Pause, ms/step,
