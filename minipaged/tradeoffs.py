@@ -177,7 +177,7 @@ def memory_sweep(trace: list[RequestSpec], pool_tokens: int, block_sizes: Sequen
         max_wait: steps a request may wait before the simulator rejects it.
     """
     pool_tokens = check_int(pool_tokens, "pool_tokens", minimum=1)
-    final = [r.prompt_len + r.output_len for r in trace]
+    final = [r.num_prompt_tokens + r.num_output_tokens for r in trace]
     rows = []
     for B in block_sizes:
         B = _block_size(B)
@@ -356,8 +356,8 @@ def engine_workload(preset: WorkloadPreset | str, num_requests: int = 64, rate: 
     prefix_len = check_int(prefix_len, "prefix_len")
     workload = make_workload(num_requests, rate, preset, seed)
     prefix = prompt_token_ids(num_requests, prefix_len, vocab_size, seed)  # an index no request has
-    prompts = [prefix + prompt_token_ids(i, r.prompt_len, vocab_size, seed) for i, r in enumerate(workload)]
-    workload = [RequestSpec(r.arrival_time, r.prompt_len + prefix_len, r.output_len) for r in workload]
+    prompts = [prefix + prompt_token_ids(i, r.num_prompt_tokens, vocab_size, seed) for i, r in enumerate(workload)]
+    workload = [RequestSpec(r.arrival_time, r.num_prompt_tokens + prefix_len, r.num_output_tokens) for r in workload]
     return workload, prompts
 
 
@@ -441,7 +441,7 @@ class Ablation:
 
 def contiguous_block_size(workload: list[RequestSpec]) -> int:
     """A block as long as the longest request: one block per sequence is a max-length contiguous reservation."""
-    return max(r.prompt_len + r.output_len for r in workload)
+    return max(r.num_prompt_tokens + r.num_output_tokens for r in workload)
 
 
 ABLATIONS = (
@@ -546,7 +546,7 @@ def virtual_tables(model, block_sizes: Sequence[int] = BLOCK_SIZES) -> dict:
 
     out = {"block_sizes": list(block_sizes)}
     out["memory"] = {r: [asdict(row) for row in regime_memory_sweep(r, block_sizes)] for r in MEMORY_SETUPS}
-    lens = [r.prompt_len + r.output_len for r in regime_trace("sharegpt_like")[:32]]
+    lens = [r.num_prompt_tokens + r.num_output_tokens for r in regime_trace("sharegpt_like")[:32]]
     try:
         out["launch"] = {str(B): asdict(decode_launch(lens, B, 8)) for B in block_sizes}
     except ImportError:  # no triton: the counts need the kernel's constants and heuristic

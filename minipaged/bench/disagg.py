@@ -89,8 +89,8 @@ def main(argv: list[str]) -> int:
     d = DisaggregatedEngine(model, EngineConfig(num_blocks=args.prefill_blocks, **config),
                             EngineConfig(num_blocks=args.decode_blocks, **config), None, BusyClock(), BusyClock())
     for i, r in enumerate(workload):
-        d.add_request(prompt_token_ids(i, r.prompt_len, model.config.vocab_size, args.seed),
-                      SamplingParams(max_tokens=r.output_len, ignore_eos=True),
+        d.add_request(prompt_token_ids(i, r.num_prompt_tokens, model.config.vocab_size, args.seed),
+                      SamplingParams(max_tokens=r.num_output_tokens, ignore_eos=True),
                       arrival_time=r.arrival_time)  # fmt: skip
     wall = {"prefill": 0.0, "decode": 0.0}
     start = time.perf_counter()

@@ -55,7 +55,7 @@ def main(argv: list[str]) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = LlamaForCausalLM(LlamaConfig(), seed=args.seed).to(device).eval()
     workload = make_workload(args.requests, args.rate, args.preset, seed=args.seed)
-    max_model_len = max(r.prompt_len + r.output_len for r in workload)
+    max_model_len = max(r.num_prompt_tokens + r.num_output_tokens for r in workload)
     try:  # a pool or budget too small for some request is a usage error, found before anything runs
         config = EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens, watermark=args.watermark,
@@ -63,7 +63,8 @@ def main(argv: list[str]) -> int:
                               enable_prefix_caching=False)  # chapter 05 measures batching and paging alone
         probe = Engine(model, config)
         for r in workload:
-            probe.add_request([0] * r.prompt_len, SamplingParams(max_tokens=r.output_len, ignore_eos=True))
+            params = SamplingParams(max_tokens=r.num_output_tokens, ignore_eos=True)
+            probe.add_request([0] * r.num_prompt_tokens, params)
     except ValueError as exc:
         parser.error(f"the engine cannot serve this workload: {exc}")
     if config.num_blocks < blocks_needed(max_model_len, config.block_size):

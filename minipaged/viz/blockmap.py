@@ -553,24 +553,12 @@ class BlockMapView:
 
         controls = widgets.HBox([self.step_button, self.play, self.speed, self.reset_button])
         self.widget = widgets.VBox(
-            [controls, self.status, *self._layout(widgets), self.out],
+            [controls, self.status, *(self.panels[name] for name in self.PANELS), self.out],
             layout=widgets.Layout(width="100%"),
         )
         self.widget.add_class(self.CSS_CLASS)
         self._subscribe()
         self.redraw()
-
-    def _layout(self, widgets) -> list:
-        """The panel widgets, in display order (a subclass may arrange them in boxes)."""
-        return [self.panels[name] for name in self.PANELS]
-
-    @property
-    def map_html(self):
-        return self.panels["map"]
-
-    @property
-    def timeline_html(self):
-        return self.panels["timeline"]
 
     # -- state -----------------------------------------------------------------
 
