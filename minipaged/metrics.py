@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from minipaged.accounting import kv_usage, token_occupancy
 from minipaged.sequence import Sequence, SequenceStatus
 from minipaged.validation import check_int
 
@@ -166,8 +167,8 @@ class Metrics:
             num_batched_tokens=sum(num_new_tokens),
             num_prefill_tokens=num_prefill_tokens,
             kv_used_blocks=used,
-            kv_usage=used / self.num_blocks,
-            token_occupancy=sum(t.num_tokens for t in tables) / (self.num_blocks * self.block_size),
+            kv_usage=kv_usage(used, self.num_blocks),
+            token_occupancy=token_occupancy(sum(t.num_tokens for t in tables), self.num_blocks * self.block_size),
             tail_waste=sum(t.tail_waste for t in tables),
             preemptions=self._step_preemptions,
             finished=num_finished,

@@ -34,6 +34,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+from minipaged.accounting import slot_utilisation
 from minipaged.block_manager import BlockAllocator, BlockTable
 from minipaged.contiguous import GrowInPlace, MaxReservation, PagedPool
 from minipaged.validation import check_int, check_real
@@ -125,7 +126,7 @@ class PoolRun:
             waiting=len(self.waiting),
             tokens=tokens,
             reserved=reserved,
-            utilisation=round(tokens / reserved, 4) if reserved else 0.0,
+            utilisation=round(slot_utilisation(tokens, reserved), 4),
             unfilled_slots=reserved - tokens,
             external_fragmentation=round(pool.external_fragmentation, 4),
             relocations=pool.relocations,

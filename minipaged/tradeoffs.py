@@ -36,7 +36,16 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from minipaged.accounting import BLOCK_TABLE_ENTRY_BYTES, blocks_needed, ceil_div, tail_waste, utilisation
+from minipaged.accounting import (
+    BLOCK_TABLE_ENTRY_BYTES,
+    blocks_needed,
+    ceil_div,
+    kv_usage,
+    slot_utilisation,
+    tail_waste,
+    token_occupancy,
+    utilisation,
+)
 from minipaged.block_manager import BlockAllocator, BlockTable
 from minipaged.clock import StepCost, VirtualClock
 from minipaged.engine import Engine
@@ -86,17 +95,17 @@ class MemoryMeasures:
     @property
     def utilisation(self) -> float:
         """U: tokens / slots allocated to the sequences (chapter 01)."""
-        return self.num_tokens / (self.used_blocks * self.block_size) if self.used_blocks else 0.0
+        return slot_utilisation(self.num_tokens, self.used_blocks * self.block_size)
 
     @property
     def kv_usage(self) -> float:
         """Blocks in use / blocks in the pool: what vLLM's ``kv_cache_usage_perc`` reports."""
-        return self.used_blocks / self.num_blocks
+        return kv_usage(self.used_blocks, self.num_blocks)
 
     @property
     def token_occupancy(self) -> float:
         """Tokens / token slots in the pool; always ``kv_usage * utilisation``."""
-        return self.num_tokens / (self.num_blocks * self.block_size)
+        return token_occupancy(self.num_tokens, self.num_blocks * self.block_size)
 
 
 def memory_measures(lengths: Sequence[int], block_size: int, num_blocks: int) -> MemoryMeasures:
@@ -170,7 +179,8 @@ def memory_sweep(trace: list[RequestSpec], pool_tokens: int, block_sizes: Sequen
     """Replay ``trace`` through a paged pool of ``pool_tokens`` slots at each block size.
 
     Args:
-        trace: the requests; arrival times are read in steps (see :mod:`minipaged.trace`).
+        trace: the requests; arrival times in seconds, one toy step per second (``step_time=1.0`` of
+            :class:`~minipaged.trace.TraceSimulator`).
         pool_tokens: token slots in the pool; ``pool_tokens // B`` blocks of B slots each.
         block_sizes: the block sizes to replay.
         max_len: the longest sequence (sizes a block-table row).
@@ -193,8 +203,8 @@ def memory_sweep(trace: list[RequestSpec], pool_tokens: int, block_sizes: Sequen
             formula_utilisation=utilisation(final, B),
             tail_waste=float(np.mean([r.unfilled_slots / r.running for r in busy if r.running])),
             formula_tail_waste=float(np.mean([tail_waste(n, B) for n in final])),
-            kv_usage=float(np.mean([r.reserved / slots for r in busy])),
-            token_occupancy=float(np.mean([r.tokens / slots for r in busy])),
+            kv_usage=float(np.mean([kv_usage(r.reserved // B, sim.num_blocks) for r in busy])),
+            token_occupancy=float(np.mean([token_occupancy(r.tokens, slots) for r in busy])),
             mean_running=float(np.mean([r.running for r in busy])),
             preempted=sim.history[-1]["paged"].preempted,
             block_table_bytes=BLOCK_TABLE_ENTRY_BYTES * blocks_needed(max_len, B),
