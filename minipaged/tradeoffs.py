@@ -514,7 +514,7 @@ ABLATION_HEADERS = ("setting", *(c[0] for c in ABLATION_COLUMNS), "tok/s vs base
 # the recorded tables: everything above, on the virtual clock, for both regimes
 # ----------------------------------------------------------------------------
 
-# Each regime's memory replay (chapter 02's trace simulator, arrivals in steps): real-scale lengths.
+# Each regime's memory replay (chapter 02's trace simulator, one toy step per second): real-scale lengths.
 MEMORY_SETUPS = {
     "sharegpt_like": {"num_requests": 100, "rate": 0.5, "pool_tokens": 16384, "max_len": 2048},
     "alpaca_like": {"num_requests": 100, "rate": 2.0, "pool_tokens": 2048, "max_len": 512},
