@@ -222,17 +222,18 @@ class EngineMachine(RuleBasedStateMachine):
 
         before = snapshot(self.engine)
         setattr(owner, name, patched)
+        out = None
         try:
             out = self.engine.step()
         except (Fault, KeyboardInterrupt):
             assert snapshot(self.engine) == before, stage
-        else:  # the stage was not reached (an empty step, no swap): an ordinary step
-            self._collect(out.outputs)
         finally:
             if owner in (BlockTable, Sequence, StopRules, Scheduler, engine_module):
                 setattr(owner, name, original)
             else:
                 delattr(owner, name)  # the instance attribute hid the class's method
+        if out is not None:  # the stage was not reached (an empty step, no swap): an ordinary step
+            self._collect(out.outputs)  # after the patch is gone: the reference run calls StopRules too
 
     @invariant()
     def pool_and_tables(self):
