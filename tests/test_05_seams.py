@@ -38,8 +38,9 @@ class LongestPromptFirst(FCFSQueue):
     """A toy policy: the longest waiting prompt first (preempted ones still at the front)."""
 
     def append(self, seq):
-        i = next((i for i, s in enumerate(self) if s.num_preemptions == 0 and s.num_prompt_tokens < seq.num_prompt_tokens),
-                 len(self))  # fmt: skip
+        n = seq.num_prompt_tokens
+        shorter = (i for i, s in enumerate(self) if s.num_preemptions == 0 and s.num_prompt_tokens < n)
+        i = next(shorter, len(self))
         self.insert(i, seq)
 
 
