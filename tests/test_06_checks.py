@@ -18,71 +18,75 @@ pytestmark = pytest.mark.ch06
 # -- Task 6.1 and 6.2 --------------------------------------------------------------
 
 
-def block_keys(token_ids, block_size, hash_fn, salt=None):
+def block_keys(token_ids, block_size, hash_fn, cache_salt=None):
     keys, parent = [], None
     for i in range(len(token_ids) // block_size):
-        extra = (salt,) if i == 0 and salt is not None else ()
+        extra = (cache_salt,) if i == 0 and cache_salt is not None else ()
         parent = hash_fn(parent, tuple(token_ids[i * block_size : (i + 1) * block_size]), extra)
         keys.append(parent)
     return keys
 
 
-def keys_without_parent(token_ids, block_size, hash_fn, salt=None):
-    extra = (salt,) if salt is not None else ()
+def keys_without_parent(token_ids, block_size, hash_fn, cache_salt=None):
+    extra = (cache_salt,) if cache_salt is not None else ()
     return [hash_fn(None, tuple(token_ids[i * block_size : (i + 1) * block_size]), extra if i == 0 else ())
             for i in range(len(token_ids) // block_size)]
 
 
-def keys_with_partial_block(token_ids, block_size, hash_fn, salt=None):
+def keys_with_partial_block(token_ids, block_size, hash_fn, cache_salt=None):
     keys, parent = [], None
     for i in range(0, len(token_ids), block_size):
-        extra = (salt,) if i == 0 and salt is not None else ()
+        extra = (cache_salt,) if i == 0 and cache_salt is not None else ()
         parent = hash_fn(parent, tuple(token_ids[i : i + block_size]), extra)
         keys.append(parent)
     return keys
 
 
-def keys_salt_everywhere(token_ids, block_size, hash_fn, salt=None):  # harmless for hits, but not the key asked for
+# Harmless for hits, but not the key asked for.
+def keys_salt_everywhere(token_ids, block_size, hash_fn, cache_salt=None):
     keys, parent = [], None
     for i in range(len(token_ids) // block_size):
-        parent = hash_fn(parent, tuple(token_ids[i * block_size : (i + 1) * block_size]), (salt,) if salt else ())
+        extra = (cache_salt,) if cache_salt else ()
+        parent = hash_fn(parent, tuple(token_ids[i * block_size : (i + 1) * block_size]), extra)
         keys.append(parent)
     return keys
 
 
-def chapter_naive_keys(token_ids, block_size, hash_fn, salt=None):  # the first idea the chapter shows, and refutes
+# The first idea the chapter shows, and refutes.
+def chapter_naive_keys(token_ids, block_size, hash_fn, cache_salt=None):
     return [hash_fn(None, tuple(token_ids[i : i + block_size]), ()) for i in range(0, len(token_ids), block_size)]
 
 
-def hit_tokens(token_ids, block_size, hash_fn, cached, salt=None):
+def hit_tokens(token_ids, block_size, hash_fn, cached, cache_salt=None):
     hits = 0
-    for i, key in enumerate(block_keys(token_ids, block_size, hash_fn, salt)[: (len(token_ids) - 1) // block_size]):
+    usable = (len(token_ids) - 1) // block_size
+    for i, key in enumerate(block_keys(token_ids, block_size, hash_fn, cache_salt)[:usable]):
         if cached.get(key) != tuple(token_ids[i * block_size : (i + 1) * block_size]):
             break
         hits += 1
     return hits * block_size
 
 
-def hits_unverified(token_ids, block_size, hash_fn, cached, salt=None):
+def hits_unverified(token_ids, block_size, hash_fn, cached, cache_salt=None):
     hits = 0
-    for key in block_keys(token_ids, block_size, hash_fn, salt)[: (len(token_ids) - 1) // block_size]:
+    for key in block_keys(token_ids, block_size, hash_fn, cache_salt)[: (len(token_ids) - 1) // block_size]:
         if key not in cached:
             break
         hits += 1
     return hits * block_size
 
 
-def hits_whole_prompt(token_ids, block_size, hash_fn, cached, salt=None):
+def hits_whole_prompt(token_ids, block_size, hash_fn, cached, cache_salt=None):
     hits = 0
-    for i, key in enumerate(block_keys(token_ids, block_size, hash_fn, salt)):
+    for i, key in enumerate(block_keys(token_ids, block_size, hash_fn, cache_salt)):
         if cached.get(key) != tuple(token_ids[i * block_size : (i + 1) * block_size]):
             break
         hits += 1
     return hits * block_size
 
 
-def hits_counted_not_prefix(token_ids, block_size, hash_fn, cached, salt=None):  # counts hits after a miss too
-    keys = block_keys(token_ids, block_size, hash_fn, salt)[: (len(token_ids) - 1) // block_size]
+def hits_counted_not_prefix(token_ids, block_size, hash_fn, cached, cache_salt=None):  # counts hits after a miss too
+    keys = block_keys(token_ids, block_size, hash_fn, cache_salt)[: (len(token_ids) - 1) // block_size]
     return block_size * sum(cached.get(k) == tuple(token_ids[i * block_size : (i + 1) * block_size])
                             for i, k in enumerate(keys))
 

@@ -30,8 +30,8 @@ HINTS = {
         "parent's key, its own tokens and the extra keys; a partly filled block gets no key",
         "how many full blocks does a prompt of n tokens have? Not chapter 01's blocks_needed, which counts a partly "
         "filled block too",
-        "keep the last key in a variable as you walk the blocks: it is the next block's parent; the salt goes into "
-        "block 0's extra keys only",
+        "keep the last key in a variable as you walk the blocks: it is the next block's parent; the cache_salt goes "
+        "into block 0's extra keys only",
     ],
     "6.2": [
         "a hit is a leading run of blocks whose key is cached and whose cached tokens equal the prompt's; the block "
@@ -80,17 +80,17 @@ def _keys_label(case) -> str:
     if "pair" in case:
         return "block_keys of two prompts that differ in block 0 only"
     return f"block_keys(prompt {case['name']} of {len(case['prompt'])} tokens, block_size={case['block_size']}, " \
-           f"salt={case['salt']!r})"
+           f"cache_salt={case['cache_salt']!r})"
 
 
 @check("ch06.block_keys", hint=HINTS["6.1"][0], label=_keys_label,
        summary=lambda cases, seen: f"{sum('pair' not in c for c in cases)} prompts: one key per full block, chained "
-                                   "through the parent, salt in block 0")
+                                   "through the parent, cache_salt in block 0")
 def check_block_keys(case, block_keys):
-    """``case`` = {"name", "prompt", "block_size", "salt"}, or {"pair": [prompt, prompt]} (keys must not meet)."""
+    """``case`` = {"name", "prompt", "block_size", "cache_salt"}, or {"pair": [prompt, prompt]} (keys must not meet)."""
     if "pair" in case:
         return [block_keys(list(p), 4, transparent_hash, None) for p in case["pair"]]
-    keys = block_keys(list(case["prompt"]), case["block_size"], transparent_hash, case["salt"])
+    keys = block_keys(list(case["prompt"]), case["block_size"], transparent_hash, case["cache_salt"])
     if not isinstance(keys, list | tuple):
         return {"not a list": repr(keys)[:200]}
     return list(keys)
@@ -119,7 +119,7 @@ def _judge_keys(case, got, want):
 
 
 def _hits_label(case) -> str:
-    extra = f", salt={case['salt']!r}" if case["salt"] is not None else ""
+    extra = f", cache_salt={case['cache_salt']!r}" if case["cache_salt"] is not None else ""
     return f"hit_tokens(prompt {case['name']} of {len(case['prompt'])} tokens, block_size={case['block_size']}, " \
            f"{case['hash']} hash{extra})"
 
@@ -127,9 +127,9 @@ def _hits_label(case) -> str:
 @check("ch06.hit_tokens", hint=HINTS["6.2"][0], label=_hits_label,
        summary="{n} prompts: hits stop at the first miss, collisions refused, last token always computed")
 def check_hit_tokens(case, hit_tokens):
-    """``case`` = {"name", "prompt", "block_size", "hash", "cached": [[key, tokens], ...], "salt"}."""
+    """``case`` = {"name", "prompt", "block_size", "hash", "cached": [[key, tokens], ...], "cache_salt"}."""
     cached = {to_tuples(key): tuple(tokens) for key, tokens in case["cached"]}
-    return hit_tokens(list(case["prompt"]), case["block_size"], HASHES[case["hash"]], cached, case["salt"])
+    return hit_tokens(list(case["prompt"]), case["block_size"], HASHES[case["hash"]], cached, case["cache_salt"])
 
 
 # ---------------------------------------------------------------------------

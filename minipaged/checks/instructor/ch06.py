@@ -10,19 +10,19 @@ from minipaged.checks.ch06 import HASHES
 from minipaged.checks.instructor import Side
 
 
-def block_keys(token_ids, block_size, hash_fn, salt=None):
+def block_keys(token_ids, block_size, hash_fn, cache_salt=None):
     keys, parent = [], None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        extra = (salt,) if start == 0 and salt is not None else ()
+        extra = (cache_salt,) if start == 0 and cache_salt is not None else ()
         parent = hash_fn(parent, tuple(token_ids[start : start + block_size]), extra)
         keys.append(parent)
     return keys
 
 
-def hit_tokens(token_ids, block_size, hash_fn, cached, salt=None):
+def hit_tokens(token_ids, block_size, hash_fn, cached, cache_salt=None):
     limit = (len(token_ids) - 1) // block_size  # the last prompt token is always computed
     hits = 0
-    for i, key in enumerate(block_keys(token_ids, block_size, hash_fn, salt)[:limit]):
+    for i, key in enumerate(block_keys(token_ids, block_size, hash_fn, cache_salt)[:limit]):
         if cached.get(key) != tuple(token_ids[i * block_size : (i + 1) * block_size]):
             break
         hits += 1
@@ -41,10 +41,10 @@ PROMPTS = {
 
 
 def _keys_cases():
-    cases = [{"name": name, "prompt": p, "block_size": 4, "salt": None} for name, p in PROMPTS.items()]
-    cases += [{"name": "a", "prompt": PROMPTS["a"], "block_size": 8, "salt": None},
-              {"name": "a", "prompt": PROMPTS["a"], "block_size": 4, "salt": "tenant-1"},
-              {"name": "empty", "prompt": [], "block_size": 4, "salt": None}]
+    cases = [{"name": name, "prompt": p, "block_size": 4, "cache_salt": None} for name, p in PROMPTS.items()]
+    cases += [{"name": "a", "prompt": PROMPTS["a"], "block_size": 8, "cache_salt": None},
+              {"name": "a", "prompt": PROMPTS["a"], "block_size": 4, "cache_salt": "tenant-1"},
+              {"name": "empty", "prompt": [], "block_size": 4, "cache_salt": None}]
     return cases + [{"pair": [PROMPTS["a"], PROMPTS["c"]]}]
 
 
@@ -53,7 +53,7 @@ def _hidden_keys(rng):
     for i in range(5):
         B = rng.choice([2, 3, 4, 8])
         prompt = [rng.randrange(1, 50) for _ in range(rng.randrange(0, 5 * B))]
-        cases.append({"name": f"h{i}", "prompt": prompt, "block_size": B, "salt": rng.choice([None, f"t{i}"])})
+        cases.append({"name": f"h{i}", "prompt": prompt, "block_size": B, "cache_salt": rng.choice([None, f"t{i}"])})
     first = [rng.randrange(1, 50) for _ in range(4)]
     rest = [rng.randrange(1, 50) for _ in range(8)]
     return cases + [{"pair": [first + rest, [first[0] + 50] + first[1:] + rest]}]
@@ -71,14 +71,14 @@ def _cache(prompts, B, hash_name):
 def _hits_cases():
     cached = _cache([PROMPTS["a"]], 4, "transparent")  # request a ran first and left its full blocks in the cache
     prompts = dict(PROMPTS, **{"exactly 3 blocks": _SYSTEM + [31, 32, 33, 34], "system prompt alone": _SYSTEM})
-    cases = [{"name": name, "prompt": p, "block_size": 4, "hash": "transparent", "cached": cached, "salt": None}
+    cases = [{"name": name, "prompt": p, "block_size": 4, "hash": "transparent", "cached": cached, "cache_salt": None}
              for name, p in prompts.items()]
     # A weak hash: prompt d's first block has the same sum as a's, so the same weak key; its second block then
     # collides with a's first one, tokens and all. Only the tokens of the first block tell the two apart.
     cases.append({"name": "d", "prompt": [12, 11, 14, 13, 11, 12, 13, 14, 1], "block_size": 4, "hash": "weak",
-                  "cached": _cache([PROMPTS["a"]], 4, "weak"), "salt": None})
+                  "cached": _cache([PROMPTS["a"]], 4, "weak"), "cache_salt": None})
     cases.append({"name": "b", "prompt": PROMPTS["b"], "block_size": 4, "hash": "transparent", "cached": cached,
-                  "salt": "tenant-2"})
+                  "cache_salt": "tenant-2"})
     return cases
 
 
@@ -91,7 +91,7 @@ def _hidden_hits(rng):
         prompt = first[:cut] + [rng.randrange(1, 9) for _ in range(rng.randrange(1, 3 * B))]
         hash_name = rng.choice(["transparent", "weak"])
         cases.append({"name": f"h{i}", "prompt": prompt, "block_size": B, "hash": hash_name,
-                      "cached": _cache([first], B, hash_name), "salt": None})
+                      "cached": _cache([first], B, hash_name), "cache_salt": None})
     return cases
 
 
