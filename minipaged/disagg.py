@@ -94,7 +94,7 @@ from minipaged.clock import StepCost, VirtualClock
 from minipaged.engine import Engine, RequestOutput, StepOutput
 from minipaged.metrics import request_latencies, summarize
 from minipaged.prefix_cache import PrefixCachingAllocator
-from minipaged.replay import check_workload
+from minipaged.replay import add_all, check_workload, workload_request
 from minipaged.scheduler import EngineConfig, check_fits_pool
 from minipaged.sequence import SamplingParams, Sequence, SequenceStatus
 from minipaged.validation import check_hashable, check_int, check_real
@@ -625,26 +625,16 @@ class DisaggregatedEngine:
         """
         check_workload(self.decode, workload, prompts)  # the engine's replay checks (the decode pool's size)
         start, vocab = self.now(), self.prefill.model.config.vocab_size
-        ids = []
-        try:  # all or none: a request that cannot fit leaves none of the earlier ones queued
-            for i, r in enumerate(workload):
-                prompt = prompt_token_ids(i, r.num_prompt_tokens, vocab, seed) if prompts is None else prompts[i]
-                ids.append(self.add_request(prompt, SamplingParams(max_tokens=r.num_output_tokens, ignore_eos=True),
-                                            arrival_time=start + r.arrival_time))  # fmt: skip
-        except BaseException:
-            self._unqueue(ids)
-            raise
-        return self._drain(ids)
+
+        def add(item):
+            i, r = item
+            return self.add_request(*workload_request(i, r, vocab, seed, prompts), arrival_time=start + r.arrival_time)
+
+        return self._drain(add_all(add, enumerate(workload), self._unqueue))  # all or none, as Engine.generate
 
     def generate(self, prompts: list[list[int]], sampling_params: SamplingParams | None = None) -> list[list[int]]:
         """Offline convenience: every prompt arrives now; returns each one's output tokens, in order."""
-        ids = []
-        try:  # all or none, as for run()
-            for p in prompts:
-                ids.append(self.add_request(p, sampling_params))
-        except BaseException:
-            self._unqueue(ids)
-            raise
+        ids = add_all(lambda p: self.add_request(p, sampling_params), prompts, self._unqueue)  # all or none
         return [s.output_token_ids for s in self._drain(ids)]
 
     def _unqueue(self, ids: list) -> None:

@@ -331,16 +331,17 @@ class Engine:
         self._refuse_during_step("generate")
         for i, p in enumerate(prompts):  # every prompt checked before any is queued, each error naming its prompt
             check_prompt(self.model.config, p, (sampling_params or SamplingParams()).max_tokens, f"prompts[{i}]")
-        ids, next_id = [], self._next_id
-        try:  # all or none: a request the pool can never hold leaves none of the earlier ones queued
-            for p in prompts:
-                ids.append(self.add_request(p, sampling_params))
-        except BaseException:
+        from minipaged.replay import add_all  # all or none, as every batch of requests is added
+
+        next_id = self._next_id
+
+        def undo(ids):  # a request the pool can never hold leaves none of the earlier ones queued
             for i in ids:
                 self.scheduler.abort(self.requests[i][0])  # the other samples are not queued yet (they fork)
                 self.forget(i)
             self._next_id = next_id
-            raise
+
+        ids = add_all(lambda p: self.add_request(p, sampling_params), prompts, undo)
         mine = {i: self.requests[i] for i in ids}  # their sequences; step() may forget them once finished
         while self.has_unfinished():
             self.step()

@@ -45,6 +45,39 @@ def check_workload(engine, workload: list[RequestSpec], prompts: list[list[int]]
                                  f"{r.num_prompt_tokens}")
 
 
+def workload_request(i: int, spec: RequestSpec, vocab_size: int, seed: int = 0,
+                     prompts: list[list[int]] | None = None) -> tuple[list[int], SamplingParams]:
+    """Request ``i`` of a workload as it is sent: its prompt and exactly ``num_output_tokens`` (``ignore_eos``).
+
+    Args:
+        i: its index in the workload.
+        spec: its :class:`~minipaged.workload.RequestSpec`.
+        vocab_size: the model's vocabulary (seeded prompts draw from it).
+        seed: the seed of the prompts (request ``i`` gets ``prompt_token_ids(i, ..., seed)``).
+        prompts: None, or every request's prompt token ids.
+    """
+    prompt = prompt_token_ids(i, spec.num_prompt_tokens, vocab_size, seed) if prompts is None else prompts[i]
+    return prompt, SamplingParams(max_tokens=spec.num_output_tokens, ignore_eos=True)
+
+
+def add_all(add, items, undo) -> list:
+    """``[add(item) for item in items]``, all or none: if one raises, ``undo`` takes the ones added back.
+
+    Args:
+        add: queues one item and returns its request id.
+        items: what to queue, in order.
+        undo: called with the ids added so far when an ``add`` raises (the exception then propagates).
+    """
+    ids = []
+    try:
+        for item in items:
+            ids.append(add(item))
+    except BaseException:
+        undo(ids)
+        raise
+    return ids
+
+
 class Replay:
     """A workload replayed through an engine, one engine step per :meth:`step`.
 
@@ -87,9 +120,8 @@ class Replay:
         vocab = self.engine.model.config.vocab_size
         while self.arrivals and self.start + self.arrivals[0][1].arrival_time <= self.engine.clock.now():
             i, r = self.arrivals.popleft()
-            prompt = self.prompts[i] if self.prompts else prompt_token_ids(i, r.num_prompt_tokens, vocab, self.seed)
-            rid = self.engine.add_request(prompt, SamplingParams(max_tokens=r.num_output_tokens, ignore_eos=True),
-                                          arrival_time=self.start + r.arrival_time)  # exactly that many tokens
+            prompt, params = workload_request(i, r, vocab, self.seed, self.prompts)
+            rid = self.engine.add_request(prompt, params, arrival_time=self.start + r.arrival_time)
             self.seqs[i] = self.engine.seqs[rid]
 
     def step(self) -> bool:
