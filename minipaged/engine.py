@@ -33,7 +33,7 @@ from minipaged.rollback import StepUndo
 from minipaged.scheduler import EngineConfig, Scheduler, SchedulerOutput
 from minipaged.sequence import SamplingParams, Sequence, SequenceStatus, sample
 from minipaged.stopping import mask_stop_tokens
-from minipaged.validation import check_hashable, check_int, check_prompt, check_real, check_salt
+from minipaged.validation import check_engine_args, check_hashable, check_int, check_prompt, check_real, check_salt
 
 
 class Engine:
@@ -63,14 +63,7 @@ class Engine:
         if not callable(model) or not isinstance(getattr(model, "config", None), LlamaConfig):
             raise TypeError(f"model must be a LlamaForCausalLM (a module with a LlamaConfig as .config), "
                             f"got {type(model).__name__}")  # fmt: skip
-        if config is not None and not isinstance(config, EngineConfig):
-            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
-        if clock is not None and not all(callable(getattr(clock, m, None)) for m in ("now", "step", "wait_until")):
-            raise TypeError(f"clock must be a VirtualClock, a WallClock or None (an object with now(), step() and "
-                            f"wait_until()), got {type(clock).__name__} {clock!r:.40}")  # fmt: skip
-        for name, part in (("allocator", allocator), ("block_table", block_table), ("scheduler", scheduler)):
-            if not callable(part):
-                raise TypeError(f"{name} must be a class (or a factory), got {type(part).__name__}")
+        check_engine_args(config, clock, allocator=allocator, block_table=block_table, scheduler=scheduler)
         self.model, self.config, mc = model, config or EngineConfig(), model.config
         try:  # refuse now a backend that would fail at every step
             get_backend(self.config.backend).check(self.config.block_size, mc.head_dim, model.dtype)

@@ -10,38 +10,9 @@ from collections import deque
 
 from tqdm.auto import tqdm
 
-from minipaged.scheduler import check_fits_pool
 from minipaged.sequence import SamplingParams, Sequence
-from minipaged.validation import check_positions, check_prompt, check_real
+from minipaged.validation import check_workload
 from minipaged.workload import RequestSpec, prompt_token_ids
-
-
-def check_workload(engine, workload: list[RequestSpec], prompts: list[list[int]] | None = None) -> None:
-    """Check every request of a workload before any runs: arrival time, prompt, and that the pool could hold it.
-
-    Args:
-        engine: the engine (its model's positions and vocabulary, its pool) the workload will run on.
-        workload: the requests.
-        prompts: None, or each request's prompt token ids (``workload[i].prompt_len`` of them).
-
-    Raises:
-        TypeError: an entry is not a RequestSpec, or a prompt holds a non-int.
-        ValueError: a bad arrival time, a prompt of the wrong length or outside the vocabulary, or a
-            request that the model's positions or the engine's pool could never hold.
-    """
-    for i, r in enumerate(workload):
-        if not isinstance(r, RequestSpec):
-            raise TypeError(f"workload[{i}] must be a RequestSpec, got {type(r).__name__}")
-        check_real(r.arrival_time, f"workload[{i}].arrival_time", minimum=0)  # NaN would never arrive
-        check_positions(engine.model.config, r.prompt_len, r.output_len, f"workload[{i}]'s prompt")
-        check_fits_pool(engine.config, r.prompt_len, r.output_len, f"workload[{i}]")  # not mid-run
-    if prompts is not None:
-        if len(prompts) != len(workload):
-            raise ValueError(f"prompts must hold one prompt per request: {len(workload)}, got {len(prompts)}")
-        for i, (p, r) in enumerate(zip(prompts, workload)):
-            check_prompt(engine.model.config, p, r.output_len, f"prompts[{i}]")
-            if len(p) != r.prompt_len:
-                raise ValueError(f"prompts[{i}] has {len(p)} tokens but workload[{i}].prompt_len is {r.prompt_len}")
 
 
 class Replay:
@@ -53,7 +24,7 @@ class Replay:
     nothing is queued or running, the clock first idles until the next arrival.
     :meth:`Engine.run` steps it to the end; the dashboard steps it on every click.
 
-    Every request is checked when the replay is made, before any runs (:func:`check_workload`).
+    Every request is checked when the replay is made, before any runs (:func:`minipaged.validation.check_workload`).
 
     Args:
         engine: the engine to drive; arrival times count from its clock's time now.

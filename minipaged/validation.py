@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+from contextlib import contextmanager
 
 
 def check_int(value, name: str, minimum: int | None = 0) -> int:
@@ -135,6 +136,249 @@ def check_token_ids(token_ids, name: str, vocab_size: int) -> list[int]:
         if t >= vocab_size:
             raise ValueError(f"{name}[{i}] = {t} is outside the token ids [0, {vocab_size}) of the vocabulary")
     return ids
+
+
+def check_fields(obj, prefix: str, names: tuple[str, ...], check, **kwargs) -> None:
+    """Replace each attribute ``names`` of ``obj`` by what ``check`` returns for it; an error names ``prefix.name``.
+
+    Args:
+        obj: the object whose attributes are checked in place (a config dataclass).
+        prefix: the class name the messages use (``"EngineConfig"`` gives ``"EngineConfig.num_blocks"``).
+        names: the attributes, checked in this order.
+        check: a validator called as ``check(value, name, **kwargs)`` (:func:`check_int`, :func:`check_real`).
+        **kwargs: passed on to ``check`` (``minimum=1``).
+    """
+    for name in names:
+        setattr(obj, name, check(getattr(obj, name), f"{prefix}.{name}", **kwargs))
+
+
+@contextmanager
+def errors_named(prefix: str):
+    """Re-raise a ``TypeError`` or ``ValueError`` from inside the block with ``prefix`` before its message.
+
+    Args:
+        prefix: what to put first, such as ``"LlamaConfig."`` (a check's message names the argument
+            alone; the prefix says whose argument it is).
+    """
+    try:
+        yield
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{prefix}{exc}") from None
+
+
+def check_instance(value, name: str, kind, what: str):
+    """``value`` if it is an instance of ``kind``, else a ``TypeError``: "``name`` must be ``what``, got <its type>".
+
+    Args:
+        value: the argument.
+        name: the argument's name, as the caller's signature spells it.
+        kind: a class or a tuple of classes, as for ``isinstance``.
+        what: the expected kind in words, for the message (``"an EngineConfig"``).
+    """
+    if not isinstance(value, kind):
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__}")
+    return value
+
+
+def check_factories(parts: dict) -> None:
+    """A ``TypeError`` for the first of ``parts`` that cannot be called (a class or a factory is expected).
+
+    Args:
+        parts: argument name -> the class (or factory) given for it.
+    """
+    for name, part in parts.items():
+        if not callable(part):
+            raise TypeError(f"{name} must be a class (or a factory), got {type(part).__name__}")
+
+
+def check_methods(value, name: str, methods: tuple[str, ...], what: str) -> None:
+    """A ``TypeError`` unless ``value`` is None or has every one of ``methods`` (a duck-typed argument).
+
+    Args:
+        value: the argument (None passes: the caller's default).
+        name: the argument's name, as the caller's signature spells it.
+        methods: the method names it must have, listed in the message.
+        what: the kinds that qualify, in words (``"a VirtualClock, a WallClock or None"``).
+    """
+    if value is not None and not all(callable(getattr(value, m, None)) for m in methods):
+        listed = ", ".join(f"{m}()" for m in methods[:-1]) + f" and {methods[-1]}()"
+        raise TypeError(f"{name} must be {what} (an object with {listed}), got {type(value).__name__} {value!r:.40}")
+
+
+def check_engine_args(config, clock, **parts) -> None:
+    """The arguments of :class:`~minipaged.engine.Engine` besides the model, checked before anything is built.
+
+    Args:
+        config: an :class:`~minipaged.scheduler.EngineConfig`, or None.
+        clock: None, or an object with ``now()``, ``step()`` and ``wait_until()`` (a virtual or wall clock).
+        **parts: the engine's seams given as classes (``allocator``, ``block_table``, ``scheduler``),
+            each of which must be callable.
+
+    Raises:
+        TypeError: the first argument of the wrong kind, named.
+    """
+    from minipaged.scheduler import EngineConfig  # chapter 05's; imported here, as this module imports no chapter
+
+    check_instance(config, "config", (EngineConfig, type(None)), "an EngineConfig")
+    check_methods(clock, "clock", ("now", "step", "wait_until"), "a VirtualClock, a WallClock or None")
+    check_factories(parts)
+
+
+def check_multiple(value: int, name: str, divisor: int, divisor_name: str) -> None:
+    """A ``ValueError`` unless ``divisor`` divides ``value`` (query heads per KV head, say).
+
+    Args:
+        value: the count that must be a multiple.
+        name: its name, for the message.
+        divisor: what it must be a multiple of.
+        divisor_name: the divisor's name, for the message.
+    """
+    if value % divisor:
+        raise ValueError(f"{name} ({value}) must be a multiple of {divisor_name} ({divisor})")
+
+
+def check_in_interval(value, name: str, low: float = 0, high: float = 1) -> float:
+    """``value`` as a Python float in ``[low, high)``, or an error that names ``name``.
+
+    Args:
+        value: a real number (see :func:`check_real` for the types refused).
+        name: the argument's name, as the caller's signature spells it.
+        low: the smallest value allowed.
+        high: the bound it must stay below.
+    """
+    value = check_real(value, name)
+    if not low <= value < high:
+        raise ValueError(f"{name} must be in [{low}, {high}), got {value!r}")
+    return value
+
+
+def check_token_id_tuple(value, name: str) -> tuple[int, ...]:
+    """``value`` as a tuple of token ids (ints >= 0): None is none, an int is one.
+
+    Args:
+        value: None, an int, or a list, tuple or set of ints.
+        name: the argument's name, as the caller's signature spells it.
+
+    Raises:
+        TypeError: ``value`` is another kind, or an id is not an int.
+        ValueError: an id is negative.
+    """
+    if value is None:  # vLLM's default spelling of "none"
+        return ()
+    if isinstance(value, int):
+        value = (value,)
+    if not isinstance(value, (list, tuple, set, frozenset)):
+        raise TypeError(f"{name} must be a tuple of token ids, got {type(value).__name__}")
+    return tuple(check_int(t, f"{name}[{i}]") for i, t in enumerate(value))
+
+
+def check_stop_strings(value, name: str) -> tuple[str, ...]:
+    """``value`` as a tuple of non-empty stop strings: None is none, a str is one.
+
+    Args:
+        value: None, a str, or a list or tuple of str.
+        name: the argument's name, as the caller's signature spells it.
+
+    Raises:
+        TypeError: ``value`` is another kind, or an entry is not a str.
+        ValueError: an entry is empty (it would match before any text).
+    """
+    if value is None:  # vLLM's default spelling of "none"
+        return ()
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a str or a tuple of str, got {type(value).__name__}")
+    for i, s in enumerate(value):
+        if not isinstance(s, str):
+            raise TypeError(f"{name}[{i}] must be a str, got {type(s).__name__} {s!r}")
+        if not s:
+            raise ValueError(f"{name}[{i}] must not be empty (an empty stop string would match before any text)")
+    return tuple(value)
+
+
+def check_block_ids(block_ids, name: str, num_blocks: int, unique: bool = False) -> list[int]:
+    """``block_ids`` as a list of ints in ``[0, num_blocks)``, or an error that names ``name``.
+
+    Args:
+        block_ids: an iterable of block ids (not a string).
+        name: the argument's name, as the caller's signature spells it.
+        num_blocks: the pool's size.
+        unique: refuse an id that appears twice (two copies into one block would race for it).
+
+    Raises:
+        TypeError: ``block_ids`` is not an iterable of ints.
+        IndexError: an id outside the pool.
+        ValueError: a repeated id, with ``unique``.
+    """
+    if isinstance(block_ids, (str, bytes)) or not hasattr(block_ids, "__iter__"):
+        raise TypeError(f"{name} must be a list of block ids, got {type(block_ids).__name__}")
+    ids = [check_int(b, f"{name}[{i}]", minimum=None) for i, b in enumerate(block_ids)]
+    for i, b in enumerate(ids):
+        if not 0 <= b < num_blocks:
+            raise IndexError(f"{name}[{i}] = {b} is outside the pool of {num_blocks} blocks")
+    if unique and len(set(ids)) != len(ids):
+        raise ValueError(f"{name} must not repeat a block id (two copies would race for it), got {ids}")
+    return ids
+
+
+def check_fits_pool(config, num_prompt_tokens: int, max_tokens: int, request: str, pool: str = "the pool") -> None:
+    """A ``ValueError`` for a request that could never run, even alone in an empty pool.
+
+    The most K/V a request holds is prompt + max_tokens - 1 tokens (the last sampled token is
+    never fed back). If those blocks exceed the pool minus the watermark, it could never be
+    admitted; without chunked prefill, a recompute of all of them must also fit one step's budget.
+
+    Args:
+        config: the pool and the scheduler's knobs (an :class:`~minipaged.scheduler.EngineConfig`).
+        num_prompt_tokens: the request's prompt length.
+        max_tokens: the most tokens it may generate.
+        request: the request, for the message (``"request 'a'"``).
+        pool: the pool, for the message.
+    """
+    longest = num_prompt_tokens + max_tokens - 1
+    need = -(-longest // config.block_size)  # ceil: the blocks those tokens fill
+    room = config.num_blocks - config.watermark_blocks
+    if need > room:
+        raise ValueError(
+            f"{request} needs up to {need} blocks ({num_prompt_tokens} prompt + {max_tokens} max_tokens, block_size "
+            f"{config.block_size}) but {pool} has {config.num_blocks} blocks, {room} after the watermark: raise "
+            "num_blocks or lower max_tokens"
+        )
+    if not config.chunked_prefill and longest > config.max_num_batched_tokens:
+        raise ValueError(
+            f"{request} may need to (re)compute {longest} tokens in one step, more than "
+            f"max_num_batched_tokens={config.max_num_batched_tokens}: enable chunked_prefill or raise the budget"
+        )
+
+
+def check_workload(engine, workload: list, prompts: list[list[int]] | None = None) -> None:
+    """Check every request of a workload before any runs: arrival time, prompt, and that the pool could hold it.
+
+    Args:
+        engine: the engine (its model's positions and vocabulary, its pool) the workload will run on.
+        workload: the requests, :class:`~minipaged.workload.RequestSpec` s.
+        prompts: None, or each request's prompt token ids (``workload[i].prompt_len`` of them).
+
+    Raises:
+        TypeError: an entry is not a RequestSpec, or a prompt holds a non-int.
+        ValueError: a bad arrival time, a prompt of the wrong length or outside the vocabulary, or a
+            request that the model's positions or the engine's pool could never hold.
+    """
+    from minipaged.workload import RequestSpec  # chapter 01's; imported here, as this module imports no chapter
+
+    for i, r in enumerate(workload):
+        check_instance(r, f"workload[{i}]", RequestSpec, "a RequestSpec")
+        check_real(r.arrival_time, f"workload[{i}].arrival_time", minimum=0)  # NaN would never arrive
+        check_positions(engine.model.config, r.prompt_len, r.output_len, f"workload[{i}]'s prompt")
+        check_fits_pool(engine.config, r.prompt_len, r.output_len, f"workload[{i}]")  # not mid-run
+    if prompts is not None:
+        if len(prompts) != len(workload):
+            raise ValueError(f"prompts must hold one prompt per request: {len(workload)}, got {len(prompts)}")
+        for i, (p, r) in enumerate(zip(prompts, workload)):
+            check_prompt(engine.model.config, p, r.output_len, f"prompts[{i}]")
+            if len(p) != r.prompt_len:
+                raise ValueError(f"prompts[{i}] has {len(p)} tokens but workload[{i}].prompt_len is {r.prompt_len}")
 
 
 def check_scale(scale, head_dim: int) -> float:
@@ -381,6 +625,90 @@ def check_paged_attention(
                 f"sequence {i} has {int(num_new_tokens[i])} query tokens; it needs 1 .. seq_lens[{i}]={int(lens[i])}"
             )
     return hi
+
+
+def check_contiguous_attention(q, k, v, scale) -> float:
+    """The inputs of attention over one contiguous context (``attention.contiguous_attention``); returns the scale.
+
+    Args:
+        q: float ``[q_len, num_heads, head_dim]``, the last ``q_len`` positions of the context.
+        k, v: ``[kv_len, num_kv_heads, head_dim]``, with ``kv_len >= q_len``; ``num_heads`` must be a
+            multiple of ``num_kv_heads``.
+        scale: the softmax scale, or None for ``head_dim ** -0.5`` (see :func:`check_scale`).
+
+    Raises:
+        TypeError: a non-tensor, or a non-float ``q``.
+        ValueError: a shape that does not fit, or a bad ``scale``.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(t, name)
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be 3-D [tokens, heads, head_dim], got shape {tuple(t.shape)}")
+    if v.shape != k.shape:
+        raise ValueError(f"v has shape {tuple(v.shape)}, but k has {tuple(k.shape)}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q has head_dim {q.shape[2]}, but k has head_dim {k.shape[2]}")
+    if not q.dtype.is_floating_point:
+        raise TypeError(f"q must be a floating-point tensor, got {q.dtype}")
+    scale = check_scale(scale, q.shape[2])
+    if q.shape[0] > k.shape[0]:
+        raise ValueError(f"q has {q.shape[0]} tokens but k only {k.shape[0]}: the queries must be part of the context")
+    check_multiple(q.shape[1], "num_heads", k.shape[1], "num_kv_heads")
+    return scale
+
+
+def check_packed_batch(input_ids, positions, attn_metadata) -> None:
+    """A packed batch's tokens against its attention metadata (``LlamaForCausalLM.forward``'s inputs).
+
+    Args:
+        input_ids, positions: int64 ``[num_tokens]``, every sequence's new tokens and their positions.
+        attn_metadata: an :class:`~minipaged.attention.AttentionMetadata` whose ``slot_mapping`` and
+            ``query_start_loc`` must describe ``num_tokens`` tokens.
+
+    Raises:
+        ValueError: a shape that does not fit.
+    """
+    md = attn_metadata
+    num_tokens = input_ids.shape[0] if input_ids.dim() == 1 else -1
+    if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+        raise ValueError(
+            "input_ids and positions must both be [num_tokens], "
+            f"got {tuple(input_ids.shape)} and {tuple(positions.shape)}"
+        )
+    if md.slot_mapping.shape != (num_tokens,) or int(md.query_start_loc[-1]) != num_tokens:
+        raise ValueError(
+            f"attn_metadata describes {md.slot_mapping.shape[0]} slots and {int(md.query_start_loc[-1])} "
+            f"query tokens, but input_ids has {num_tokens}"
+        )
+
+
+def check_saved_kv(saved, num_layers: int, shape: tuple[int, ...]) -> None:
+    """K/V saved block by block (what ``PagedKVCache.swap_out`` returns), before it is copied back.
+
+    Args:
+        saved: per layer, a ``(k, v)`` pair of tensors.
+        num_layers: the layers it must hold.
+        shape: each tensor's shape, ``[num_saved_blocks, block_size, num_kv_heads, head_dim]``.
+
+    Raises:
+        TypeError: ``saved`` is not a list or tuple, or an entry is not a tensor.
+        ValueError: the wrong number of layers, an entry that is not a pair, or a tensor of another shape.
+    """
+    import torch
+
+    if not isinstance(saved, (list, tuple)):
+        raise TypeError(f"saved must be the list swap_out returned, got {type(saved).__name__}")
+    if len(saved) != num_layers:
+        raise ValueError(f"saved must hold one (k, v) pair per layer: {num_layers}, got {len(saved)}")
+    for layer, pair in enumerate(saved):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise ValueError(f"saved[{layer}] must be a (k, v) pair of tensors")
+        for name, t in zip("kv", pair):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"saved[{layer}] {name} must be a torch.Tensor, got {type(t).__name__}")
+            if tuple(t.shape) != shape:
+                raise ValueError(f"saved[{layer}] {name} has shape {tuple(t.shape)}; {shape[0]} blocks need {shape}")
+
 
 def check_prompt(config, prompt_token_ids, max_new_tokens: int, name: str) -> list[int]:
     """A prompt as a list of ints, or an error naming ``name``: ids in the vocabulary, and room for the output.
