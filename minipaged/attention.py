@@ -35,7 +35,14 @@ import torch.nn.functional as F
 from minipaged.accounting import blocks_needed
 from minipaged.block_manager import BlockTable, block_tables_tensor
 from minipaged.cache import write_kv_torch
-from minipaged.validation import check_contiguous_attention, check_paged_attention, check_scale
+from minipaged.validation import (
+    check_backend_registration,
+    check_choice,
+    check_contiguous_attention,
+    check_functions,
+    check_paged_attention,
+    check_scale,
+)
 
 # Gathered K+V bytes the "torch" backend handles at once. A short batch is gathered
 # whole (one gather and one attention call per layer, whatever the batch size). A
@@ -138,10 +145,7 @@ class AttentionBackend:
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
             raise TypeError(f"AttentionBackend.name must be a non-empty str, got {self.name!r:.60}")
-        for field in ("decode", "prefill", "write", "check"):
-            if not callable(getattr(self, field)):
-                got = type(getattr(self, field)).__name__
-                raise TypeError(f"AttentionBackend.{field} must be a function, got {got}")
+        check_functions(self, "AttentionBackend", ("decode", "prefill", "write", "check"))
 
 
 # name -> the backend, or a loader (no arguments) that imports its module and returns it on first use
@@ -164,20 +168,7 @@ def register_backend(name: str, backend, *, replace: bool = False) -> None:
         ValueError: ``name`` is empty or already registered (without ``replace``), or ``backend``
             carries another name.
     """
-    if not isinstance(name, str):
-        raise TypeError(f"name must be a str, got {type(name).__name__} {name!r:.60}")
-    if not name:
-        raise ValueError("name must not be empty")
-    if not isinstance(replace, bool):
-        raise TypeError(f"replace must be a bool, got {type(replace).__name__}")
-    if isinstance(backend, AttentionBackend):
-        if backend.name != name:
-            raise ValueError(f"backend is named {backend.name!r}, but it is being registered as {name!r}")
-    elif not callable(backend):
-        raise TypeError(f"backend must be an AttentionBackend or a function that returns one, "
-                        f"got {type(backend).__name__}")  # fmt: skip
-    if name in _REGISTRY and not replace:
-        raise ValueError(f"backend {name!r} is already registered; pass replace=True to replace it")
+    check_backend_registration(name, backend, replace, _REGISTRY, AttentionBackend)
     _REGISTRY[name] = backend
 
 
@@ -194,10 +185,7 @@ def get_backend(name: str) -> AttentionBackend:
         ValueError: no backend is registered as ``name``; the message lists those that are.
         ImportError: the backend's module cannot be imported (``"triton"`` without Triton).
     """
-    if not isinstance(name, str):
-        raise TypeError(f"backend must be one of {backend_names()}, got {type(name).__name__} {name!r:.60}")
-    if name not in _REGISTRY:
-        raise ValueError(f"backend must be one of {backend_names()}, got {name!r}")
+    check_choice(name, "backend", backend_names())
     entry = _REGISTRY[name]
     if not isinstance(entry, AttentionBackend):
         entry = entry()

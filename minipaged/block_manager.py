@@ -467,12 +467,13 @@ class BlockTable:
         return f"BlockTable(seq_id={self.seq_id!r}, num_tokens={self.num_tokens}, blocks={self.blocks})"
 
 
-def block_tables_tensor(tables: list[BlockTable], width: int | None = None) -> torch.Tensor:
-    """Stack tables into the kernel's ``int32 [num_seqs, max_blocks_per_seq]``, padded with 0."""
-    longest = max((t.num_blocks for t in tables), default=0)
-    width = longest if width is None else check_int(width, "width")
-    if width < longest:
-        raise ValueError(f"width {width} is smaller than the longest table ({longest} blocks)")
+def block_tables_tensor(tables: list[BlockTable]) -> torch.Tensor:
+    """Stack tables into the kernel's ``int32 [num_seqs, max_blocks_per_seq]``, padded with 0.
+
+    Args:
+        tables: the sequences' tables; ``max_blocks_per_seq`` is the longest one's length.
+    """
+    width = max((t.num_blocks for t in tables), default=0)
     # One tensor from padded lists: the engine calls this every step, and a small tensor
     # op per row cost more than the rows' contents.
     rows = [table.blocks + [0] * (width - len(table.blocks)) for table in tables]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from minipaged.block_manager import BlockAllocator, BlockTable
-from minipaged.validation import check_block_ids, check_fits_memory, check_int, check_kv_write, check_saved_kv
+from minipaged.validation import check_block_ids, check_int, check_kv_write, check_pool_args, check_saved_kv
 
 
 def write_kv(key, value, k_cache, v_cache, slot_mapping, *, backend="torch") -> None:
@@ -80,16 +80,8 @@ class PagedKVCache:
         device="cpu",
         allocator=BlockAllocator,
     ):
-        num_layers = check_int(num_layers, "num_layers", minimum=1)
-        num_kv_heads = check_int(num_kv_heads, "num_kv_heads", minimum=1)
-        head_dim = check_int(head_dim, "head_dim", minimum=1)
-        if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
-        num_blocks = check_int(num_blocks, "num_blocks", minimum=1)
-        block_size = check_int(block_size, "block_size", minimum=1)
-        pool_bytes = 2 * num_layers * num_blocks * block_size * num_kv_heads * head_dim * dtype.itemsize
-        check_fits_memory(pool_bytes, f"PagedKVCache(num_blocks={num_blocks}, block_size={block_size})'s K/V pools",
-                          device)  # fmt: skip
+        num_layers, num_blocks, block_size, num_kv_heads, head_dim = check_pool_args(
+            num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
         self.allocator = allocator(num_blocks, block_size)
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim

@@ -33,7 +33,7 @@ from minipaged.rollback import StepUndo
 from minipaged.scheduler import EngineConfig, Scheduler, SchedulerOutput
 from minipaged.sequence import SamplingParams, Sequence, SequenceStatus, sample
 from minipaged.stopping import mask_stop_tokens
-from minipaged.validation import check_engine_args, check_hashable, check_int, check_prompt, check_real, check_salt
+from minipaged.validation import check_engine_args, check_hashable, check_int, check_prompt, check_request_args
 
 
 class Engine:
@@ -123,21 +123,9 @@ class Engine:
     def make_request(self, prompt_token_ids, sampling_params=None, request_id=None, arrival_time=None,
                      cache_salt=None) -> list[Sequence]:  # fmt: skip
         """A request's sequences, every argument checked as :meth:`add_request` documents; changes nothing."""
-        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        params, mc = sampling_params or SamplingParams(), self.model.config
-        if params.stop:
-            raise ValueError(f"sampling_params.stop={params.stop!r}: the engine sees token ids, never text, so it "
-                             "cannot match stop strings; use the LLM front end (minipaged.llm.LLM), which matches "
-                             "them on the detokenized text and aborts the request here")  # fmt: skip
-        prompt_token_ids = check_prompt(mc, prompt_token_ids, params.max_tokens, "prompt_token_ids")
-        params.stop_rules(mc.eos_token_id, mc.vocab_size)  # refuses a stop token outside the vocabulary
-        now = self.clock.now()
-        if arrival_time is not None and check_real(arrival_time, "arrival_time") > now:
-            raise ValueError(f"arrival_time {arrival_time!r} is later than the engine clock's now ({now!r}): add "
-                             "a request once it arrives (Replay does)")  # fmt: skip
-        check_hashable(request_id, "request_id")
-        cache_salt = check_salt(cache_salt)
+        mc, now = self.model.config, self.clock.now()
+        prompt_token_ids, params, cache_salt = check_request_args(mc, prompt_token_ids, sampling_params, arrival_time,
+                                                                  now, request_id, cache_salt)  # fmt: skip
         if request_id is None:
             request_id = self._next_id
             while request_id in self.requests or request_id in self.seqs:

@@ -38,8 +38,7 @@ from minipaged.attention import (
     paged_prefill_attention,
 )
 from minipaged.cache import write_kv
-from minipaged.stopping import eos_token_ids
-from minipaged.validation import check_fields, check_int, check_multiple, check_packed_batch, check_real, errors_named
+from minipaged.validation import check_llama_config, check_packed_batch
 
 
 @dataclass
@@ -61,25 +60,7 @@ class LlamaConfig:
     bos_token_id: int | None = None  # the checkpoint's beginning of text (kept for its tokenizer; None: none)
 
     def __post_init__(self):
-        check_fields(self, "LlamaConfig", ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"), check_int,
-                     minimum=1)  # fmt: skip
-        check_fields(self, "LlamaConfig", ("rope_theta", "rms_norm_eps"), check_real, minimum=0)
-        if self.rope_theta <= 1:
-            raise ValueError(f"LlamaConfig.rope_theta must be > 1, got {self.rope_theta!r}")
-        check_multiple(self.num_attention_heads, "num_attention_heads", self.num_key_value_heads, "num_key_value_heads")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        with errors_named("LlamaConfig."):
-            eos = eos_token_ids(self.eos_token_id)
-        self.eos_token_id = None if not eos else eos[0] if len(eos) == 1 else eos
-        if self.bos_token_id is not None:
-            self.bos_token_id = check_int(self.bos_token_id, "LlamaConfig.bos_token_id")
-        bos = () if self.bos_token_id is None else (self.bos_token_id,)
-        for name, ids in (("eos_token_id", eos), ("bos_token_id", bos)):
-            for t in ids:
-                if t >= self.vocab_size:
-                    raise ValueError(f"LlamaConfig.{name} holds {t}, outside the vocabulary [0, {self.vocab_size})")
+        check_llama_config(self)
 
 
 # --------------------------------------------------------------------------- layers

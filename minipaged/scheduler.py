@@ -70,6 +70,7 @@ from minipaged.validation import (
     check_fits_pool,
     check_in_interval,
     check_int,
+    check_num_samples,
     errors_named,
 )
 
@@ -224,12 +225,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a new request, after checking that it could ever run alone (see :func:`check_fits_pool`)."""
         self.allocator.check_not_from_subscriber("Scheduler.add")
-        num_samples = 1 + len(seq.pending_forks)
-        if num_samples > self.config.max_num_seqs:
-            raise ValueError(
-                f"request {seq.seq_id!r}: SamplingParams.n = {num_samples} samples must run together, but "
-                f"max_num_seqs is {self.config.max_num_seqs}: lower n or raise max_num_seqs"
-            )
+        check_num_samples(1 + len(seq.pending_forks), self.config.max_num_seqs, f"request {seq.seq_id!r}")
         check_fits_pool(self.config, seq.num_prompt_tokens, seq.sampling_params.max_tokens, f"request {seq.seq_id!r}")
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minipaged.validation import check_int
+from minipaged.validation import check_ids_below, check_int
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -102,10 +102,8 @@ class StopRules:
         eos = eos_token_ids(eos_token_id)
         stop_ids = [check_int(t, f"stop_token_ids[{i}]") for i, t in enumerate(stop_token_ids)]
         if vocab_size is not None:
-            for name, ids in (("stop_token_ids", stop_ids), ("eos_token_id", eos)):
-                for i, t in enumerate(ids):
-                    if t >= vocab_size:
-                        raise ValueError(f"{name}[{i}] = {t} is outside the token ids [0, {vocab_size}) of the model")
+            check_ids_below(stop_ids, "stop_token_ids", vocab_size, "the model")
+            check_ids_below(eos, "eos_token_id", vocab_size, "the model")
         stops = set(stop_ids)
         primary = None
         if eos and not ignore_eos:

@@ -132,10 +132,22 @@ def check_token_ids(token_ids, name: str, vocab_size: int) -> list[int]:
     if len(token_ids) == 0:
         raise ValueError(f"{name} must hold at least one token")
     ids = [check_int(t, f"{name}[{i}]") for i, t in enumerate(token_ids)]
+    check_ids_below(ids, name, vocab_size)
+    return ids
+
+
+def check_ids_below(ids, name: str, vocab_size: int, owner: str = "the vocabulary") -> None:
+    """A ``ValueError`` naming ``name[i]`` for the first id ``ids[i]`` at or above ``vocab_size``.
+
+    Args:
+        ids: token ids, already ints >= 0.
+        name: the argument's name, as the caller's signature spells it.
+        vocab_size: the vocabulary's size.
+        owner: whose token ids they must be, for the message (``"the model"``).
+    """
     for i, t in enumerate(ids):
         if t >= vocab_size:
-            raise ValueError(f"{name}[{i}] = {t} is outside the token ids [0, {vocab_size}) of the vocabulary")
-    return ids
+            raise ValueError(f"{name}[{i}] = {t} is outside the token ids [0, {vocab_size}) of {owner}")
 
 
 def check_fields(obj, prefix: str, names: tuple[str, ...], check, **kwargs) -> None:
@@ -203,6 +215,159 @@ def check_methods(value, name: str, methods: tuple[str, ...], what: str) -> None
     if value is not None and not all(callable(getattr(value, m, None)) for m in methods):
         listed = ", ".join(f"{m}()" for m in methods[:-1]) + f" and {methods[-1]}()"
         raise TypeError(f"{name} must be {what} (an object with {listed}), got {type(value).__name__} {value!r:.40}")
+
+
+def check_llama_config(config) -> None:
+    """Check a :class:`~minipaged.model.LlamaConfig`'s fields in place, normalising them (ints, floats, EOS ids).
+
+    Every size must be an int >= 1; ``rope_theta`` a number > 1 and ``rms_norm_eps`` one >= 0; the
+    query heads a multiple of the KV heads; ``head_dim`` even (RoPE rotates pairs). ``eos_token_id``
+    becomes None, an int or a tuple of ints (see :func:`minipaged.stopping.eos_token_ids`), and it
+    and ``bos_token_id`` must lie in the vocabulary.
+
+    Args:
+        config: the config, just constructed; its fields are replaced by their checked values.
+    """
+    from minipaged.stopping import eos_token_ids  # imported here: this module imports no chapter at top level
+
+    check_fields(config, "LlamaConfig", ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"), check_int,
+                 minimum=1)  # fmt: skip
+    check_fields(config, "LlamaConfig", ("rope_theta", "rms_norm_eps"), check_real, minimum=0)
+    if config.rope_theta <= 1:
+        raise ValueError(f"LlamaConfig.rope_theta must be > 1, got {config.rope_theta!r}")
+    check_multiple(config.num_attention_heads, "num_attention_heads", config.num_key_value_heads,
+                   "num_key_value_heads")  # fmt: skip
+    if config.head_dim % 2:
+        raise ValueError(f"head_dim must be even for RoPE, got {config.head_dim}")
+    with errors_named("LlamaConfig."):
+        eos = eos_token_ids(config.eos_token_id)
+    config.eos_token_id = None if not eos else eos[0] if len(eos) == 1 else eos
+    if config.bos_token_id is not None:
+        config.bos_token_id = check_int(config.bos_token_id, "LlamaConfig.bos_token_id")
+    bos = () if config.bos_token_id is None else (config.bos_token_id,)
+    for name, ids in (("eos_token_id", eos), ("bos_token_id", bos)):
+        for t in ids:
+            if t >= config.vocab_size:
+                raise ValueError(f"LlamaConfig.{name} holds {t}, outside the vocabulary [0, {config.vocab_size})")
+
+
+def check_functions(obj, prefix: str, names: tuple[str, ...]) -> None:
+    """A ``TypeError`` for the first attribute ``names`` of ``obj`` that is not callable.
+
+    Args:
+        obj: the object holding functions (an attention backend).
+        prefix: its class name, for the message (``"AttentionBackend"``).
+        names: the attributes that must be functions, checked in this order.
+    """
+    for name in names:
+        if not callable(getattr(obj, name)):
+            raise TypeError(f"{prefix}.{name} must be a function, got {type(getattr(obj, name)).__name__}")
+
+
+def check_backend_registration(name, backend, replace, registry: dict, backend_class: type) -> None:
+    """The arguments of ``attention.register_backend``, checked before the registry changes.
+
+    Args:
+        name: the key, a non-empty str not in ``registry`` (unless ``replace``).
+        backend: a ``backend_class`` instance named ``name``, or a function (a loader that returns one).
+        replace: a bool; True allows replacing a registered name.
+        registry: the registry as it is now.
+        backend_class: :class:`~minipaged.attention.AttentionBackend`.
+
+    Raises:
+        TypeError: ``name`` is not a str, ``replace`` not a bool, or ``backend`` neither a backend nor a function.
+        ValueError: ``name`` is empty or taken (without ``replace``), or ``backend`` carries another name.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__} {name!r:.60}")
+    if not name:
+        raise ValueError("name must not be empty")
+    if not isinstance(replace, bool):
+        raise TypeError(f"replace must be a bool, got {type(replace).__name__}")
+    if isinstance(backend, backend_class):
+        if backend.name != name:
+            raise ValueError(f"backend is named {backend.name!r}, but it is being registered as {name!r}")
+    elif not callable(backend):
+        raise TypeError(f"backend must be an AttentionBackend or a function that returns one, "
+                        f"got {type(backend).__name__}")  # fmt: skip
+    if name in registry and not replace:
+        raise ValueError(f"backend {name!r} is already registered; pass replace=True to replace it")
+
+
+def check_pool_args(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device) -> tuple[int, ...]:
+    """A paged KV cache's sizes as ints ``(num_layers, num_blocks, block_size, num_kv_heads, head_dim)``, checked.
+
+    Args:
+        num_layers, num_blocks, block_size, num_kv_heads, head_dim: the pools' sizes, each an int >= 1.
+        dtype: the pools' ``torch.dtype``.
+        device: where they would live; the K/V pools must fit its total memory (:func:`check_fits_memory`).
+
+    Raises:
+        TypeError: a size that is not an int, or a ``dtype`` that is not a ``torch.dtype``.
+        ValueError: a size below 1, or pools larger than the device's memory.
+    """
+    import torch
+
+    num_layers = check_int(num_layers, "num_layers", minimum=1)
+    num_kv_heads = check_int(num_kv_heads, "num_kv_heads", minimum=1)
+    head_dim = check_int(head_dim, "head_dim", minimum=1)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+    num_blocks = check_int(num_blocks, "num_blocks", minimum=1)
+    block_size = check_int(block_size, "block_size", minimum=1)
+    pool_bytes = 2 * num_layers * num_blocks * block_size * num_kv_heads * head_dim * dtype.itemsize
+    check_fits_memory(pool_bytes, f"PagedKVCache(num_blocks={num_blocks}, block_size={block_size})'s K/V pools",
+                      device)  # fmt: skip
+    return num_layers, num_blocks, block_size, num_kv_heads, head_dim
+
+
+def check_num_samples(num_samples: int, max_num_seqs: int, request: str) -> None:
+    """A ``ValueError`` for a request whose samples, which run together, could never all have a seat.
+
+    Args:
+        num_samples: the request's samples (its ``SamplingParams.n``).
+        max_num_seqs: the most sequences the engine runs at once.
+        request: the request, for the message (``"request 'a'"``).
+    """
+    if num_samples > max_num_seqs:
+        raise ValueError(
+            f"{request}: SamplingParams.n = {num_samples} samples must run together, but "
+            f"max_num_seqs is {max_num_seqs}: lower n or raise max_num_seqs"
+        )
+
+
+def check_request_args(model_config, prompt_token_ids, sampling_params, arrival_time, now, request_id, cache_salt):
+    """The arguments of ``Engine.add_request`` (see it), checked before the engine changes.
+
+    Args:
+        model_config: the model's :class:`~minipaged.model.LlamaConfig` (vocabulary, positions, EOS).
+        prompt_token_ids: the prompt's token ids.
+        sampling_params: a :class:`~minipaged.sequence.SamplingParams` without stop strings, or None.
+        arrival_time: None, or a time no later than ``now``.
+        now: the engine clock's time now.
+        request_id: None or a hashable id.
+        cache_salt: None, str or bytes (see :func:`check_salt`).
+
+    Returns:
+        ``(prompt ids as a list of ints, the sampling parameters (defaults for None), the normalised salt)``.
+    """
+    from minipaged.sequence import SamplingParams  # imported here: this module imports no chapter at top level
+
+    if sampling_params is not None:
+        check_instance(sampling_params, "sampling_params", SamplingParams, "a SamplingParams")
+    params = sampling_params or SamplingParams()
+    if params.stop:
+        raise ValueError(f"sampling_params.stop={params.stop!r}: the engine sees token ids, never text, so it "
+                         "cannot match stop strings; use the LLM front end (minipaged.llm.LLM), which matches "
+                         "them on the detokenized text and aborts the request here")  # fmt: skip
+    ids = check_prompt(model_config, prompt_token_ids, params.max_tokens, "prompt_token_ids")
+    params.stop_rules(model_config.eos_token_id, model_config.vocab_size)  # refuses a stop token outside the vocab
+    if arrival_time is not None and check_real(arrival_time, "arrival_time") > now:
+        raise ValueError(f"arrival_time {arrival_time!r} is later than the engine clock's now ({now!r}): add "
+                         "a request once it arrives (Replay does)")  # fmt: skip
+    check_hashable(request_id, "request_id")
+    return ids, params, check_salt(cache_salt)
 
 
 def check_engine_args(config, clock, **parts) -> None:
