@@ -40,6 +40,7 @@ from minipaged.validation import (
     check_choice,
     check_contiguous_attention,
     check_functions,
+    check_loaded_backend,
     check_paged_attention,
     check_scale,
 )
@@ -189,9 +190,7 @@ def get_backend(name: str) -> AttentionBackend:
     entry = _REGISTRY[name]
     if not isinstance(entry, AttentionBackend):
         entry = entry()
-        if not isinstance(entry, AttentionBackend) or entry.name != name:
-            raise TypeError(f"the loader of backend {name!r} must return an AttentionBackend named {name!r}, "
-                            f"got {entry!r:.80}")  # fmt: skip
+        check_loaded_backend(entry, name, AttentionBackend)
         _REGISTRY[name] = entry
     return entry
 

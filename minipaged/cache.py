@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from minipaged.block_manager import BlockAllocator, BlockTable
-from minipaged.validation import check_block_ids, check_int, check_kv_write, check_pool_args, check_saved_kv
+from minipaged.validation import check_block_ids, check_index, check_kv_write, check_pool_args, check_saved_kv
 
 
 def write_kv(key, value, k_cache, v_cache, slot_mapping, *, backend="torch") -> None:
@@ -100,12 +100,6 @@ class PagedKVCache:
     def new_table(self, seq_id=None) -> BlockTable:
         return BlockTable(self.allocator, seq_id)
 
-    def _check_layer(self, layer) -> int:
-        layer = check_int(layer, "layer")
-        if layer >= self.num_layers:
-            raise IndexError(f"layer {layer} is out of range: the cache has {self.num_layers} layers")
-        return layer
-
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, *,
               backend="torch") -> None:  # fmt: skip
         """Store token ``i``'s K/V of ``layer`` at ``slot_mapping[i]``; a slot of -1 is skipped (padding).
@@ -116,12 +110,12 @@ class PagedKVCache:
             slot_mapping: int64 (or int32) ``[num_tokens]``, each token's slot.
             backend: the attention backend whose ``write`` stores them, as for :func:`write_kv`.
         """
-        layer = self._check_layer(layer)
+        layer = check_index(layer, "layer", self.num_layers, f"the cache has {self.num_layers} layers")
         write_kv(key, value, self.k_caches[layer], self.v_caches[layer], slot_mapping, backend=backend)
 
     def gather(self, layer: int, table: BlockTable) -> tuple[torch.Tensor, torch.Tensor]:
         """The reference read: one sequence's K and V as contiguous ``[num_tokens, heads, head_dim]``."""
-        layer = self._check_layer(layer)
+        layer = check_index(layer, "layer", self.num_layers, f"the cache has {self.num_layers} layers")
         if table.allocator is not self.allocator:
             raise ValueError("table belongs to another allocator: its block ids mean nothing in this cache")
         slots = table.slots().to(self.device)

@@ -33,7 +33,7 @@ from minipaged.rollback import StepUndo
 from minipaged.scheduler import EngineConfig, Scheduler, SchedulerOutput
 from minipaged.sequence import SamplingParams, Sequence, SequenceStatus, sample
 from minipaged.stopping import mask_stop_tokens
-from minipaged.validation import check_engine_args, check_hashable, check_int, check_prompt, check_request_args
+from minipaged.validation import check_abort_args, check_engine_args, check_prompts, check_request_args, errors_named
 
 
 class Engine:
@@ -65,10 +65,8 @@ class Engine:
                             f"got {type(model).__name__}")  # fmt: skip
         check_engine_args(config, clock, allocator=allocator, block_table=block_table, scheduler=scheduler)
         self.model, self.config, mc = model, config or EngineConfig(), model.config
-        try:  # refuse now a backend that would fail at every step
-            get_backend(self.config.backend).check(self.config.block_size, mc.head_dim, model.dtype)
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(f"EngineConfig(backend={self.config.backend!r}) cannot run this engine: {exc}") from None
+        with errors_named(f"EngineConfig(backend={self.config.backend!r}) cannot run this engine: "):
+            get_backend(self.config.backend).check(self.config.block_size, mc.head_dim, model.dtype)  # not every step
         cfg = self.config
         self.cache = PagedKVCache(mc.num_hidden_layers, cfg.num_blocks, cfg.block_size, mc.num_key_value_heads,
                                   mc.head_dim, model.dtype, model.device, allocator)  # fmt: skip
@@ -165,17 +163,8 @@ class Engine:
             IndexError: ``sample`` is not one of the request's samples.
             ValueError: the request (or that sample) has already finished or been aborted.
         """
-        check_hashable(request_id, "request_id")
-        if request_id not in self.requests:
-            raise KeyError(f"abort: no request with id {request_id!r} (a finished request is handed over by step() "
-                           "and forgotten, unless EngineConfig(keep_finished=True))")
+        targets = check_abort_args(request_id, sample, self.requests)
         seqs = self.requests[request_id]
-        if sample is not None and not 0 <= check_int(sample, "sample") < len(seqs):
-            raise IndexError(f"abort: sample must be in [0, {len(seqs)}) for request {request_id!r}, got {sample}")
-        targets = seqs if sample is None else [seqs[sample]]
-        if all(s.is_finished for s in targets):
-            which = "" if sample is None else f" sample {sample}"
-            raise ValueError(f"abort: request {request_id!r}{which} has already {targets[0].status.value}")
         if self._in_step:
             self._deferred_aborts.append((request_id, sample))
             return
@@ -310,8 +299,7 @@ class Engine:
             sampling_params: the same for every prompt (:class:`SamplingParams` defaults if None).
         """
         self._refuse_during_step("generate")
-        for i, p in enumerate(prompts):  # every prompt checked before any is queued, each error naming its prompt
-            check_prompt(self.model.config, p, (sampling_params or SamplingParams()).max_tokens, f"prompts[{i}]")
+        check_prompts(self.model.config, prompts, (sampling_params or SamplingParams()).max_tokens)  # before queueing
         ids, next_id = [], self._next_id
         try:  # all or none: a request the pool can never hold leaves none of the earlier ones queued
             for p in prompts:

@@ -213,13 +213,11 @@ class LlamaForCausalLM(nn.Module):
         Returns ``[num_seqs, vocab]``, or ``[num_tokens, vocab]`` with ``all_logits``.
         """
         md = attn_metadata
-        check_packed_batch(input_ids, positions, md)
         if hasattr(kv_caches, "k_caches"):
             caches = list(zip(kv_caches.k_caches, kv_caches.v_caches))
         else:
             caches = list(kv_caches)
-        if len(caches) != len(self.model.layers):
-            raise ValueError(f"kv_caches has {len(caches)} layers, the model {len(self.model.layers)}")
+        check_packed_batch(input_ids, positions, md, len(caches), len(self.model.layers))
         impl = get_backend(backend)  # an unknown name fails here, before any layer writes
 
         def attend(layer, q, k, v):

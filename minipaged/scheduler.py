@@ -59,20 +59,10 @@ from dataclasses import dataclass, field
 import torch
 
 from minipaged.accounting import blocks_needed
-from minipaged.attention import get_backend
 from minipaged.block_manager import BlockTable
-from minipaged.request_queue import SCHEDULING_POLICIES, create_request_queue
+from minipaged.request_queue import create_request_queue
 from minipaged.sequence import Sequence, SequenceStatus
-from minipaged.validation import (
-    check_bool,
-    check_choice,
-    check_fields,
-    check_fits_pool,
-    check_in_interval,
-    check_int,
-    check_num_samples,
-    errors_named,
-)
+from minipaged.validation import check_engine_config, check_fits_pool, check_num_samples
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -115,15 +105,7 @@ class EngineConfig:
     keep_finished: bool = False
 
     def __post_init__(self):
-        check_fields(self, "EngineConfig", ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"),
-                     check_int, minimum=1)  # fmt: skip
-        self.watermark = check_in_interval(self.watermark, "EngineConfig.watermark", 0, 1)
-        check_bool(self.chunked_prefill, "EngineConfig.chunked_prefill")
-        check_bool(self.keep_finished, "EngineConfig.keep_finished")
-        check_choice(self.preemption_mode, "EngineConfig.preemption_mode", PREEMPTION_MODES)
-        check_choice(self.scheduling_policy, "EngineConfig.scheduling_policy", tuple(SCHEDULING_POLICIES))
-        with errors_named("EngineConfig."):
-            get_backend(self.backend)  # a name of the attention registry (loaded on first use)
+        check_engine_config(self)
 
     @property
     def watermark_blocks(self) -> int:

@@ -39,8 +39,6 @@ import torch
 
 from minipaged.validation import check_ids_below, check_int
 
-FINISH_REASONS = ("stop", "length", "abort")
-
 
 def eos_token_ids(eos_token_id) -> tuple[int, ...]:
     """A checkpoint's ``eos_token_id`` (None, an int or a sequence of ints) as a tuple of ids, the first being the EOS.

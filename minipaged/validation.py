@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+from collections import deque
 from contextlib import contextmanager
 
 
@@ -368,6 +369,124 @@ def check_request_args(model_config, prompt_token_ids, sampling_params, arrival_
                          "a request once it arrives (Replay does)")  # fmt: skip
     check_hashable(request_id, "request_id")
     return ids, params, check_salt(cache_salt)
+
+
+def check_abort_args(request_id, sample, requests: dict) -> list:
+    """The arguments of ``Engine.abort``, checked against the engine's requests; returns the sequences to abort.
+
+    Args:
+        request_id: a hashable id of one of ``requests``.
+        sample: None (every sample) or an index of one of the request's samples.
+        requests: request_id -> its sequences, in sample order (``Engine.requests``).
+
+    Raises:
+        TypeError: ``request_id`` is not hashable, or ``sample`` is not an int.
+        KeyError: no such request.
+        IndexError: ``sample`` is not one of the request's samples.
+        ValueError: the request (or that sample) has already finished or been aborted.
+    """
+    check_hashable(request_id, "request_id")
+    if request_id not in requests:
+        raise KeyError(f"abort: no request with id {request_id!r} (a finished request is handed over by step() "
+                       "and forgotten, unless EngineConfig(keep_finished=True))")  # fmt: skip
+    seqs = requests[request_id]
+    if sample is not None and not 0 <= check_int(sample, "sample") < len(seqs):
+        raise IndexError(f"abort: sample must be in [0, {len(seqs)}) for request {request_id!r}, got {sample}")
+    targets = seqs if sample is None else [seqs[sample]]
+    if all(s.is_finished for s in targets):
+        which = "" if sample is None else f" sample {sample}"
+        raise ValueError(f"abort: request {request_id!r}{which} has already {targets[0].status.value}")
+    return targets
+
+
+def check_policy_registration(name, queue_class, registry: dict) -> None:
+    """The arguments of ``request_queue.register_policy``, checked before the registry changes.
+
+    Args:
+        name: a str not in ``registry``.
+        queue_class: a :class:`collections.deque` subclass with a ``victim(running)`` method.
+        registry: the policies registered now, name -> queue class.
+
+    Raises:
+        TypeError: ``name`` is not a str, or ``queue_class`` is not such a class.
+        ValueError: ``name`` is already registered.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    if name in registry:
+        raise ValueError(f"scheduling policy {name!r} is already registered")
+    victim = getattr(queue_class, "victim", None)
+    if not (isinstance(queue_class, type) and issubclass(queue_class, deque) and callable(victim)):
+        raise TypeError(f"queue_class must be a deque subclass with a victim(running) method, got {queue_class!r:.60}")
+
+
+def check_index(value, name: str, size: int, what: str) -> int:
+    """``value`` as an int in ``[0, size)``, or an error that names ``name``.
+
+    Args:
+        value: the index.
+        name: the argument's name, as the caller's signature spells it.
+        size: the number of entries it indexes.
+        what: what holds them, for the message (``"the cache has 2 layers"``).
+
+    Raises:
+        TypeError: ``value`` is not an int.
+        ValueError: ``value`` is negative.
+        IndexError: ``value`` is ``size`` or more.
+    """
+    value = check_int(value, name)
+    if value >= size:
+        raise IndexError(f"{name} {value} is out of range: {what}")
+    return value
+
+
+def check_engine_config(config) -> None:
+    """Check an :class:`~minipaged.scheduler.EngineConfig`'s fields in place (sizes as ints, the watermark as a float).
+
+    The sizes must be ints >= 1, the watermark a fraction in ``[0, 1)``, the flags bools, and the
+    preemption mode, scheduling policy and attention backend registered names.
+
+    Args:
+        config: the config, just constructed; its fields are replaced by their checked values.
+    """
+    from minipaged.attention import get_backend  # imported here: this module imports no chapter at top level
+    from minipaged.request_queue import SCHEDULING_POLICIES
+    from minipaged.scheduler import PREEMPTION_MODES
+
+    check_fields(config, "EngineConfig", ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"),
+                 check_int, minimum=1)  # fmt: skip
+    config.watermark = check_in_interval(config.watermark, "EngineConfig.watermark", 0, 1)
+    check_bool(config.chunked_prefill, "EngineConfig.chunked_prefill")
+    check_bool(config.keep_finished, "EngineConfig.keep_finished")
+    check_choice(config.preemption_mode, "EngineConfig.preemption_mode", PREEMPTION_MODES)
+    check_choice(config.scheduling_policy, "EngineConfig.scheduling_policy", tuple(SCHEDULING_POLICIES))
+    with errors_named("EngineConfig."):
+        get_backend(config.backend)  # a name of the attention registry (loaded on first use)
+
+
+def check_prompts(model_config, prompts, max_new_tokens: int) -> None:
+    """Every prompt of a batch checked (see :func:`check_prompt`), each error naming ``prompts[i]``.
+
+    Args:
+        model_config: the model's :class:`~minipaged.model.LlamaConfig`.
+        prompts: the prompts' token ids.
+        max_new_tokens: the tokens to generate after each.
+    """
+    for i, p in enumerate(prompts):
+        check_prompt(model_config, p, max_new_tokens, f"prompts[{i}]")
+
+
+def check_loaded_backend(entry, name: str, backend_class: type) -> None:
+    """A ``TypeError`` unless a backend loader returned a ``backend_class`` named ``name``.
+
+    Args:
+        entry: what the loader registered as ``name`` returned.
+        name: the registered name.
+        backend_class: :class:`~minipaged.attention.AttentionBackend`.
+    """
+    if not isinstance(entry, backend_class) or entry.name != name:
+        raise TypeError(f"the loader of backend {name!r} must return an AttentionBackend named {name!r}, "
+                        f"got {entry!r:.80}")  # fmt: skip
 
 
 def check_engine_args(config, clock, **parts) -> None:
@@ -822,13 +941,15 @@ def check_contiguous_attention(q, k, v, scale) -> float:
     return scale
 
 
-def check_packed_batch(input_ids, positions, attn_metadata) -> None:
-    """A packed batch's tokens against its attention metadata (``LlamaForCausalLM.forward``'s inputs).
+def check_packed_batch(input_ids, positions, attn_metadata, num_cache_layers: int, num_layers: int) -> None:
+    """A packed batch's tokens against its attention metadata and the caches (``LlamaForCausalLM.forward``'s inputs).
 
     Args:
         input_ids, positions: int64 ``[num_tokens]``, every sequence's new tokens and their positions.
         attn_metadata: an :class:`~minipaged.attention.AttentionMetadata` whose ``slot_mapping`` and
             ``query_start_loc`` must describe ``num_tokens`` tokens.
+        num_cache_layers: the layers the caches given hold.
+        num_layers: the model's layers.
 
     Raises:
         ValueError: a shape that does not fit.
@@ -845,6 +966,8 @@ def check_packed_batch(input_ids, positions, attn_metadata) -> None:
             f"attn_metadata describes {md.slot_mapping.shape[0]} slots and {int(md.query_start_loc[-1])} "
             f"query tokens, but input_ids has {num_tokens}"
         )
+    if num_cache_layers != num_layers:
+        raise ValueError(f"kv_caches has {num_cache_layers} layers, the model {num_layers}")
 
 
 def check_saved_kv(saved, num_layers: int, shape: tuple[int, ...]) -> None:
