@@ -36,10 +36,10 @@ from minipaged.accounting import blocks_needed
 from minipaged.block_manager import BlockTable, block_tables_tensor
 from minipaged.cache import write_kv_torch
 from minipaged.validation import (
+    check_backend_fields,
     check_backend_registration,
     check_choice,
     check_contiguous_attention,
-    check_functions,
     check_loaded_backend,
     check_paged_attention,
     check_scale,
@@ -144,9 +144,7 @@ class AttentionBackend:
     check: Callable = no_limits
 
     def __post_init__(self):
-        if not isinstance(self.name, str) or not self.name:
-            raise TypeError(f"AttentionBackend.name must be a non-empty str, got {self.name!r:.60}")
-        check_functions(self, "AttentionBackend", ("decode", "prefill", "write", "check"))
+        check_backend_fields(self)
 
 
 # name -> the backend, or a loader (no arguments) that imports its module and returns it on first use

@@ -41,7 +41,7 @@ from enum import Enum
 import torch
 
 from minipaged.stopping import StopRules
-from minipaged.validation import check_bool, check_int, check_real, check_stop_strings, check_token_id_tuple
+from minipaged.validation import check_sampling_params
 
 
 class SequenceStatus(Enum):
@@ -82,16 +82,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self):
-        self.max_tokens = check_int(self.max_tokens, "max_tokens", minimum=1)
-        self.n = check_int(self.n, "n", minimum=1)
-        check_bool(self.ignore_eos, "ignore_eos")
-        self.temperature = check_real(self.temperature, "temperature", minimum=0)
-        if self.seed is not None:
-            self.seed = check_int(self.seed, "seed", minimum=None)
-        self.stop_token_ids = check_token_id_tuple(self.stop_token_ids, "stop_token_ids")
-        self.min_tokens = self.stop_rules().min_tokens  # the rules' own checks: min_tokens within 0..max_tokens
-        self.stop = check_stop_strings(self.stop, "stop")
-        check_bool(self.include_stop_str_in_output, "include_stop_str_in_output")
+        check_sampling_params(self)
 
     def stop_rules(self, eos_token_id=None, vocab_size: int | None = None) -> StopRules:
         """These parameters' stopping rules on a model with EOS ids ``eos_token_id`` (see :mod:`minipaged.stopping`).

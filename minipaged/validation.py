@@ -200,8 +200,7 @@ def check_factories(parts: dict) -> None:
         parts: argument name -> the class (or factory) given for it.
     """
     for name, part in parts.items():
-        if not callable(part):
-            raise TypeError(f"{name} must be a class (or a factory), got {type(part).__name__}")
+        check_callable(part, name, "a class (or a factory)")
 
 
 def check_methods(value, name: str, methods: tuple[str, ...], what: str) -> None:
@@ -262,8 +261,7 @@ def check_functions(obj, prefix: str, names: tuple[str, ...]) -> None:
         names: the attributes that must be functions, checked in this order.
     """
     for name in names:
-        if not callable(getattr(obj, name)):
-            raise TypeError(f"{prefix}.{name} must be a function, got {type(getattr(obj, name)).__name__}")
+        check_callable(getattr(obj, name), f"{prefix}.{name}", "a function")
 
 
 def check_backend_registration(name, backend, replace, registry: dict, backend_class: type) -> None:
@@ -487,6 +485,110 @@ def check_loaded_backend(entry, name: str, backend_class: type) -> None:
     if not isinstance(entry, backend_class) or entry.name != name:
         raise TypeError(f"the loader of backend {name!r} must return an AttentionBackend named {name!r}, "
                         f"got {entry!r:.80}")  # fmt: skip
+
+
+def check_stop_rule_args(max_tokens, min_tokens, eos_token_id, stop_token_ids, vocab_size):
+    """The arguments of ``StopRules.resolve`` (see it), checked; returns them as ints and tuples.
+
+    Args:
+        max_tokens: an int >= 0.
+        min_tokens: an int in ``[0, max_tokens]``.
+        eos_token_id: the model's EOS ids (None, an int or a list; see :func:`minipaged.stopping.eos_token_ids`).
+        stop_token_ids: ints >= 0.
+        vocab_size: every id must lie below it (None: not checked).
+
+    Returns:
+        ``(max_tokens, min_tokens, the EOS ids as a tuple, the stop token ids as a list)``.
+    """
+    from minipaged.stopping import eos_token_ids  # imported here: this module imports no chapter at top level
+
+    max_tokens = check_int(max_tokens, "max_tokens")
+    min_tokens = check_int(min_tokens, "min_tokens")
+    if min_tokens > max_tokens:
+        raise ValueError(f"min_tokens must be at most max_tokens={max_tokens}, got {min_tokens}")
+    eos = eos_token_ids(eos_token_id)
+    stop_ids = [check_int(t, f"stop_token_ids[{i}]") for i, t in enumerate(stop_token_ids)]
+    if vocab_size is not None:
+        check_ids_below(stop_ids, "stop_token_ids", vocab_size, "the model")
+        check_ids_below(eos, "eos_token_id", vocab_size, "the model")
+    return max_tokens, min_tokens, eos, stop_ids
+
+
+def check_block_id(block_id, action: str, num_blocks: int) -> int:
+    """``block_id`` as an int in ``[0, num_blocks)``, or an error that says which ``action`` it was for.
+
+    Args:
+        block_id: the block id.
+        action: what the caller was about to do, for the message (``"free"``, ``"read the refcount of"``).
+        num_blocks: the pool's size.
+
+    Raises:
+        TypeError: ``block_id`` is not an int.
+        IndexError: it lies outside the pool.
+    """
+    block_id = check_int(block_id, "block_id", minimum=None)
+    if not 0 <= block_id < num_blocks:
+        raise IndexError(f"cannot {action} block {block_id}: block_id runs from 0 to {num_blocks - 1}")
+    return block_id
+
+
+def check_allocator_args(num_blocks, block_size, bytes_per_block: int) -> tuple[int, int]:
+    """A block allocator's pool size as ints ``(num_blocks, block_size)``, checked, and its bookkeeping fits memory.
+
+    Args:
+        num_blocks, block_size: the pool, each an int >= 1.
+        bytes_per_block: an upper bound of the allocator's bookkeeping per block, in bytes.
+    """
+    num_blocks = check_int(num_blocks, "num_blocks", minimum=1)
+    block_size = check_int(block_size, "block_size", minimum=1)
+    check_fits_memory(num_blocks * bytes_per_block, f"BlockAllocator(num_blocks={num_blocks})")
+    return num_blocks, block_size
+
+
+def check_backend_fields(backend) -> None:
+    """A ``TypeError`` unless an attention backend's ``name`` is a non-empty str and its four functions are callable.
+
+    Args:
+        backend: the :class:`~minipaged.attention.AttentionBackend`, just constructed.
+    """
+    if not isinstance(backend.name, str) or not backend.name:
+        raise TypeError(f"AttentionBackend.name must be a non-empty str, got {backend.name!r:.60}")
+    check_functions(backend, "AttentionBackend", ("decode", "prefill", "write", "check"))
+
+
+def check_sampling_params(params) -> None:
+    """Check a :class:`~minipaged.sequence.SamplingParams`' fields in place, normalising them (ints, floats, tuples).
+
+    ``max_tokens`` and ``n`` are ints >= 1, ``temperature`` a number >= 0, ``seed`` None or an int,
+    the stop tokens and stop strings tuples (see :func:`check_token_id_tuple`, :func:`check_stop_strings`),
+    ``min_tokens`` within ``0 .. max_tokens`` (the stopping rules' own check), the flags bools.
+
+    Args:
+        params: the parameters, just constructed; their fields are replaced by their checked values.
+    """
+    params.max_tokens = check_int(params.max_tokens, "max_tokens", minimum=1)
+    params.n = check_int(params.n, "n", minimum=1)
+    check_bool(params.ignore_eos, "ignore_eos")
+    params.temperature = check_real(params.temperature, "temperature", minimum=0)
+    if params.seed is not None:
+        params.seed = check_int(params.seed, "seed", minimum=None)
+    params.stop_token_ids = check_token_id_tuple(params.stop_token_ids, "stop_token_ids")
+    params.min_tokens = params.stop_rules().min_tokens  # the rules' own checks: min_tokens within 0..max_tokens
+    params.stop = check_stop_strings(params.stop, "stop")
+    check_bool(params.include_stop_str_in_output, "include_stop_str_in_output")
+
+
+def check_callable(value, name: str, what: str):
+    """``value`` if it can be called, else a ``TypeError``: "``name`` must be ``what``, got <its type>".
+
+    Args:
+        value: the argument.
+        name: the argument's name, as the caller's signature spells it.
+        what: the expected kind in words (``"a function"``).
+    """
+    if not callable(value):
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__}")
+    return value
 
 
 def check_engine_args(config, clock, **parts) -> None:
