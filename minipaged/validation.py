@@ -722,8 +722,10 @@ def check_fits_pool(config, num_prompt_tokens: int, max_tokens: int, request: st
         request: the request, for the message (``"request 'a'"``).
         pool: the pool, for the message.
     """
+    from minipaged.accounting import blocks_needed  # imported here: this module imports no chapter at top level
+
     longest = num_prompt_tokens + max_tokens - 1
-    need = -(-longest // config.block_size)  # ceil: the blocks those tokens fill
+    need = blocks_needed(longest, config.block_size)
     room = config.num_blocks - config.watermark_blocks
     if need > room:
         raise ValueError(
