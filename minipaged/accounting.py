@@ -569,3 +569,86 @@ def waste_breakdown(preset: str | WorkloadPreset, max_len: int, block_size: int 
         paged["effective KV"] += tokens
         paged["internal fragmentation"] += int(((held + B - 1) // B * B - held).sum())
     return {name: {k: v / sum(parts.values()) for k, v in parts.items()} for name, parts in totals.items()}
+
+
+# ----------------------------------------------------------------------------
+# a paged cache's memory, as chapter 02 reports it
+# ----------------------------------------------------------------------------
+
+
+@dataclass
+class MemoryReport:
+    """What a paged KV cache holds for some sequences: blocks, tokens, tail waste and bytes (see :func:`memory_report`).
+
+    Attributes:
+        num_seqs: the sequences reported on.
+        block_size: token slots per block.
+        total_blocks, used_blocks, free_blocks: the pool's blocks (used: held by any sequence).
+        effective_tokens: tokens the sequences actually hold.
+        tail_waste: reserved but unused slots in the sequences' last blocks.
+        bytes_per_block: K and V of one block, all layers.
+        block_table_bytes: the padded int32 ``[num_seqs, max_blocks]`` tensor the kernel reads.
+    """
+
+    num_seqs: int
+    block_size: int
+    total_blocks: int
+    used_blocks: int
+    free_blocks: int
+    effective_tokens: int
+    tail_waste: int
+    bytes_per_block: int
+    block_table_bytes: int
+
+    @property
+    def utilisation(self) -> float:
+        """Effective tokens over allocated slots (:func:`slot_utilisation`). Above 1 only when forks share blocks."""
+        return slot_utilisation(self.effective_tokens, self.used_blocks * self.block_size)
+
+    @property
+    def kv_bytes_used(self) -> int:
+        return self.used_blocks * self.bytes_per_block
+
+    def __str__(self) -> str:
+        return "\n".join(
+            [
+                f"sequences          {self.num_seqs}",
+                f"blocks used/total  {self.used_blocks}/{self.total_blocks} "
+                f"({self.free_blocks} free, block_size {self.block_size})",
+                f"effective tokens   {self.effective_tokens}",
+                f"tail waste         {self.tail_waste} slots",
+                f"utilisation        {self.utilisation:.2%}",
+                f"bytes per block    {self.bytes_per_block:,}",
+                f"KV bytes used      {self.kv_bytes_used:,} ({_binary(self.kv_bytes_used)})",
+                f"block-table bytes  {self.block_table_bytes:,}",
+            ]
+        )
+
+
+def _binary(n: int) -> str:
+    """``n`` bytes in the largest binary unit it reaches (``"1.50 MiB"``)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def memory_report(cache, tables) -> MemoryReport:
+    """The :class:`MemoryReport` of ``cache``'s pool with the sequences whose block tables are ``tables``.
+
+    Args:
+        cache: a :class:`~minipaged.cache.PagedKVCache` (its pool, allocator and block bytes).
+        tables: the sequences' :class:`~minipaged.block_manager.BlockTable` s, from this cache's allocator.
+    """
+    width = max((t.num_blocks for t in tables), default=0)
+    return MemoryReport(
+        num_seqs=len(tables),
+        block_size=cache.block_size,
+        total_blocks=cache.num_blocks,
+        used_blocks=cache.allocator.num_used,
+        free_blocks=cache.allocator.num_free,
+        effective_tokens=sum(t.num_tokens for t in tables),
+        tail_waste=sum(t.tail_waste for t in tables),
+        bytes_per_block=cache.bytes_per_block,
+        block_table_bytes=len(tables) * width * 4,
+    )

@@ -35,7 +35,15 @@ import torch.nn.functional as F
 from minipaged.accounting import blocks_needed
 from minipaged.block_manager import BlockTable, block_tables_tensor
 from minipaged.cache import write_kv_torch
-from minipaged.validation import check_paged_attention, check_scale, check_tensor
+from minipaged.validation import (
+    check_backend_fields,
+    check_backend_registration,
+    check_choice,
+    check_contiguous_attention,
+    check_loaded_backend,
+    check_paged_attention,
+    check_scale,
+)
 
 # Gathered K+V bytes the "torch" backend handles at once. A short batch is gathered
 # whole (one gather and one attention call per layer, whatever the batch size). A
@@ -58,22 +66,8 @@ def contiguous_attention(q, k, v, *, scale=None, causal=True):
     float32 (float64 for float64 inputs, the exact reference :mod:`minipaged.testing` uses);
     returns ``[q_len, num_heads, head_dim]`` in ``q.dtype``.
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(t, name)
-        if t.dim() != 3:
-            raise ValueError(f"{name} must be 3-D [tokens, heads, head_dim], got shape {tuple(t.shape)}")
-    if v.shape != k.shape:
-        raise ValueError(f"v has shape {tuple(v.shape)}, but k has {tuple(k.shape)}")
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"q has head_dim {q.shape[2]}, but k has head_dim {k.shape[2]}")
-    if not q.dtype.is_floating_point:
-        raise TypeError(f"q must be a floating-point tensor, got {q.dtype}")
-    scale = check_scale(scale, q.shape[2])
+    scale = check_contiguous_attention(q, k, v, scale)
     q_len, kv_len = q.shape[0], k.shape[0]
-    if q_len > kv_len:
-        raise ValueError(f"q has {q_len} tokens but k only {kv_len}: the queries must be part of the context")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"num_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({k.shape[1]})")
     mask = None
     if causal and q_len > 1:
         # SDPA's is_causal aligns query 0 with key 0; our queries are the end of the context.
@@ -150,12 +144,7 @@ class AttentionBackend:
     check: Callable = no_limits
 
     def __post_init__(self):
-        if not isinstance(self.name, str) or not self.name:
-            raise TypeError(f"AttentionBackend.name must be a non-empty str, got {self.name!r:.60}")
-        for field in ("decode", "prefill", "write", "check"):
-            if not callable(getattr(self, field)):
-                got = type(getattr(self, field)).__name__
-                raise TypeError(f"AttentionBackend.{field} must be a function, got {got}")
+        check_backend_fields(self)
 
 
 # name -> the backend, or a loader (no arguments) that imports its module and returns it on first use
@@ -178,20 +167,7 @@ def register_backend(name: str, backend, *, replace: bool = False) -> None:
         ValueError: ``name`` is empty or already registered (without ``replace``), or ``backend``
             carries another name.
     """
-    if not isinstance(name, str):
-        raise TypeError(f"name must be a str, got {type(name).__name__} {name!r:.60}")
-    if not name:
-        raise ValueError("name must not be empty")
-    if not isinstance(replace, bool):
-        raise TypeError(f"replace must be a bool, got {type(replace).__name__}")
-    if isinstance(backend, AttentionBackend):
-        if backend.name != name:
-            raise ValueError(f"backend is named {backend.name!r}, but it is being registered as {name!r}")
-    elif not callable(backend):
-        raise TypeError(f"backend must be an AttentionBackend or a function that returns one, "
-                        f"got {type(backend).__name__}")  # fmt: skip
-    if name in _REGISTRY and not replace:
-        raise ValueError(f"backend {name!r} is already registered; pass replace=True to replace it")
+    check_backend_registration(name, backend, replace, _REGISTRY, AttentionBackend)
     _REGISTRY[name] = backend
 
 
@@ -208,16 +184,11 @@ def get_backend(name: str) -> AttentionBackend:
         ValueError: no backend is registered as ``name``; the message lists those that are.
         ImportError: the backend's module cannot be imported (``"triton"`` without Triton).
     """
-    if not isinstance(name, str):
-        raise TypeError(f"backend must be one of {backend_names()}, got {type(name).__name__} {name!r:.60}")
-    if name not in _REGISTRY:
-        raise ValueError(f"backend must be one of {backend_names()}, got {name!r}")
+    check_choice(name, "backend", backend_names())
     entry = _REGISTRY[name]
     if not isinstance(entry, AttentionBackend):
         entry = entry()
-        if not isinstance(entry, AttentionBackend) or entry.name != name:
-            raise TypeError(f"the loader of backend {name!r} must return an AttentionBackend named {name!r}, "
-                            f"got {entry!r:.80}")  # fmt: skip
+        check_loaded_backend(entry, name, AttentionBackend)
         _REGISTRY[name] = entry
     return entry
 
@@ -238,22 +209,12 @@ def _load_loop() -> AttentionBackend:
 
 
 def _load_triton() -> AttentionBackend:
-    """The chapter-04 kernels, imported only when ``"triton"`` is asked for, with an error that says what to do."""
+    """The chapter-04 kernels' backend (:func:`minipaged.kernels.attention_backend`), imported only when asked for."""
     try:
         from minipaged import kernels
     except ImportError as exc:
         raise ImportError(f"backend='triton' needs minipaged.kernels ({exc}); use backend='torch' instead") from exc
-    if not kernels.HAVE_TRITON:  # the kernels module imports without Triton; its functions would fail at every call
-        from minipaged._triton import require_triton
-
-        require_triton("backend='triton'")
-    return AttentionBackend(
-        "triton",
-        decode=kernels.paged_decode_attention,
-        prefill=kernels.paged_prefill_attention,  # one launch for the whole batch, decode rows included
-        write=kernels.write_kv,
-        check=kernels.check_supported,
-    )
+    return kernels.attention_backend()  # TritonUnavailable, with what to do, where Triton is not installed
 
 
 # --------------------------------------------------------------------------- decode

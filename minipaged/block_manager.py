@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minipaged.accounting import blocks_needed
-from minipaged.validation import check_fits_memory, check_int
+from minipaged.validation import check_allocator_args, check_block_id, check_callable, check_instance, check_int
 
 BOOKKEEPING_BYTES_PER_BLOCK = 64  # an upper bound of the allocator's Python bookkeeping per block
 SUBSCRIBER_ERRORS_KEPT = 16  # the latest subscriber errors an allocator keeps (all are counted)
@@ -77,10 +77,8 @@ class BlockAllocator:
                         "subscriber_guard", "_delivering")  # fmt: skip
 
     def __init__(self, num_blocks: int, block_size: int):
-        num_blocks = check_int(num_blocks, "num_blocks", minimum=1)
-        block_size = check_int(block_size, "block_size", minimum=1)
         # Python ints in a deque plus a refcount list: ~50 bytes a block. Refuse a pool that could never fit.
-        check_fits_memory(num_blocks * BOOKKEEPING_BYTES_PER_BLOCK, f"BlockAllocator(num_blocks={num_blocks})")
+        num_blocks, block_size = check_allocator_args(num_blocks, block_size, BOOKKEEPING_BYTES_PER_BLOCK)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.free_block_ids: deque[int] = deque(range(num_blocks))
@@ -156,10 +154,7 @@ class BlockAllocator:
             return [self.allocate(seq_id) for _ in range(n)]
 
     def _check_block_id(self, block_id, action: str) -> int:
-        block_id = check_int(block_id, "block_id", minimum=None)
-        if not 0 <= block_id < self.num_blocks:
-            raise IndexError(f"cannot {action} block {block_id}: block_id runs from 0 to {self.num_blocks - 1}")
-        return block_id
+        return check_block_id(block_id, action, self.num_blocks)
 
     def _check_allocated(self, block_id, action: str) -> int:
         block_id = self._check_block_id(block_id, action)
@@ -210,8 +205,7 @@ class BlockAllocator:
 
     def _check_free_sequence(self, block_ids) -> list[int]:
         """``block_ids`` as ints, once every one is known to be freeable as often as it appears."""
-        if not isinstance(block_ids, (list, tuple)):
-            raise TypeError(f"block_ids must be a list of block ids, got {type(block_ids).__name__}")
+        check_instance(block_ids, "block_ids", (list, tuple), "a list of block ids")
         ids = [self._check_allocated(b, "free") for b in block_ids]
         for block_id, times in Counter(ids).items():
             if times > self._refcounts[block_id]:
@@ -244,8 +238,7 @@ class BlockAllocator:
         Args:
             callback: a function of one :class:`BlockEvent`.
         """
-        if not callable(callback):
-            raise TypeError(f"callback must be callable (BlockEvent -> None), got {type(callback).__name__}")
+        check_callable(callback, "callback", "callable (BlockEvent -> None)")
         self._subscribers.append(callback)
 
         def unsubscribe():
@@ -467,12 +460,13 @@ class BlockTable:
         return f"BlockTable(seq_id={self.seq_id!r}, num_tokens={self.num_tokens}, blocks={self.blocks})"
 
 
-def block_tables_tensor(tables: list[BlockTable], width: int | None = None) -> torch.Tensor:
-    """Stack tables into the kernel's ``int32 [num_seqs, max_blocks_per_seq]``, padded with 0."""
-    longest = max((t.num_blocks for t in tables), default=0)
-    width = longest if width is None else check_int(width, "width")
-    if width < longest:
-        raise ValueError(f"width {width} is smaller than the longest table ({longest} blocks)")
+def block_tables_tensor(tables: list[BlockTable]) -> torch.Tensor:
+    """Stack tables into the kernel's ``int32 [num_seqs, max_blocks_per_seq]``, padded with 0.
+
+    Args:
+        tables: the sequences' tables; ``max_blocks_per_seq`` is the longest one's length.
+    """
+    width = max((t.num_blocks for t in tables), default=0)
     # One tensor from padded lists: the engine calls this every step, and a small tensor
     # op per row cost more than the rows' contents.
     rows = [table.blocks + [0] * (width - len(table.blocks)) for table in tables]

@@ -14,56 +14,10 @@ index is its slot, ``block_id * block_size + offset``, so a write is one
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from minipaged.block_manager import BlockAllocator, BlockTable
-from minipaged.validation import check_fits_memory, check_int, check_kv_write
-
-
-@dataclass
-class MemoryReport:
-    num_seqs: int
-    block_size: int
-    total_blocks: int
-    used_blocks: int
-    free_blocks: int
-    effective_tokens: int  # tokens the sequences actually hold
-    tail_waste: int  # reserved but unused slots in the sequences' last blocks
-    bytes_per_block: int  # K and V, all layers
-    block_table_bytes: int  # the padded int32 [num_seqs, max_blocks] tensor the kernel reads
-
-    @property
-    def utilisation(self) -> float:
-        """Effective tokens over allocated slots. Above 1 only when forks share blocks."""
-        return self.effective_tokens / (self.used_blocks * self.block_size) if self.used_blocks else 0.0
-
-    @property
-    def kv_bytes_used(self) -> int:
-        return self.used_blocks * self.bytes_per_block
-
-    def __str__(self) -> str:
-        return "\n".join(
-            [
-                f"sequences          {self.num_seqs}",
-                f"blocks used/total  {self.used_blocks}/{self.total_blocks} "
-                f"({self.free_blocks} free, block_size {self.block_size})",
-                f"effective tokens   {self.effective_tokens}",
-                f"tail waste         {self.tail_waste} slots",
-                f"utilisation        {self.utilisation:.2%}",
-                f"bytes per block    {self.bytes_per_block:,}",
-                f"KV bytes used      {self.kv_bytes_used:,} ({_binary(self.kv_bytes_used)})",
-                f"block-table bytes  {self.block_table_bytes:,}",
-            ]
-        )
-
-
-def _binary(n: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
+from minipaged.validation import check_block_ids, check_index, check_kv_write, check_pool_args, check_saved_kv
 
 
 def write_kv(key, value, k_cache, v_cache, slot_mapping, *, backend="torch") -> None:
@@ -126,16 +80,8 @@ class PagedKVCache:
         device="cpu",
         allocator=BlockAllocator,
     ):
-        num_layers = check_int(num_layers, "num_layers", minimum=1)
-        num_kv_heads = check_int(num_kv_heads, "num_kv_heads", minimum=1)
-        head_dim = check_int(head_dim, "head_dim", minimum=1)
-        if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
-        num_blocks = check_int(num_blocks, "num_blocks", minimum=1)
-        block_size = check_int(block_size, "block_size", minimum=1)
-        pool_bytes = 2 * num_layers * num_blocks * block_size * num_kv_heads * head_dim * dtype.itemsize
-        check_fits_memory(pool_bytes, f"PagedKVCache(num_blocks={num_blocks}, block_size={block_size})'s K/V pools",
-                          device)  # fmt: skip
+        num_layers, num_blocks, block_size, num_kv_heads, head_dim = check_pool_args(
+            num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
         self.allocator = allocator(num_blocks, block_size)
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
@@ -154,12 +100,6 @@ class PagedKVCache:
     def new_table(self, seq_id=None) -> BlockTable:
         return BlockTable(self.allocator, seq_id)
 
-    def _check_layer(self, layer) -> int:
-        layer = check_int(layer, "layer")
-        if layer >= self.num_layers:
-            raise IndexError(f"layer {layer} is out of range: the cache has {self.num_layers} layers")
-        return layer
-
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, *,
               backend="torch") -> None:  # fmt: skip
         """Store token ``i``'s K/V of ``layer`` at ``slot_mapping[i]``; a slot of -1 is skipped (padding).
@@ -170,12 +110,12 @@ class PagedKVCache:
             slot_mapping: int64 (or int32) ``[num_tokens]``, each token's slot.
             backend: the attention backend whose ``write`` stores them, as for :func:`write_kv`.
         """
-        layer = self._check_layer(layer)
+        layer = check_index(layer, "layer", self.num_layers, f"the cache has {self.num_layers} layers")
         write_kv(key, value, self.k_caches[layer], self.v_caches[layer], slot_mapping, backend=backend)
 
     def gather(self, layer: int, table: BlockTable) -> tuple[torch.Tensor, torch.Tensor]:
         """The reference read: one sequence's K and V as contiguous ``[num_tokens, heads, head_dim]``."""
-        layer = self._check_layer(layer)
+        layer = check_index(layer, "layer", self.num_layers, f"the cache has {self.num_layers} layers")
         if table.allocator is not self.allocator:
             raise ValueError("table belongs to another allocator: its block ids mean nothing in this cache")
         slots = table.slots().to(self.device)
@@ -185,38 +125,12 @@ class PagedKVCache:
             self.v_caches[layer].view(-1, *row).index_select(0, slots),
         )
 
-    def memory_report(self, tables: list[BlockTable]) -> MemoryReport:
-        width = max((t.num_blocks for t in tables), default=0)
-        return MemoryReport(
-            num_seqs=len(tables),
-            block_size=self.block_size,
-            total_blocks=self.num_blocks,
-            used_blocks=self.allocator.num_used,
-            free_blocks=self.allocator.num_free,
-            effective_tokens=sum(t.num_tokens for t in tables),
-            tail_waste=sum(t.tail_waste for t in tables),
-            bytes_per_block=self.bytes_per_block,
-            block_table_bytes=len(tables) * width * 4,
-        )
-
     def __repr__(self) -> str:
         return (
             f"PagedKVCache(num_layers={self.num_layers}, num_blocks={self.num_blocks}, "
             f"block_size={self.block_size}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"dtype={self.dtype}, device={self.device})"
         )
-
-    def _check_block_ids(self, block_ids, name: str, unique: bool = False) -> list[int]:
-        """``block_ids`` as a list of ints in ``[0, num_blocks)``, or an error that names ``name``."""
-        if isinstance(block_ids, (str, bytes)) or not hasattr(block_ids, "__iter__"):
-            raise TypeError(f"{name} must be a list of block ids, got {type(block_ids).__name__}")
-        ids = [check_int(b, f"{name}[{i}]", minimum=None) for i, b in enumerate(block_ids)]
-        for i, b in enumerate(ids):
-            if not 0 <= b < self.num_blocks:
-                raise IndexError(f"{name}[{i}] = {b} is outside the pool of {self.num_blocks} blocks")
-        if unique and len(set(ids)) != len(ids):
-            raise ValueError(f"{name} must not repeat a block id (two copies would race for it), got {ids}")
-        return ids
 
     @torch.inference_mode()
     def swap_out(self, block_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -229,7 +143,8 @@ class PagedKVCache:
             Per layer, ``(k, v)`` CPU tensors of shape ``[len(block_ids), block_size, num_kv_heads, head_dim]``.
             The pool is unchanged.
         """
-        ids = torch.tensor(self._check_block_ids(block_ids, "block_ids"), dtype=torch.int64, device=self.device)
+        ids = check_block_ids(block_ids, "block_ids", self.num_blocks)
+        ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         pools = zip(self.k_caches, self.v_caches)
         return [(k.index_select(0, ids).cpu(), v.index_select(0, ids).cpu()) for k, v in pools]
 
@@ -242,21 +157,8 @@ class PagedKVCache:
             saved: what :meth:`swap_out` returned: per layer, ``(k, v)`` of shape
                 ``[len(block_ids), block_size, num_kv_heads, head_dim]``, on any device.
         """
-        ids = self._check_block_ids(block_ids, "block_ids", unique=True)
-        if not isinstance(saved, (list, tuple)):
-            raise TypeError(f"saved must be the list swap_out returned, got {type(saved).__name__}")
-        if len(saved) != self.num_layers:
-            raise ValueError(f"saved must hold one (k, v) pair per layer: {self.num_layers}, got {len(saved)}")
-        shape = (len(ids), self.block_size, self.num_kv_heads, self.head_dim)
-        for layer, pair in enumerate(saved):
-            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-                raise ValueError(f"saved[{layer}] must be a (k, v) pair of tensors")
-            for name, t in zip("kv", pair):
-                if not isinstance(t, torch.Tensor):
-                    raise TypeError(f"saved[{layer}] {name} must be a torch.Tensor, got {type(t).__name__}")
-                if tuple(t.shape) != shape:
-                    got = tuple(t.shape)
-                    raise ValueError(f"saved[{layer}] {name} has shape {got}; {len(ids)} blocks need {shape}")
+        ids = check_block_ids(block_ids, "block_ids", self.num_blocks, unique=True)
+        check_saved_kv(saved, self.num_layers, (len(ids), self.block_size, self.num_kv_heads, self.head_dim))
         index = torch.tensor(ids, dtype=torch.int64, device=self.device)
         for k, v, (k_saved, v_saved) in zip(self.k_caches, self.v_caches, saved):
             k.index_copy_(0, index, k_saved.to(device=self.device, dtype=self.dtype))
@@ -271,8 +173,8 @@ class PagedKVCache:
             dst_block_ids: where each one goes, pairwise (same length, no repeats). A destination may also
                 be a source: every source is read before anything is written.
         """
-        src = self._check_block_ids(src_block_ids, "src_block_ids")
-        dst = self._check_block_ids(dst_block_ids, "dst_block_ids", unique=True)
+        src = check_block_ids(src_block_ids, "src_block_ids", self.num_blocks)
+        dst = check_block_ids(dst_block_ids, "dst_block_ids", self.num_blocks, unique=True)
         if len(src) != len(dst):
             raise ValueError(f"src_block_ids and dst_block_ids must pair up, got {len(src)} and {len(dst)} ids")
         src_index = torch.tensor(src, dtype=torch.int64, device=self.device)

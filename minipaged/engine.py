@@ -33,7 +33,7 @@ from minipaged.rollback import StepUndo
 from minipaged.scheduler import EngineConfig, Scheduler, SchedulerOutput
 from minipaged.sequence import SamplingParams, Sequence, SequenceStatus, sample
 from minipaged.stopping import mask_stop_tokens
-from minipaged.validation import check_hashable, check_int, check_prompt, check_real, check_salt
+from minipaged.validation import check_abort_args, check_engine_args, check_prompts, check_request_args, errors_named
 
 
 class Engine:
@@ -63,19 +63,10 @@ class Engine:
         if not callable(model) or not isinstance(getattr(model, "config", None), LlamaConfig):
             raise TypeError(f"model must be a LlamaForCausalLM (a module with a LlamaConfig as .config), "
                             f"got {type(model).__name__}")  # fmt: skip
-        if config is not None and not isinstance(config, EngineConfig):
-            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
-        if clock is not None and not all(callable(getattr(clock, m, None)) for m in ("now", "step", "wait_until")):
-            raise TypeError(f"clock must be a VirtualClock, a WallClock or None (an object with now(), step() and "
-                            f"wait_until()), got {type(clock).__name__} {clock!r:.40}")  # fmt: skip
-        for name, part in (("allocator", allocator), ("block_table", block_table), ("scheduler", scheduler)):
-            if not callable(part):
-                raise TypeError(f"{name} must be a class (or a factory), got {type(part).__name__}")
+        check_engine_args(config, clock, allocator=allocator, block_table=block_table, scheduler=scheduler)
         self.model, self.config, mc = model, config or EngineConfig(), model.config
-        try:  # refuse now a backend that would fail at every step
-            get_backend(self.config.backend).check(self.config.block_size, mc.head_dim, model.dtype)
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(f"EngineConfig(backend={self.config.backend!r}) cannot run this engine: {exc}") from None
+        with errors_named(f"EngineConfig(backend={self.config.backend!r}) cannot run this engine: "):
+            get_backend(self.config.backend).check(self.config.block_size, mc.head_dim, model.dtype)  # not every step
         cfg = self.config
         self.cache = PagedKVCache(mc.num_hidden_layers, cfg.num_blocks, cfg.block_size, mc.num_key_value_heads,
                                   mc.head_dim, model.dtype, model.device, allocator)  # fmt: skip
@@ -130,21 +121,9 @@ class Engine:
     def make_request(self, prompt_token_ids, sampling_params=None, request_id=None, arrival_time=None,
                      cache_salt=None) -> list[Sequence]:  # fmt: skip
         """A request's sequences, every argument checked as :meth:`add_request` documents; changes nothing."""
-        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        params, mc = sampling_params or SamplingParams(), self.model.config
-        if params.stop:
-            raise ValueError(f"sampling_params.stop={params.stop!r}: the engine sees token ids, never text, so it "
-                             "cannot match stop strings; use the LLM front end (minipaged.llm.LLM), which matches "
-                             "them on the detokenized text and aborts the request here")  # fmt: skip
-        prompt_token_ids = check_prompt(mc, prompt_token_ids, params.max_tokens, "prompt_token_ids")
-        params.stop_rules(mc.eos_token_id, mc.vocab_size)  # refuses a stop token outside the vocabulary
-        now = self.clock.now()
-        if arrival_time is not None and check_real(arrival_time, "arrival_time") > now:
-            raise ValueError(f"arrival_time {arrival_time!r} is later than the engine clock's now ({now!r}): add "
-                             "a request once it arrives (Replay does)")  # fmt: skip
-        check_hashable(request_id, "request_id")
-        cache_salt = check_salt(cache_salt)
+        mc, now = self.model.config, self.clock.now()
+        prompt_token_ids, params, cache_salt = check_request_args(mc, prompt_token_ids, sampling_params, arrival_time,
+                                                                  now, request_id, cache_salt)  # fmt: skip
         if request_id is None:
             request_id = self._next_id
             while request_id in self.requests or request_id in self.seqs:
@@ -184,17 +163,8 @@ class Engine:
             IndexError: ``sample`` is not one of the request's samples.
             ValueError: the request (or that sample) has already finished or been aborted.
         """
-        check_hashable(request_id, "request_id")
-        if request_id not in self.requests:
-            raise KeyError(f"abort: no request with id {request_id!r} (a finished request is handed over by step() "
-                           "and forgotten, unless EngineConfig(keep_finished=True))")
+        targets = check_abort_args(request_id, sample, self.requests)
         seqs = self.requests[request_id]
-        if sample is not None and not 0 <= check_int(sample, "sample") < len(seqs):
-            raise IndexError(f"abort: sample must be in [0, {len(seqs)}) for request {request_id!r}, got {sample}")
-        targets = seqs if sample is None else [seqs[sample]]
-        if all(s.is_finished for s in targets):
-            which = "" if sample is None else f" sample {sample}"
-            raise ValueError(f"abort: request {request_id!r}{which} has already {targets[0].status.value}")
         if self._in_step:
             self._deferred_aborts.append((request_id, sample))
             return
@@ -329,8 +299,7 @@ class Engine:
             sampling_params: the same for every prompt (:class:`SamplingParams` defaults if None).
         """
         self._refuse_during_step("generate")
-        for i, p in enumerate(prompts):  # every prompt checked before any is queued, each error naming its prompt
-            check_prompt(self.model.config, p, (sampling_params or SamplingParams()).max_tokens, f"prompts[{i}]")
+        check_prompts(self.model.config, prompts, (sampling_params or SamplingParams()).max_tokens)  # before queueing
         from minipaged.replay import add_all  # all or none, as every batch of requests is added
 
         next_id = self._next_id

@@ -38,8 +38,7 @@ from minipaged.attention import (
     paged_prefill_attention,
 )
 from minipaged.cache import write_kv
-from minipaged.stopping import eos_token_ids
-from minipaged.validation import check_int, check_real
+from minipaged.validation import check_llama_config, check_packed_batch
 
 
 @dataclass
@@ -61,32 +60,7 @@ class LlamaConfig:
     bos_token_id: int | None = None  # the checkpoint's beginning of text (kept for its tokenizer; None: none)
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "max_position_embeddings"):  # fmt: skip
-            setattr(self, name, check_int(getattr(self, name), f"LlamaConfig.{name}", minimum=1))
-        self.rope_theta = check_real(self.rope_theta, "LlamaConfig.rope_theta", minimum=0)
-        self.rms_norm_eps = check_real(self.rms_norm_eps, "LlamaConfig.rms_norm_eps", minimum=0)
-        if self.rope_theta <= 1:
-            raise ValueError(f"LlamaConfig.rope_theta must be > 1, got {self.rope_theta!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        try:
-            eos = eos_token_ids(self.eos_token_id)
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(f"LlamaConfig.{exc}") from None
-        self.eos_token_id = None if not eos else eos[0] if len(eos) == 1 else eos
-        if self.bos_token_id is not None:
-            self.bos_token_id = check_int(self.bos_token_id, "LlamaConfig.bos_token_id")
-        bos = () if self.bos_token_id is None else (self.bos_token_id,)
-        for name, ids in (("eos_token_id", eos), ("bos_token_id", bos)):
-            for t in ids:
-                if t >= self.vocab_size:
-                    raise ValueError(f"LlamaConfig.{name} holds {t}, outside the vocabulary [0, {self.vocab_size})")
+        check_llama_config(self)
 
 
 # --------------------------------------------------------------------------- layers
@@ -239,23 +213,11 @@ class LlamaForCausalLM(nn.Module):
         Returns ``[num_seqs, vocab]``, or ``[num_tokens, vocab]`` with ``all_logits``.
         """
         md = attn_metadata
-        num_tokens = input_ids.shape[0] if input_ids.dim() == 1 else -1
-        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
-            raise ValueError(
-                "input_ids and positions must both be [num_tokens], "
-                f"got {tuple(input_ids.shape)} and {tuple(positions.shape)}"
-            )
-        if md.slot_mapping.shape != (num_tokens,) or int(md.query_start_loc[-1]) != num_tokens:
-            raise ValueError(
-                f"attn_metadata describes {md.slot_mapping.shape[0]} slots and {int(md.query_start_loc[-1])} "
-                f"query tokens, but input_ids has {num_tokens}"
-            )
         if hasattr(kv_caches, "k_caches"):
             caches = list(zip(kv_caches.k_caches, kv_caches.v_caches))
         else:
             caches = list(kv_caches)
-        if len(caches) != len(self.model.layers):
-            raise ValueError(f"kv_caches has {len(caches)} layers, the model {len(self.model.layers)}")
+        check_packed_batch(input_ids, positions, md, len(caches), len(self.model.layers))
         impl = get_backend(backend)  # an unknown name fails here, before any layer writes
 
         def attend(layer, q, k, v):

@@ -1,7 +1,9 @@
 """A workload replayed through an engine: requests arrive on the engine's clock, one engine step at a time.
 
-:meth:`minipaged.engine.Engine.run` steps a :class:`Replay` to the end; chapter 05's dashboard
-steps one on every click, and chapter 08's disaggregated engine replays through the same class.
+:meth:`minipaged.engine.Engine.run` steps a :class:`Replay` to the end, and chapter 05's dashboard
+steps one on every click. Chapter 08's disaggregated engine, which schedules arrivals as events of
+its own, shares the checks (:func:`~minipaged.validation.check_workload`), the requests as sent
+(:func:`workload_request`) and the all-or-none adding (:func:`add_all`).
 """
 
 from __future__ import annotations
@@ -10,39 +12,9 @@ from collections import deque
 
 from tqdm.auto import tqdm
 
-from minipaged.scheduler import check_fits_pool
 from minipaged.sequence import SamplingParams, Sequence
-from minipaged.validation import check_positions, check_prompt, check_real
+from minipaged.validation import check_workload
 from minipaged.workload import RequestSpec, prompt_token_ids
-
-
-def check_workload(engine, workload: list[RequestSpec], prompts: list[list[int]] | None = None) -> None:
-    """Check every request of a workload before any runs: arrival time, prompt, and that the pool could hold it.
-
-    Args:
-        engine: the engine (its model's positions and vocabulary, its pool) the workload will run on.
-        workload: the requests.
-        prompts: None, or each request's prompt token ids (``workload[i].num_prompt_tokens`` of them).
-
-    Raises:
-        TypeError: an entry is not a RequestSpec, or a prompt holds a non-int.
-        ValueError: a bad arrival time, a prompt of the wrong length or outside the vocabulary, or a
-            request that the model's positions or the engine's pool could never hold.
-    """
-    for i, r in enumerate(workload):
-        if not isinstance(r, RequestSpec):
-            raise TypeError(f"workload[{i}] must be a RequestSpec, got {type(r).__name__}")
-        check_real(r.arrival_time, f"workload[{i}].arrival_time", minimum=0)  # NaN would never arrive
-        check_positions(engine.model.config, r.num_prompt_tokens, r.num_output_tokens, f"workload[{i}]'s prompt")
-        check_fits_pool(engine.config, r.num_prompt_tokens, r.num_output_tokens, f"workload[{i}]")  # not mid-run
-    if prompts is not None:
-        if len(prompts) != len(workload):
-            raise ValueError(f"prompts must hold one prompt per request: {len(workload)}, got {len(prompts)}")
-        for i, (p, r) in enumerate(zip(prompts, workload)):
-            check_prompt(engine.model.config, p, r.num_output_tokens, f"prompts[{i}]")
-            if len(p) != r.num_prompt_tokens:
-                raise ValueError(f"prompts[{i}] has {len(p)} tokens but workload[{i}].num_prompt_tokens is "
-                                 f"{r.num_prompt_tokens}")
 
 
 def workload_request(i: int, spec: RequestSpec, vocab_size: int, seed: int = 0,
@@ -87,7 +59,7 @@ class Replay:
     nothing is queued or running, the clock first idles until the next arrival.
     :meth:`Engine.run` steps it to the end; the dashboard steps it on every click.
 
-    Every request is checked when the replay is made, before any runs (:func:`check_workload`).
+    Every request is checked when the replay is made, before any runs (:func:`minipaged.validation.check_workload`).
 
     Args:
         engine: the engine to drive; arrival times count from its clock's time now.

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import deque
 
 from minipaged.sequence import Sequence, SequenceStatus
+from minipaged.validation import check_policy_registration
 
 
 class FCFSQueue(deque):
@@ -60,13 +61,7 @@ def register_policy(name: str, queue_class: type) -> None:
         queue_class: a :class:`collections.deque` subclass with a ``victim(running)`` method (see the
             module docstring for what the scheduler calls).
     """
-    if not isinstance(name, str):
-        raise TypeError(f"name must be a str, got {type(name).__name__}")
-    if name in SCHEDULING_POLICIES:
-        raise ValueError(f"scheduling policy {name!r} is already registered")
-    victim = getattr(queue_class, "victim", None)
-    if not (isinstance(queue_class, type) and issubclass(queue_class, deque) and callable(victim)):
-        raise TypeError(f"queue_class must be a deque subclass with a victim(running) method, got {queue_class!r:.60}")
+    check_policy_registration(name, queue_class, SCHEDULING_POLICIES)
     SCHEDULING_POLICIES[name] = queue_class
 
 

@@ -59,11 +59,10 @@ from dataclasses import dataclass, field
 import torch
 
 from minipaged.accounting import blocks_needed
-from minipaged.attention import get_backend
 from minipaged.block_manager import BlockTable
-from minipaged.request_queue import SCHEDULING_POLICIES, create_request_queue
+from minipaged.request_queue import create_request_queue
 from minipaged.sequence import Sequence, SequenceStatus
-from minipaged.validation import check_bool, check_choice, check_int, check_real
+from minipaged.validation import check_engine_config, check_fits_pool, check_num_samples
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -106,19 +105,7 @@ class EngineConfig:
     keep_finished: bool = False
 
     def __post_init__(self):
-        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
-            setattr(self, name, check_int(getattr(self, name), f"EngineConfig.{name}", minimum=1))
-        self.watermark = check_real(self.watermark, "EngineConfig.watermark")
-        if not 0 <= self.watermark < 1:
-            raise ValueError(f"EngineConfig.watermark must be in [0, 1), got {self.watermark!r}")
-        check_bool(self.chunked_prefill, "EngineConfig.chunked_prefill")
-        check_bool(self.keep_finished, "EngineConfig.keep_finished")
-        check_choice(self.preemption_mode, "EngineConfig.preemption_mode", PREEMPTION_MODES)
-        check_choice(self.scheduling_policy, "EngineConfig.scheduling_policy", tuple(SCHEDULING_POLICIES))
-        try:
-            get_backend(self.backend)  # a name of the attention registry (loaded on first use)
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(f"EngineConfig.{exc}") from None
+        check_engine_config(self)
 
     @property
     def watermark_blocks(self) -> int:
@@ -196,37 +183,6 @@ def can_admit(num_free_blocks: int, num_needed_blocks: int, watermark_blocks: in
     return num_running < max_num_seqs and num_free_blocks - num_needed_blocks >= watermark_blocks
 
 
-def check_fits_pool(config: EngineConfig, num_prompt_tokens: int, max_tokens: int, request: str,
-                    pool: str = "the pool") -> None:  # fmt: skip
-    """A ``ValueError`` for a request that could never run, even alone in an empty pool.
-
-    The most K/V a request holds is prompt + max_tokens - 1 tokens (the last sampled token is
-    never fed back). If those blocks exceed the pool minus the watermark, it could never be
-    admitted; without chunked prefill, a recompute of all of them must also fit one step's budget.
-
-    Args:
-        config: the pool and the scheduler's knobs.
-        num_prompt_tokens: the request's prompt length.
-        max_tokens: the most tokens it may generate.
-        request: the request, for the message (``"request 'a'"``).
-        pool: the pool, for the message.
-    """
-    longest = num_prompt_tokens + max_tokens - 1
-    need = blocks_needed(longest, config.block_size)
-    room = config.num_blocks - config.watermark_blocks
-    if need > room:
-        raise ValueError(
-            f"{request} needs up to {need} blocks ({num_prompt_tokens} prompt + {max_tokens} max_tokens, block_size "
-            f"{config.block_size}) but {pool} has {config.num_blocks} blocks, {room} after the watermark: raise "
-            "num_blocks or lower max_tokens"
-        )
-    if not config.chunked_prefill and longest > config.max_num_batched_tokens:
-        raise ValueError(
-            f"{request} may need to (re)compute {longest} tokens in one step, more than "
-            f"max_num_batched_tokens={config.max_num_batched_tokens}: enable chunked_prefill or raise the budget"
-        )
-
-
 class Scheduler:
     """Continuous batching over one block pool (the rules are in the module docstring).
 
@@ -251,12 +207,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a new request, after checking that it could ever run alone (see :func:`check_fits_pool`)."""
         self.allocator.check_not_from_subscriber("Scheduler.add")
-        num_samples = 1 + len(seq.pending_forks)
-        if num_samples > self.config.max_num_seqs:
-            raise ValueError(
-                f"request {seq.seq_id!r}: SamplingParams.n = {num_samples} samples must run together, but "
-                f"max_num_seqs is {self.config.max_num_seqs}: lower n or raise max_num_seqs"
-            )
+        check_num_samples(1 + len(seq.pending_forks), self.config.max_num_seqs, f"request {seq.seq_id!r}")
         check_fits_pool(self.config, seq.num_prompt_tokens, seq.sampling_params.max_tokens, f"request {seq.seq_id!r}")
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)

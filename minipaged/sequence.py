@@ -41,7 +41,7 @@ from enum import Enum
 import torch
 
 from minipaged.stopping import StopRules
-from minipaged.validation import check_bool, check_int, check_real
+from minipaged.validation import check_sampling_params
 
 
 class SequenceStatus(Enum):
@@ -82,33 +82,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self):
-        self.max_tokens = check_int(self.max_tokens, "max_tokens", minimum=1)
-        self.n = check_int(self.n, "n", minimum=1)
-        check_bool(self.ignore_eos, "ignore_eos")
-        self.temperature = check_real(self.temperature, "temperature", minimum=0)
-        if self.seed is not None:
-            self.seed = check_int(self.seed, "seed", minimum=None)
-        if self.stop_token_ids is None:  # vLLM's default spelling of "none"
-            self.stop_token_ids = ()
-        if isinstance(self.stop_token_ids, int):
-            self.stop_token_ids = (self.stop_token_ids,)
-        if not isinstance(self.stop_token_ids, (list, tuple, set, frozenset)):
-            raise TypeError(f"stop_token_ids must be a tuple of token ids, got {type(self.stop_token_ids).__name__}")
-        self.stop_token_ids = tuple(check_int(t, f"stop_token_ids[{i}]") for i, t in enumerate(self.stop_token_ids))
-        self.min_tokens = self.stop_rules().min_tokens  # the rules' own checks: min_tokens within 0..max_tokens
-        if self.stop is None:  # vLLM's default spelling of "none"
-            self.stop = ()
-        if isinstance(self.stop, str):
-            self.stop = (self.stop,)
-        if not isinstance(self.stop, (list, tuple)):
-            raise TypeError(f"stop must be a str or a tuple of str, got {type(self.stop).__name__}")
-        for i, s in enumerate(self.stop):
-            if not isinstance(s, str):
-                raise TypeError(f"stop[{i}] must be a str, got {type(s).__name__} {s!r}")
-            if not s:
-                raise ValueError(f"stop[{i}] must not be empty (an empty stop string would match before any text)")
-        self.stop = tuple(self.stop)
-        check_bool(self.include_stop_str_in_output, "include_stop_str_in_output")
+        check_sampling_params(self)
 
     def stop_rules(self, eos_token_id=None, vocab_size: int | None = None) -> StopRules:
         """These parameters' stopping rules on a model with EOS ids ``eos_token_id`` (see :mod:`minipaged.stopping`).

@@ -37,9 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minipaged.validation import check_int
-
-FINISH_REASONS = ("stop", "length", "abort")
+from minipaged.validation import check_int, check_stop_rule_args
 
 
 def eos_token_ids(eos_token_id) -> tuple[int, ...]:
@@ -95,17 +93,8 @@ class StopRules:
             TypeError: an id or a count is not an int.
             ValueError: a count is out of range, or an id lies outside the vocabulary.
         """
-        max_tokens = check_int(max_tokens, "max_tokens")
-        min_tokens = check_int(min_tokens, "min_tokens")
-        if min_tokens > max_tokens:
-            raise ValueError(f"min_tokens must be at most max_tokens={max_tokens}, got {min_tokens}")
-        eos = eos_token_ids(eos_token_id)
-        stop_ids = [check_int(t, f"stop_token_ids[{i}]") for i, t in enumerate(stop_token_ids)]
-        if vocab_size is not None:
-            for name, ids in (("stop_token_ids", stop_ids), ("eos_token_id", eos)):
-                for i, t in enumerate(ids):
-                    if t >= vocab_size:
-                        raise ValueError(f"{name}[{i}] = {t} is outside the token ids [0, {vocab_size}) of the model")
+        max_tokens, min_tokens, eos, stop_ids = check_stop_rule_args(max_tokens, min_tokens, eos_token_id,
+                                                                     stop_token_ids, vocab_size)  # fmt: skip
         stops = set(stop_ids)
         primary = None
         if eos and not ignore_eos:

@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minipaged.accounting import memory_report
 from minipaged.block_manager import OutOfBlocks
 from minipaged.cache import PagedKVCache, write_kv
 
@@ -125,7 +126,7 @@ def test_memory_report_counts_tail_waste_and_bytes():
     a, b = cache.new_table("a"), cache.new_table("b")
     a.append_tokens(5)  # 2 blocks, 3 wasted
     b.append_tokens(8)  # 2 blocks, 0 wasted
-    r = cache.memory_report([a, b])
+    r = memory_report(cache, [a, b])
     assert (r.used_blocks, r.free_blocks, r.effective_tokens, r.tail_waste) == (4, 6, 13, 3)
     assert r.bytes_per_block == 2 * 2 * 4 * H * D * 2
     assert r.block_table_bytes == 2 * 2 * 4
