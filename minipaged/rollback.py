@@ -51,9 +51,15 @@ class Snapshot:
             self._saved[id(obj)] = (obj, state)
             stack.extend(child for child in children if not _is_atom(child))
 
-    def before(self, obj):
-        """``obj``'s saved state: a container's contents (a list, or a dict's items) or an object's attributes."""
-        return self._saved[id(obj)][1]
+    def before(self, obj, default=None):
+        """``obj``'s saved state: a container's contents (a list, a dict's items) or an object's attributes.
+
+        Args:
+            obj: any object.
+            default: what to return for an object the snapshot does not hold (one the step made).
+        """
+        saved = self._saved.get(id(obj))
+        return default if saved is None else saved[1]
 
     def restore(self) -> None:
         """Put every saved object back as it was, in place."""
@@ -148,11 +154,8 @@ class StepUndo:
 
     def _attr_before(self, obj, name: str, default):
         """The contents of ``obj.name`` before the step (``default`` for an object or attribute the step made)."""
-        saved = self.snapshot._saved.get(id(obj))
-        if saved is None or name not in saved[1]:
-            return default
-        value = saved[1][name]
-        return self.snapshot.before(value) if id(value) in self.snapshot._saved else value
+        value = self.snapshot.before(obj, {}).get(name, default)
+        return self.snapshot.before(value, value)
 
     def restore(self) -> None:
         """Put the bookkeeping and the protected K/V back; tell the allocator's subscribers (a ``"rollback"`` event)."""
