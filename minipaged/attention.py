@@ -413,8 +413,3 @@ class AttentionMetadata:
         starts = torch.repeat_interleave(self.query_start_loc[:-1].long(), num_new_tokens)
         return first + torch.arange(len(first), device=first.device) - starts
 
-
-__all__ = [
-    "AttentionBackend", "AttentionMetadata", "backend_names", "contiguous_attention", "get_backend", "no_limits",
-    "paged_attention", "paged_prefill_attention", "register_backend", "resolve_backend",
-]

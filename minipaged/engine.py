@@ -220,7 +220,7 @@ class Engine:
         its last token, or, for one that verifies ``k`` drafts (``out.spec_token_ids``), its last ``k + 1``.
         """
         moved = self.cache.move_kv(out, self.swap_space)  # before anything lands in the new blocks
-        if out.is_empty:
+        if not out.seqs:  # nothing to run (every sequence waits, or was preempted)
             return None
         spec = bool(out.spec_token_ids)  # drafts: every token's logits; else each sequence's last token's
         input_ids, positions, rows, end = [], [], [], 0

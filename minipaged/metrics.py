@@ -38,7 +38,7 @@ PERCENTILES = (50, 90, 99)
 HISTORY_WINDOW = 1024  # step records an engine keeps by default (EngineConfig(keep_finished=True): all)
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepRecord:
     step: int
     time: float  # clock time at the end of the step

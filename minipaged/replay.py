@@ -80,11 +80,6 @@ class Replay:
         self.seqs: list[Sequence | None] = [None] * len(workload)  # in the workload's order, once added
 
     @property
-    def allocator(self):
-        """The engine's block pool (views subscribe to its events)."""
-        return self.engine.cache.allocator
-
-    @property
     def done(self) -> bool:
         return not self.arrivals and not self.engine.has_unfinished()
 

@@ -8,7 +8,8 @@ Restoring puts each one back *in place*, so a view that holds a list or a table 
 state again. What is not bookkeeping is not walked: tensors (the K/V pools, whose rollback is
 :meth:`StepUndo.protect_kv`'s), modules, functions, classes, and instances of frozen dataclasses
 (immutable by contract). A class may name attributes that a rollback must leave alone (event
-plumbing, the step's own flags) in ``_not_rolled_back``.
+plumbing, the step's own flags) in ``_not_rolled_back``, and an object whose ``is_final`` is True
+(a finished sequence: no step changes it again) is not walked.
 """
 
 from __future__ import annotations
@@ -24,13 +25,19 @@ import torch
 _ATOMS = (int, float, complex, str, bytes, bool, type(None), type, Enum, torch.dtype, torch.device, torch.Tensor,
           torch.nn.Module, types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType,
           partial)  # fmt: skip
-_ATOM_TYPES = {int, float, str, bytes, bool, type(None)}  # the common ones, tested first
+ATOM, SEQUENCE, MAPPING, IMMUTABLE, GENERATOR, OBJECT = range(6)  # what the walk does with an object
+_CONTAINERS = ((SEQUENCE, (list, deque, bytearray, set)), (MAPPING, dict), (IMMUTABLE, (tuple, frozenset)),
+               (GENERATOR, torch.Generator))  # fmt: skip
+_KINDS: dict[type, int] = {}  # worked out once per type: the walk meets the same few types over and over
+_PLAIN = {int, float, str, bytes, bool, type(None)}  # token ids and times: never pushed on the walk's stack
 
 
-def _is_atom(value) -> bool:
-    if type(value) in _ATOM_TYPES or isinstance(value, _ATOMS):
-        return True
-    return dataclasses.is_dataclass(value) and type(value).__dataclass_params__.frozen
+def _kind(cls: type) -> int:
+    if cls not in _KINDS:
+        frozen = dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen
+        _KINDS[cls] = ATOM if frozen or issubclass(cls, _ATOMS) else next(
+            (kind for kind, bases in _CONTAINERS if issubclass(cls, bases)), OBJECT)
+    return _KINDS[cls]
 
 
 class Snapshot:
@@ -45,21 +52,23 @@ class Snapshot:
         stack = [root]
         while stack:
             obj = stack.pop()
-            if id(obj) in self._saved or _is_atom(obj):
+            kind = _kind(type(obj))
+            if kind == ATOM or id(obj) in self._saved or kind == OBJECT and getattr(obj, "is_final", False):
                 continue
-            state, children = _save(obj)
+            state, children = _save(obj, kind)
             self._saved[id(obj)] = (obj, state)
-            stack.extend(child for child in children if not _is_atom(child))
+            stack += [child for child in children if type(child) not in _PLAIN]
 
     def before(self, obj, default=None):
         """``obj``'s saved state: a container's contents (a list, a dict's items) or an object's attributes.
 
         Args:
             obj: any object.
-            default: what to return for an object the snapshot does not hold (one the step made).
+            default: what to return for an object the snapshot holds no state of (an immutable one, or one
+                the step made).
         """
-        saved = self._saved.get(id(obj))
-        return default if saved is None else saved[1]
+        state = self._saved.get(id(obj), (None, None))[1]
+        return default if state is None else state
 
     def restore(self) -> None:
         """Put every saved object back as it was, in place."""
@@ -67,16 +76,17 @@ class Snapshot:
             _restore(obj, state)
 
 
-def _save(obj) -> tuple[object, list]:
+def _save(obj, kind: int) -> tuple[object, list]:
     """``obj``'s state and the objects it holds."""
-    if isinstance(obj, (list, deque, bytearray, set)):
-        return list(obj), list(obj)
-    if isinstance(obj, dict):
+    if kind == SEQUENCE:
+        state = list(obj)
+        return state, state
+    if kind == MAPPING:
         items = list(obj.items())
         return items, [x for item in items for x in item]
-    if isinstance(obj, (tuple, frozenset)):
+    if kind == IMMUTABLE:
         return None, list(obj)
-    if isinstance(obj, torch.Generator):
+    if kind == GENERATOR:
         return obj.get_state(), []
     skip = getattr(type(obj), "_not_rolled_back", ())
     attrs = {name: value for name, value in vars(obj).items() if name not in skip}
@@ -84,12 +94,11 @@ def _save(obj) -> tuple[object, list]:
 
 
 def _restore(obj, state) -> None:
-    if isinstance(obj, (list, bytearray)):
-        obj[:] = state
-    elif isinstance(obj, (deque, set, dict)):
+    kind = _kind(type(obj))
+    if kind in (SEQUENCE, MAPPING):
         obj.clear()
         (obj.update if isinstance(obj, (set, dict)) else obj.extend)(state)
-    elif isinstance(obj, torch.Generator):
+    elif kind == GENERATOR:
         obj.set_state(state)
     elif state is not None:
         skip = getattr(type(obj), "_not_rolled_back", ())

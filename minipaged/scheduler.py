@@ -136,10 +136,6 @@ class SchedulerOutput:
     def num_batched_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.seqs
-
     def add(self, seq: Sequence, num_new_tokens: int, slot_mapping: torch.Tensor) -> None:
         """Plan ``num_new_tokens`` of ``seq``'s tokens, whose K/V goes to ``slot_mapping``."""
         self.seqs.append(seq)
@@ -150,9 +146,8 @@ class SchedulerOutput:
     def take_back(self, seq: Sequence) -> int:
         """Unplan ``seq`` (a victim planned earlier in the step); return the tokens it had."""
         i = self.seqs.index(seq)
-        n = self.num_new_tokens[i]
-        del self.seqs[i], self.num_new_tokens[i], self.slot_mappings[i], self.prefill[i]
-        return n
+        del self.seqs[i], self.slot_mappings[i], self.prefill[i]
+        return self.num_new_tokens.pop(i)
 
     @property
     def num_prefill_tokens(self) -> int:
