@@ -192,7 +192,42 @@ def fixed_slots(lengths: Sequence[int], max_len: int) -> int:
 def _ratio(used: int, held: int) -> float:
     if held == 0:
         raise ValueError("lengths are all 0: nothing is allocated, so utilisation is undefined")
-    return used / held
+    return slot_utilisation(used, held)
+
+
+def slot_utilisation(num_tokens: int, num_slots: int) -> float:
+    """U of a pool at one moment: tokens held / slots allocated to the sequences (0.0 while none is allocated).
+
+    The one place utilisation is computed: :func:`utilisation` from lengths, the trace simulator's
+    pools, the engine's memory report and chapter 07's measures all call it.
+
+    Args:
+        num_tokens: tokens the sequences hold (above ``num_slots`` only when forks share blocks).
+        num_slots: slots allocated to them: blocks held × block size, or a contiguous pool's reserved slots.
+    """
+    num_tokens = check_int(num_tokens, "num_tokens")
+    num_slots = check_int(num_slots, "num_slots")
+    return num_tokens / num_slots if num_slots else 0.0
+
+
+def kv_usage(used_blocks: int, num_blocks: int) -> float:
+    """KV usage: blocks in use / blocks in the pool (vLLM's ``kv_cache_usage_perc``).
+
+    Args:
+        used_blocks: blocks the pool has handed out.
+        num_blocks: blocks in the pool (>= 1).
+    """
+    return check_int(used_blocks, "used_blocks") / check_int(num_blocks, "num_blocks", minimum=1)
+
+
+def token_occupancy(num_tokens: int, pool_slots: int) -> float:
+    """Token occupancy: tokens held / token slots in the pool (``kv_usage`` × utilisation).
+
+    Args:
+        num_tokens: tokens the sequences hold.
+        pool_slots: slots in the pool, ``num_blocks * block_size`` (>= 1).
+    """
+    return check_int(num_tokens, "num_tokens") / check_int(pool_slots, "pool_slots", minimum=1)
 
 
 def utilisation(lengths: Sequence[int], block_size: int) -> float:

@@ -205,6 +205,36 @@ def beam_search_contiguous(model: LlamaForCausalLM, prompt_token_ids: list[int],
     return _rank(found, len(prompt), beam_width, eos_token_id, length_penalty)
 
 
+def _next_beams(beams: list[_Beam], live: list, cache: PagedKVCache, share: bool, num_ids: int):
+    """The beams of the next step, one per live proposal ``(cum_logprob, parent_index, token)``.
+
+    Dropped beams release their blocks first, so the new ones can use them. A parent's first child
+    carries on in its table; each further child forks it (``share``) or takes a private copy of every
+    block. Returns ``(children, blocks copied, beam ids handed out)``; ``num_ids`` is the count before.
+    """
+    survivors = {i for _, i, _ in live}
+    for i, beam in enumerate(beams):  # dropped beams first: their blocks serve the new ones
+        if i not in survivors:
+            beam.table.release()
+    children, taken, copied = [], set(), 0
+    for cum, i, tok in live:
+        parent = beams[i].table
+        if i not in taken:  # the first child carries on in its parent's table
+            table = parent
+            taken.add(i)
+        elif share:
+            table = parent.fork(seq_id=num_ids)
+            num_ids += 1
+        else:  # no sharing: a private copy of every block
+            table = cache.new_table(seq_id=num_ids)
+            num_ids += 1
+            table.append_tokens(parent.num_tokens)
+            cache.copy_blocks(parent.blocks, table.blocks)
+            copied += parent.num_blocks
+        children.append(_Beam(beams[i].token_ids + [tok], cum, table))
+    return children, copied, num_ids
+
+
 @torch.no_grad()
 def beam_search(model: LlamaForCausalLM, prompt_token_ids: list[int], beam_width: int, max_tokens: int, *,
                 block_size: int = 16, num_blocks: int | None = None, share: bool = True,
@@ -272,26 +302,7 @@ def beam_search(model: LlamaForCausalLM, prompt_token_ids: list[int], beam_width
             if step == max_tokens or not live:  # the last tokens' K/V would never be read
                 found += [(beams[i].token_ids + [tok], cum) for cum, i, tok in live]
                 break
-            survivors = {i for _, i, _ in live}
-            for i, beam in enumerate(beams):  # dropped beams first: their blocks serve the new ones
-                if i not in survivors:
-                    beam.table.release()
-            children, taken, copied = [], set(), 0
-            for cum, i, tok in live:
-                parent = beams[i].table
-                if i not in taken:  # the first child carries on in its parent's table
-                    table = parent
-                    taken.add(i)
-                elif share:
-                    table = parent.fork(seq_id=num_ids)
-                    num_ids += 1
-                else:  # no sharing: a private copy of every block
-                    table = cache.new_table(seq_id=num_ids)
-                    num_ids += 1
-                    table.append_tokens(parent.num_tokens)
-                    cache.copy_blocks(parent.blocks, table.blocks)
-                    copied += parent.num_blocks
-                children.append(_Beam(beams[i].token_ids + [tok], cum, table))
+            children, copied, num_ids = _next_beams(beams, live, cache, share, num_ids)
             beams = children
             logprobs = forward([b.table for b in beams], [b.token_ids[-1:] for b in beams],
                                [i for _, i, _ in live], copied)  # fmt: skip

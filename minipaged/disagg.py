@@ -615,7 +615,7 @@ class DisaggregatedEngine:
     def run(self, workload: list[RequestSpec], seed: int = 0, prompts: list[list[int]] | None = None) -> list[Sequence]:
         """Replay a workload to the end; returns its sequences in the workload's order (finished, with timings).
 
-        Each request makes exactly its ``output_len`` tokens (``ignore_eos=True``, as in
+        Each request makes exactly its ``num_output_tokens`` tokens (``ignore_eos=True``, as in
         :class:`~minipaged.replay.Replay`).
 
         Args:
@@ -628,8 +628,8 @@ class DisaggregatedEngine:
         ids = []
         try:  # all or none: a request that cannot fit leaves none of the earlier ones queued
             for i, r in enumerate(workload):
-                prompt = prompt_token_ids(i, r.prompt_len, vocab, seed) if prompts is None else prompts[i]
-                ids.append(self.add_request(prompt, SamplingParams(max_tokens=r.output_len, ignore_eos=True),
+                prompt = prompt_token_ids(i, r.num_prompt_tokens, vocab, seed) if prompts is None else prompts[i]
+                ids.append(self.add_request(prompt, SamplingParams(max_tokens=r.num_output_tokens, ignore_eos=True),
                                             arrival_time=start + r.arrival_time))  # fmt: skip
         except BaseException:
             self._unqueue(ids)
@@ -769,7 +769,7 @@ def compare_disaggregation(model, workload: list[RequestSpec], prefill_blocks: i
     runs["mixed"] = (mixed.run(workload, progress=False, seed=seed), [mixed])
     if data_parallel:
         vocab = model.config.vocab_size
-        prompts = [prompt_token_ids(i, r.prompt_len, vocab, seed) for i, r in enumerate(workload)]
+        prompts = [prompt_token_ids(i, r.num_prompt_tokens, vocab, seed) for i, r in enumerate(workload)]
         halves = [Engine(model, config(prefill_blocks), BusyClock()), Engine(model, config(decode_blocks), BusyClock())]
         seqs = [None] * len(workload)
         for k, engine in enumerate(halves):

@@ -13,8 +13,9 @@ the run, from the first arrival to the last finish.
 Per step, :class:`Metrics` keeps a ``history`` of :class:`StepRecord` (queue
 lengths, the cache's memory use, preemptions): every step, or only the latest
 ``window`` of them (a long-running engine's memory stays bounded), with running
-totals (``num_steps``, ``num_finished``, ``num_preemptions``) that count every step. It learns about blocks and
-preemptions by subscribing to the allocator's events, not by polling. Memory
+totals (``num_steps``, ``num_finished``, ``num_preemptions``) that count every step. It learns about
+preemptions, swaps and copies by subscribing to the allocator's events, not by polling; the blocks in use
+it reads from the allocator itself (``allocator.num_used``: one count, kept by its owner). Memory
 use is two fractions of the pool, never to be confused with chapter 01's
 utilisation U (tokens / *allocated* slots):
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from minipaged.accounting import kv_usage, token_occupancy
 from minipaged.sequence import Sequence, SequenceStatus
 from minipaged.validation import check_int
 
@@ -56,6 +58,7 @@ class StepRecord:
 class Metrics:
     """Step history plus counters fed by allocator events. ``attach(allocator)`` subscribes.
 
+    A record's blocks in use are the attached allocator's ``num_used`` (0 while none is attached).
     ``num_blocks`` and ``block_size`` are the pool's, the denominators of KV usage and token occupancy.
     ``window`` bounds the history to the latest ``window`` records (the oldest is dropped as a
     new one comes); None keeps every record. The counters always count every step.
@@ -67,7 +70,6 @@ class Metrics:
     history: list[StepRecord] = field(default_factory=list)
     num_steps: int = 0  # steps recorded, including those the window dropped
     num_finished: int = 0  # sequences finished, over all steps
-    used_blocks: int = 0
     num_preemptions: int = 0
     max_running: int = 0
     swapped_out_blocks: int = 0  # swap-mode preemption: blocks copied to CPU memory ...
@@ -134,18 +136,12 @@ class Metrics:
         return allocator.subscribe(self.on_event)
 
     def on_event(self, event) -> None:
-        if event.kind == "allocate":
-            self.used_blocks += 1
-        elif event.kind == "free":
-            self.used_blocks -= 1
-        elif event.kind == "preempt":
+        if event.kind == "preempt":
             self.num_preemptions += 1
             self._step_preemptions += 1
             self.swapped_out_blocks += event.info.get("swapped_blocks", 0)
         elif event.kind == "swap_in":
             self.swapped_in_blocks += event.info["swapped_blocks"]
-        elif event.kind == "hit" and event.info.get("was_free"):  # a cached free block is in use again
-            self.used_blocks += 1
         elif event.kind == "cow":
             self.num_cow += 1
 
@@ -162,6 +158,7 @@ class Metrics:
             num_finished: how many sequences finished in the step.
         """
         tables = [s.block_table for s in running if s.block_table is not None]
+        used = self._allocator.num_used if self._allocator is not None else 0
         record = StepRecord(
             step=self.num_steps,
             time=time,
@@ -169,9 +166,9 @@ class Metrics:
             num_waiting=num_waiting,
             num_batched_tokens=sum(num_new_tokens),
             num_prefill_tokens=num_prefill_tokens,
-            kv_used_blocks=self.used_blocks,
-            kv_usage=self.used_blocks / self.num_blocks,
-            token_occupancy=sum(t.num_tokens for t in tables) / (self.num_blocks * self.block_size),
+            kv_used_blocks=used,
+            kv_usage=kv_usage(used, self.num_blocks),
+            token_occupancy=token_occupancy(sum(t.num_tokens for t in tables), self.num_blocks * self.block_size),
             tail_waste=sum(t.tail_waste for t in tables),
             preemptions=self._step_preemptions,
             finished=num_finished,

@@ -357,21 +357,6 @@ def min_utilization(model: acc.ModelSpec | str, gpu_memory: int | str, *, max_mo
     return util
 
 
-def plans_table(plans: Sequence[Plan]) -> str:
-    """Several plans side by side, one row each: the settings that differ and what they give.
-
-    Args:
-        plans: the plans to compare, e.g. one per KV dtype or per block size.
-    """
-    if isinstance(plans, Plan) or not all(isinstance(p, Plan) for p in plans) or not plans:
-        raise TypeError("plans must be a non-empty sequence of Plan")
-    return acc.format_table(
-        ["model", "GPU", "util", "KV dtype", "B", "KV budget", "blocks", "KV tokens", "max_model_len", "outcome"],
-        [(p.model.name, _gib(p.gpu_bytes), f"{p.gpu_memory_utilization:g}", p.kv_dtype, p.block_size,
-          _gib(p.kv_budget_bytes), f"{p.num_blocks:,}", f"{p.kv_tokens:,}", f"{p.max_model_len:,}", p.outcome)
-         for p in plans])
-
-
 def reported_case(max_model_len: int = 29_000) -> Plan:
     """The reported vLLM start-up failure of :data:`REPORTED_CASE`: 1,478 blocks × 16 = 23,648 KV tokens.
 
@@ -455,7 +440,7 @@ def concurrency(p: Plan, workload: str | WorkloadPreset | Sequence[RequestSpec],
         lengths = acc.sample_lengths(preset, p.num_blocks + 1, p.max_model_len, seed)
     elif isinstance(workload, Sequence) and workload and all(isinstance(r, RequestSpec) for r in workload):
         name = "requests"
-        lengths = np.minimum([r.prompt_len + r.output_len for r in workload], p.max_model_len)
+        lengths = np.minimum([r.num_prompt_tokens + r.num_output_tokens for r in workload], p.max_model_len)
     else:
         raise TypeError(f"workload must be a length preset or a non-empty list of RequestSpec, got {workload!r}")
     blocks = (np.asarray(lengths, dtype=np.int64) + p.block_size - 1) // p.block_size

@@ -22,7 +22,7 @@ def check_workload(engine, workload: list[RequestSpec], prompts: list[list[int]]
     Args:
         engine: the engine (its model's positions and vocabulary, its pool) the workload will run on.
         workload: the requests.
-        prompts: None, or each request's prompt token ids (``workload[i].prompt_len`` of them).
+        prompts: None, or each request's prompt token ids (``workload[i].num_prompt_tokens`` of them).
 
     Raises:
         TypeError: an entry is not a RequestSpec, or a prompt holds a non-int.
@@ -33,15 +33,16 @@ def check_workload(engine, workload: list[RequestSpec], prompts: list[list[int]]
         if not isinstance(r, RequestSpec):
             raise TypeError(f"workload[{i}] must be a RequestSpec, got {type(r).__name__}")
         check_real(r.arrival_time, f"workload[{i}].arrival_time", minimum=0)  # NaN would never arrive
-        check_positions(engine.model.config, r.prompt_len, r.output_len, f"workload[{i}]'s prompt")
-        check_fits_pool(engine.config, r.prompt_len, r.output_len, f"workload[{i}]")  # not mid-run
+        check_positions(engine.model.config, r.num_prompt_tokens, r.num_output_tokens, f"workload[{i}]'s prompt")
+        check_fits_pool(engine.config, r.num_prompt_tokens, r.num_output_tokens, f"workload[{i}]")  # not mid-run
     if prompts is not None:
         if len(prompts) != len(workload):
             raise ValueError(f"prompts must hold one prompt per request: {len(workload)}, got {len(prompts)}")
         for i, (p, r) in enumerate(zip(prompts, workload)):
-            check_prompt(engine.model.config, p, r.output_len, f"prompts[{i}]")
-            if len(p) != r.prompt_len:
-                raise ValueError(f"prompts[{i}] has {len(p)} tokens but workload[{i}].prompt_len is {r.prompt_len}")
+            check_prompt(engine.model.config, p, r.num_output_tokens, f"prompts[{i}]")
+            if len(p) != r.num_prompt_tokens:
+                raise ValueError(f"prompts[{i}] has {len(p)} tokens but workload[{i}].num_prompt_tokens is "
+                                 f"{r.num_prompt_tokens}")
 
 
 class Replay:
@@ -49,7 +50,7 @@ class Replay:
 
     Before each step, the requests whose arrival time has come are added, with
     the seeded prompts of :func:`minipaged.workload.prompt_token_ids`, each asking for exactly
-    its ``output_len`` tokens (``ignore_eos=True``, as vLLM's benchmarks do); when
+    its ``num_output_tokens`` tokens (``ignore_eos=True``, as vLLM's benchmarks do); when
     nothing is queued or running, the clock first idles until the next arrival.
     :meth:`Engine.run` steps it to the end; the dashboard steps it on every click.
 
@@ -60,7 +61,7 @@ class Replay:
         workload: the requests, with arrival times relative to the start of the replay.
         seed: the seed of the prompts' token ids (request ``i`` gets ``prompt_token_ids(i, ..., seed)``).
         prompts: None (seeded random prompts), or request ``i``'s prompt token ids as ``prompts[i]``,
-            ``workload[i].prompt_len`` of them (a workload whose prompts share prefixes, say).
+            ``workload[i].num_prompt_tokens`` of them (a workload whose prompts share prefixes, say).
     """
 
     def __init__(self, engine, workload: list[RequestSpec], seed: int = 0,
@@ -86,9 +87,9 @@ class Replay:
         vocab = self.engine.model.config.vocab_size
         while self.arrivals and self.start + self.arrivals[0][1].arrival_time <= self.engine.clock.now():
             i, r = self.arrivals.popleft()
-            prompt = prompt_token_ids(i, r.prompt_len, vocab, self.seed) if self.prompts is None else self.prompts[i]
-            rid = self.engine.add_request(prompt, SamplingParams(max_tokens=r.output_len, ignore_eos=True),
-                                          arrival_time=self.start + r.arrival_time)  # exactly output_len tokens
+            prompt = self.prompts[i] if self.prompts else prompt_token_ids(i, r.num_prompt_tokens, vocab, self.seed)
+            rid = self.engine.add_request(prompt, SamplingParams(max_tokens=r.num_output_tokens, ignore_eos=True),
+                                          arrival_time=self.start + r.arrival_time)  # exactly that many tokens
             self.seqs[i] = self.engine.seqs[rid]
 
     def step(self) -> bool:

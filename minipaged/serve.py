@@ -144,22 +144,7 @@ def main(argv=None) -> int:
     Args:
         argv: the arguments after ``python -m minipaged.serve`` (None: ``sys.argv[1:]``).
     """
-    p = argparse.ArgumentParser(prog="python -m minipaged.serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("checkpoint", nargs="?", help="the model: a name, a .gguf file or a checkpoint directory "
-                   f"(default: {DEFAULT_MODEL} with --chat, else the course model)")  # fmt: skip
-    p.add_argument("--model", help="the model, as CHECKPOINT")
-    prompts = p.add_mutually_exclusive_group(required=True)
-    prompts.add_argument("--chat", nargs="+", metavar="QUESTION", help="questions to answer, each a conversation")
-    prompts.add_argument("--prompt", action="append", help="a text prompt to continue (repeat for a batch)")
-    prompts.add_argument("--prompt-ids", type=int, nargs="+", help="one prompt as token ids")
-    p.add_argument("--system", help="with --chat: a system message before each question (default: the template's)")
-    p.add_argument("--max-tokens", type=int, default=None,
-                   help=f"the most new tokens per request (default: {CHAT_MAX_TOKENS} with --chat, "
-                        f"else {PROMPT_MAX_TOKENS})")  # fmt: skip
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--seed", type=int, default=0, help="the sampling seed (with --temperature > 0)")
-    p.add_argument("--num-blocks", type=int, default=256, help="KV blocks in the pool")
-    p.add_argument("--block-size", type=int, default=16)
+    p = _parser()
     args = p.parse_args(argv)
     _check_options(p, args)
     model = args.checkpoint or args.model or (DEFAULT_MODEL if args.chat else "course")
@@ -192,7 +177,38 @@ def main(argv=None) -> int:
             print(out.prompt + out.outputs[0].text)
             print("-" * 40)
         return 0
+    return _chat(p, args, llm, tokenizer, weights, config, params, max_tokens)
 
+
+def _parser() -> argparse.ArgumentParser:
+    """The options of :func:`main`."""
+    p = argparse.ArgumentParser(prog="python -m minipaged.serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint", nargs="?", help="the model: a name, a .gguf file or a checkpoint directory "
+                   f"(default: {DEFAULT_MODEL} with --chat, else the course model)")  # fmt: skip
+    p.add_argument("--model", help="the model, as CHECKPOINT")
+    prompts = p.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--chat", nargs="+", metavar="QUESTION", help="questions to answer, each a conversation")
+    prompts.add_argument("--prompt", action="append", help="a text prompt to continue (repeat for a batch)")
+    prompts.add_argument("--prompt-ids", type=int, nargs="+", help="one prompt as token ids")
+    p.add_argument("--system", help="with --chat: a system message before each question (default: the template's)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help=f"the most new tokens per request (default: {CHAT_MAX_TOKENS} with --chat, "
+                        f"else {PROMPT_MAX_TOKENS})")  # fmt: skip
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--seed", type=int, default=0, help="the sampling seed (with --temperature > 0)")
+    p.add_argument("--num-blocks", type=int, default=256, help="KV blocks in the pool")
+    p.add_argument("--block-size", type=int, default=16)
+    return p
+
+
+def _chat(p, args, llm, tokenizer, weights, config, params, max_tokens: int) -> int:
+    """``--chat``: each question a conversation, answered in turn as it streams, then the throughput.
+
+    Args:
+        p: the parser, for errors; args: its parsed options.
+        llm, tokenizer, weights, config: the loaded model, its tokenizer, and the engine's settings.
+        params: the sampling parameters of every request; max_tokens: their ``max_tokens``.
+    """
     system = [] if args.system is None else [{"role": "system", "content": args.system}]
     try:
         texts = [llm.apply_chat_template([*system, {"role": "user", "content": q}]) for q in args.chat]

@@ -1,8 +1,10 @@
 """Replay one workload against paged and contiguous KV allocation over the same pool size.
 
-**The trace** is a workload of :mod:`minipaged.workload` (``make_workload``),
-read in steps: request i arrives at step ``floor(arrival_time)``, so the rate
-of ``make_workload`` is in requests per step. Chapter 02 uses the
+**The trace** is a workload of :mod:`minipaged.workload` (``make_workload``), whose
+``arrival_time`` is in seconds, as everywhere in the package. The toy server takes
+``step_time`` seconds per step (default 1.0): request i arrives at step
+``floor(arrival_time / step_time)``, so with the default a ``make_workload`` rate of
+r requests per second is r requests per step. Chapter 02 uses the
 ``tiny_geometric`` preset: prompts uniform on 16..128 tokens, outputs
 geometric with mean 96 (every token ends the answer with probability 1/96),
 at most 384, so no request is longer than 512 tokens.
@@ -32,9 +34,10 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+from minipaged.accounting import slot_utilisation
 from minipaged.block_manager import BlockAllocator, BlockTable
 from minipaged.contiguous import GrowInPlace, MaxReservation, PagedPool
-from minipaged.validation import check_int
+from minipaged.validation import check_int, check_real
 from minipaged.workload import RequestSpec
 
 
@@ -62,13 +65,20 @@ class _Running:
     generated: int
 
 
-class Replay:
-    """One allocator replaying the trace: its queue, its running sequences and its counters."""
+class PoolRun:
+    """One allocator running the trace: its queue, its running sequences and its counters.
 
-    def __init__(self, pool, trace: list[RequestSpec], max_wait: int):
+    Args:
+        pool: the allocator (one of :mod:`minipaged.contiguous`'s pools).
+        trace: the requests; request i arrives at step ``floor(arrival_time / step_time)``.
+        max_wait: steps a request may wait in the queue before it is rejected.
+        step_time: seconds of the trace's clock per step.
+    """
+
+    def __init__(self, pool, trace: list[RequestSpec], max_wait: int, step_time: float):
         self.pool, self.max_wait = pool, max_wait
         # (arrival step, seq_id, request), in arrival order; a tie keeps the trace's order.
-        self.arrivals = deque(sorted((math.floor(r.arrival_time), i, r) for i, r in enumerate(trace)))
+        self.arrivals = deque(sorted((math.floor(r.arrival_time / step_time), i, r) for i, r in enumerate(trace)))
         self.waiting: deque[tuple[int, RequestSpec, int, int]] = deque()  # (seq_id, request, generated, since)
         self.running: dict[int, _Running] = {}
         self.preempted = self.rejected = self.finished = 0
@@ -87,7 +97,7 @@ class Replay:
                 preempted.append((seq_id, seq.request, seq.generated, now))
                 continue
             seq.generated += 1
-            if seq.generated == seq.request.output_len:
+            if seq.generated == seq.request.num_output_tokens:
                 self.pool.release(seq_id)
                 del self.running[seq_id]
                 self.finished += 1
@@ -98,7 +108,7 @@ class Replay:
             self.waiting.append((seq_id, request, 0, now))
         while self.waiting:
             seq_id, request, generated, _ = self.waiting[0]
-            if not self.pool.admit(seq_id, request.prompt_len + generated):
+            if not self.pool.admit(seq_id, request.num_prompt_tokens + generated):
                 break
             self.waiting.popleft()
             self.running[seq_id] = _Running(request, generated)
@@ -116,7 +126,7 @@ class Replay:
             waiting=len(self.waiting),
             tokens=tokens,
             reserved=reserved,
-            utilisation=round(tokens / reserved, 4) if reserved else 0.0,
+            utilisation=round(slot_utilisation(tokens, reserved), 4),
             unfilled_slots=reserved - tokens,
             external_fragmentation=round(pool.external_fragmentation, 4),
             relocations=pool.relocations,
@@ -149,31 +159,35 @@ class TraceSimulator:
         max_len: int = 512,
         max_wait: int = 50,
         systems: tuple[str, ...] = SYSTEMS,
+        step_time: float = 1.0,
     ):
         """
         Args:
-            trace: the requests, e.g. ``make_workload(200, rate, "tiny_geometric")``; times are in steps.
+            trace: the requests, e.g. ``make_workload(200, rate, "tiny_geometric")``; arrival times in seconds.
             num_blocks: blocks in the paged pool; the contiguous arenas get ``num_blocks * block_size`` slots.
             block_size: slots per block.
             max_len: what max reservation reserves per request; no request may be longer.
             max_wait: steps a request may wait in the queue before it is rejected.
             systems: which allocators to run; "paged" is always one of them.
+            step_time: seconds per toy step (> 0): request i arrives at step ``floor(arrival_time / step_time)``.
+                The default 1.0 makes a rate in requests per second a rate per step.
         """
         num_blocks = check_int(num_blocks, "num_blocks", minimum=1)
         block_size = check_int(block_size, "block_size", minimum=1)
         max_len = check_int(max_len, "max_len", minimum=1)
         max_wait = check_int(max_wait, "max_wait")
+        step_time = check_real(step_time, "step_time", minimum=0, strict=True)
         unknown = set(systems) - set(SYSTEMS)
         if unknown or "paged" not in systems:
             raise ValueError(f"systems must include 'paged' and come from {SYSTEMS}, got {systems}")
         for i, r in enumerate(trace):
             if not isinstance(r, RequestSpec):
                 raise TypeError(f"trace[{i}] must be a RequestSpec, got {type(r).__name__}")
-        too_long = [i for i, r in enumerate(trace) if r.prompt_len + r.output_len > max_len]
+        too_long = [i for i, r in enumerate(trace) if r.num_prompt_tokens + r.num_output_tokens > max_len]
         if too_long:
             raise ValueError(f"requests {too_long[:5]} of the trace are longer than max_len={max_len}")
         self.trace, self.num_blocks, self.block_size = trace, num_blocks, block_size
-        self.max_len, self.max_wait, self.systems = max_len, max_wait, systems
+        self.max_len, self.max_wait, self.systems, self.step_time = max_len, max_wait, systems, step_time
         self.reset()
 
     def reset(self) -> None:
@@ -183,29 +197,29 @@ class TraceSimulator:
             "max_reservation": lambda: MaxReservation(num_slots, self.max_len),
             "grow_in_place": lambda: GrowInPlace(num_slots),
         }
-        self.replays = {name: Replay(make[name](), self.trace, self.max_wait) for name in self.systems}
+        self.runs = {name: PoolRun(make[name](), self.trace, self.max_wait, self.step_time) for name in self.systems}
         self.now = 0
         self.history: list[dict[str, PoolStats]] = []
 
     @property
     def allocator(self) -> BlockAllocator:
-        return self.replays["paged"].pool.allocator
+        return self.runs["paged"].pool.allocator
 
     @property
     def tables(self) -> dict[object, BlockTable]:
-        return self.replays["paged"].pool.tables
+        return self.runs["paged"].pool.tables
 
     @property
     def done(self) -> bool:
-        return all(r.done for r in self.replays.values())
+        return all(r.done for r in self.runs.values())
 
     def step(self) -> bool:
         """Advance every system one step; False once the whole trace has been served."""
         if self.done:
             return False
-        for replay in self.replays.values():
-            replay.step(self.now)
-        self.history.append({name: r.stats() for name, r in self.replays.items()})
+        for run in self.runs.values():
+            run.step(self.now)
+        self.history.append({name: r.stats() for name, r in self.runs.items()})
         self.now += 1
         return not self.done
 
@@ -233,6 +247,6 @@ class TraceSimulator:
                 "preempted": last.preempted if last else 0,
                 "relocations": last.relocations if last else 0,
                 "slots moved": last.slots_moved if last else 0,
-                "last step": self.replays[name].done_at,
+                "last step": self.runs[name].done_at,
             }
         return out

@@ -36,7 +36,16 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from minipaged.accounting import BLOCK_TABLE_ENTRY_BYTES, blocks_needed, ceil_div, tail_waste, utilisation
+from minipaged.accounting import (
+    BLOCK_TABLE_ENTRY_BYTES,
+    blocks_needed,
+    ceil_div,
+    kv_usage,
+    slot_utilisation,
+    tail_waste,
+    token_occupancy,
+    utilisation,
+)
 from minipaged.block_manager import BlockAllocator, BlockTable
 from minipaged.clock import StepCost, VirtualClock
 from minipaged.engine import Engine
@@ -86,17 +95,17 @@ class MemoryMeasures:
     @property
     def utilisation(self) -> float:
         """U: tokens / slots allocated to the sequences (chapter 01)."""
-        return self.num_tokens / (self.used_blocks * self.block_size) if self.used_blocks else 0.0
+        return slot_utilisation(self.num_tokens, self.used_blocks * self.block_size)
 
     @property
     def kv_usage(self) -> float:
         """Blocks in use / blocks in the pool: what vLLM's ``kv_cache_usage_perc`` reports."""
-        return self.used_blocks / self.num_blocks
+        return kv_usage(self.used_blocks, self.num_blocks)
 
     @property
     def token_occupancy(self) -> float:
         """Tokens / token slots in the pool; always ``kv_usage * utilisation``."""
-        return self.num_tokens / (self.num_blocks * self.block_size)
+        return token_occupancy(self.num_tokens, self.num_blocks * self.block_size)
 
 
 def memory_measures(lengths: Sequence[int], block_size: int, num_blocks: int) -> MemoryMeasures:
@@ -170,14 +179,15 @@ def memory_sweep(trace: list[RequestSpec], pool_tokens: int, block_sizes: Sequen
     """Replay ``trace`` through a paged pool of ``pool_tokens`` slots at each block size.
 
     Args:
-        trace: the requests; arrival times are read in steps (see :mod:`minipaged.trace`).
+        trace: the requests; arrival times in seconds, one toy step per second (``step_time=1.0`` of
+            :class:`~minipaged.trace.TraceSimulator`).
         pool_tokens: token slots in the pool; ``pool_tokens // B`` blocks of B slots each.
         block_sizes: the block sizes to replay.
         max_len: the longest sequence (sizes a block-table row).
         max_wait: steps a request may wait before the simulator rejects it.
     """
     pool_tokens = check_int(pool_tokens, "pool_tokens", minimum=1)
-    final = [r.prompt_len + r.output_len for r in trace]
+    final = [r.num_prompt_tokens + r.num_output_tokens for r in trace]
     rows = []
     for B in block_sizes:
         B = _block_size(B)
@@ -193,8 +203,8 @@ def memory_sweep(trace: list[RequestSpec], pool_tokens: int, block_sizes: Sequen
             formula_utilisation=utilisation(final, B),
             tail_waste=float(np.mean([r.unfilled_slots / r.running for r in busy if r.running])),
             formula_tail_waste=float(np.mean([tail_waste(n, B) for n in final])),
-            kv_usage=float(np.mean([r.reserved / slots for r in busy])),
-            token_occupancy=float(np.mean([r.tokens / slots for r in busy])),
+            kv_usage=float(np.mean([kv_usage(r.reserved // B, sim.num_blocks) for r in busy])),
+            token_occupancy=float(np.mean([token_occupancy(r.tokens, slots) for r in busy])),
             mean_running=float(np.mean([r.running for r in busy])),
             preempted=sim.history[-1]["paged"].preempted,
             block_table_bytes=BLOCK_TABLE_ENTRY_BYTES * blocks_needed(max_len, B),
@@ -356,8 +366,8 @@ def engine_workload(preset: WorkloadPreset | str, num_requests: int = 64, rate: 
     prefix_len = check_int(prefix_len, "prefix_len")
     workload = make_workload(num_requests, rate, preset, seed)
     prefix = prompt_token_ids(num_requests, prefix_len, vocab_size, seed)  # an index no request has
-    prompts = [prefix + prompt_token_ids(i, r.prompt_len, vocab_size, seed) for i, r in enumerate(workload)]
-    workload = [RequestSpec(r.arrival_time, r.prompt_len + prefix_len, r.output_len) for r in workload]
+    prompts = [prefix + prompt_token_ids(i, r.num_prompt_tokens, vocab_size, seed) for i, r in enumerate(workload)]
+    workload = [RequestSpec(r.arrival_time, r.num_prompt_tokens + prefix_len, r.num_output_tokens) for r in workload]
     return workload, prompts
 
 
@@ -443,7 +453,7 @@ class Ablation:
 
 def contiguous_block_size(workload: list[RequestSpec]) -> int:
     """A block as long as the longest request: one block per sequence is a max-length contiguous reservation."""
-    return max(r.prompt_len + r.output_len for r in workload)
+    return max(r.num_prompt_tokens + r.num_output_tokens for r in workload)
 
 
 ABLATIONS = (
@@ -506,7 +516,7 @@ ABLATION_HEADERS = ("setting", *(c[0] for c in ABLATION_COLUMNS), "tok/s vs base
 # the recorded tables: everything above, on the virtual clock, for both regimes
 # ----------------------------------------------------------------------------
 
-# Each regime's memory replay (chapter 02's trace simulator, arrivals in steps): real-scale lengths.
+# Each regime's memory replay (chapter 02's trace simulator, one toy step per second): real-scale lengths.
 MEMORY_SETUPS = {
     "sharegpt_like": {"num_requests": 100, "rate": 0.5, "pool_tokens": 16384, "max_len": 2048},
     "alpaca_like": {"num_requests": 100, "rate": 2.0, "pool_tokens": 2048, "max_len": 512},
@@ -548,7 +558,7 @@ def virtual_tables(model, block_sizes: Sequence[int] = BLOCK_SIZES) -> dict:
 
     out = {"block_sizes": list(block_sizes)}
     out["memory"] = {r: [asdict(row) for row in regime_memory_sweep(r, block_sizes)] for r in MEMORY_SETUPS}
-    lens = [r.prompt_len + r.output_len for r in regime_trace("sharegpt_like")[:32]]
+    lens = [r.num_prompt_tokens + r.num_output_tokens for r in regime_trace("sharegpt_like")[:32]]
     try:
         out["launch"] = {str(B): asdict(decode_launch(lens, B, 8)) for B in block_sizes}
     except ImportError:  # no triton: the counts need the kernel's constants and heuristic

@@ -351,6 +351,77 @@ def parse_args(argv=None):
     return args
 
 
+def _optimizer(model, lr: float) -> torch.optim.AdamW:
+    """AdamW with weight decay on the matrices only (not on norms)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        (decay if p.dim() == 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+
+
+def _resume(state_path: Path, model, optimizer) -> tuple[int, float]:
+    """Load the last saved state into ``model`` and ``optimizer`` if there is one; its (step, seconds trained)."""
+    if not state_path.exists():
+        return 0, 0.0
+    state = torch.load(state_path, weights_only=False)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    print(f"resumed at step {state['step']} ({state['elapsed'] / 60:.1f} min trained)", flush=True)
+    return state["step"], state["elapsed"]
+
+
+def _save(state_path: Path, model, optimizer, step: int, elapsed: float, args) -> None:
+    """Write the training state atomically (a temporary file, then a rename)."""
+    tmp = state_path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                "elapsed": elapsed, "args": vars(args) | {"out": str(args.out)}}, tmp)
+    tmp.replace(state_path)
+
+
+def _train_step(model, optimizer, loss_fn, autocast, train, step: int, args) -> torch.Tensor:
+    """One optimiser step on batch ``step`` (seeded by the step, so a resumed run draws the same); its loss."""
+    gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+    batch = sample_batch(train, MIX, args.batch_size, args.context, gen)
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(step, args)
+    model.train()
+    with autocast:
+        loss = loss_fn(model, batch)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return loss
+
+
+def _evaluate(model, held, autocast, step: int, elapsed: float, args, log_path: Path) -> None:
+    """Held-out bits per byte at ``step``, appended to ``log_path`` and printed."""
+    model.eval()
+    with autocast:
+        bpb = held_out_bits_per_byte(model, held, args.context)
+    record = {"step": step, "minutes": round(elapsed / 60, 2), "tokens": step * args.batch_size * args.context,
+              **{f"held_out_bpb_{k}": round(v, 4) for k, v in bpb.items()}}
+    with log_path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+    print("eval", record, flush=True)
+
+
+def _export(model, held, autocast, step: int, elapsed: float, args) -> dict:
+    """The final evaluation, the float16 export and ``summary.json``; returns the summary."""
+    model.eval()
+    with autocast:
+        bpb = held_out_bits_per_byte(model, held, args.context)
+    summary = {"step": step, "minutes": round(elapsed / 60, 1), "tokens": step * args.batch_size * args.context,
+               "parameters": sum(p.numel() for p in model.parameters()), "held_out_bits_per_byte": bpb,
+               "mix": MIX, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+               "python": sys.version.split()[0], "torch": torch.__version__}
+    save_pretrained(model.half(), args.out / "export", extra_config={"eos_token_id": tokenizer.EOS_ID})
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+    return summary
+
+
 def main(argv=None) -> dict | list[dict]:
     args = parse_args(argv)
     if args.threads:
@@ -363,41 +434,14 @@ def main(argv=None) -> dict | list[dict]:
     train, held = token_streams(read_corpus())
     model = LlamaForCausalLM(model_config(args))
     init_for_training(model, args.seed)
-    decay, no_decay = [], []
-    for p in model.parameters():
-        (decay if p.dim() == 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
-    step, elapsed = 0, 0.0
-    if state_path.exists():
-        state = torch.load(state_path, weights_only=False)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        step, elapsed = state["step"], state["elapsed"]
-        print(f"resumed at step {step} ({elapsed / 60:.1f} min trained)", flush=True)
-
-    def save():
-        tmp = state_path.with_suffix(".tmp")
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                    "elapsed": elapsed, "args": vars(args) | {"out": str(args.out)}}, tmp)
-        tmp.replace(state_path)
-
+    optimizer = _optimizer(model, args.lr)
+    step, elapsed = _resume(state_path, model, optimizer)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)
     loss_fn = torch.compile(causal_lm_loss) if args.compile else causal_lm_loss
     tokens_per_step = args.batch_size * args.context
     t0, last, mark = time.perf_counter(), step, elapsed  # the throughput since the last print
     while step < args.steps:
-        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
-        batch = sample_batch(train, MIX, args.batch_size, args.context, gen)
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, args)
-        model.train()
-        with autocast:
-            loss = loss_fn(model, batch)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        loss = _train_step(model, optimizer, loss_fn, autocast, train, step, args)
         step += 1
         now = time.perf_counter()
         elapsed += now - t0
@@ -408,28 +452,11 @@ def main(argv=None) -> dict | list[dict]:
                   f"{rate:,.0f} tok/s  {elapsed / 60:.1f} min", flush=True)
             mark, last = elapsed, step
         if step % args.eval_every == 0 or step == args.steps:
-            model.eval()
-            with autocast:
-                bpb = held_out_bits_per_byte(model, held, args.context)
-            record = {"step": step, "minutes": round(elapsed / 60, 2), "tokens": step * tokens_per_step,
-                      **{f"held_out_bpb_{k}": round(v, 4) for k, v in bpb.items()}}
-            with log_path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
-            print("eval", record, flush=True)
+            _evaluate(model, held, autocast, step, elapsed, args, log_path)
             t0 = time.perf_counter()  # evaluation time is not training time
         if step % args.save_every == 0 or step == args.steps:
-            save()
-    model.eval()
-    with autocast:
-        bpb = held_out_bits_per_byte(model, held, args.context)
-    summary = {"step": step, "minutes": round(elapsed / 60, 1), "tokens": step * tokens_per_step,
-               "parameters": sum(p.numel() for p in model.parameters()), "held_out_bits_per_byte": bpb,
-               "mix": MIX, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-               "python": sys.version.split()[0], "torch": torch.__version__}
-    save_pretrained(model.half(), args.out / "export", extra_config={"eos_token_id": tokenizer.EOS_ID})
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(json.dumps(summary, indent=2))
-    return summary
+            _save(state_path, model, optimizer, step, elapsed, args)
+    return _export(model, held, autocast, step, elapsed, args)
 
 
 if __name__ == "__main__":

@@ -297,13 +297,25 @@ def check_paged_attention(
         IndexError: a sequence longer than its block-table row can map, or an owned
             block-table entry outside the pool.
     """
-    import torch
-
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables, "seq_lens": seq_lens}
     if query_start_loc is not None:
         tensors["query_start_loc"] = query_start_loc
     for name, t in tensors.items():
         check_tensor(t, name)
+    num_seqs = _paged_attention_shapes(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    _paged_attention_dtypes(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    _check_devices("q", tensors)
+    if not check_values:
+        return None
+    if num_seqs == 0:
+        if query_start_loc is not None and query_start_loc.tolist() != [q.shape[0]]:
+            raise ValueError(f"query_start_loc must be [0] for an empty batch, got {query_start_loc.tolist()}")
+        return 0
+    return _paged_attention_values(q, k_cache, block_tables, seq_lens, query_start_loc)
+
+
+def _paged_attention_shapes(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc) -> int:
+    """:func:`check_paged_attention`'s shape checks; returns ``num_seqs``."""
     if q.dim() != 3:
         raise ValueError(f"q must be 3-D [num_tokens, num_heads, head_dim], got shape {tuple(q.shape)}")
     _check_cache_pair(k_cache, v_cache)
@@ -327,6 +339,12 @@ def check_paged_attention(
         )
     if seq_lens.shape != (num_seqs,):
         raise ValueError(f"seq_lens must be [num_seqs={num_seqs}], got shape {tuple(seq_lens.shape)}")
+    return num_seqs
+
+
+def _paged_attention_dtypes(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc) -> None:
+    """:func:`check_paged_attention`'s dtype checks: a float ``q`` the caches share, integer indices."""
+    import torch
 
     if not q.dtype.is_floating_point:
         raise TypeError(f"q must be a floating-point tensor, got {q.dtype}")
@@ -340,15 +358,17 @@ def check_paged_attention(
         raise TypeError(f"seq_lens must be int32 or int64, got {seq_lens.dtype}")
     if query_start_loc is not None and query_start_loc.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"query_start_loc must be int32 (or int64), got {query_start_loc.dtype}")
-    _check_devices("q", tensors)
-    if not check_values:
-        return None
-    if num_seqs == 0:
-        if query_start_loc is not None and query_start_loc.tolist() != [num_tokens]:
-            raise ValueError(f"query_start_loc must be [0] for an empty batch, got {query_start_loc.tolist()}")
-        return 0
 
-    # Every value check in one host sync: lengths, owned block ids, query boundaries.
+
+def _paged_attention_values(q, k_cache, block_tables, seq_lens, query_start_loc) -> int:
+    """:func:`check_paged_attention`'s value checks of a non-empty batch, in one host sync; returns ``max(seq_lens)``.
+
+    Lengths, owned block ids and query boundaries are reduced on the device and read together.
+    """
+    import torch
+
+    num_tokens = q.shape[0]
+    num_blocks, block_size = k_cache.shape[:2]
     max_blocks_per_seq = block_tables.shape[1]
     lens = seq_lens.long()
     owned = torch.arange(max_blocks_per_seq, device=q.device)[None, :] < (lens[:, None] + block_size - 1) // block_size
@@ -381,6 +401,7 @@ def check_paged_attention(
                 f"sequence {i} has {int(num_new_tokens[i])} query tokens; it needs 1 .. seq_lens[{i}]={int(lens[i])}"
             )
     return hi
+
 
 def check_prompt(config, prompt_token_ids, max_new_tokens: int, name: str) -> list[int]:
     """A prompt as a list of ints, or an error naming ``name``: ids in the vocabulary, and room for the output.

@@ -35,16 +35,14 @@ tiny_geometric  uniform on [16, 128]                geometric, mean 96, in [1, 3
 **Arrivals** are a Poisson process: independent users, so the gaps between
 requests are exponential with mean ``1 / rate`` (:func:`poisson_arrivals`).
 
-A workload is a plain list of :class:`RequestSpec`, so a fixed trace can be
-saved to JSON and replayed exactly.
+A workload is a plain list of :class:`RequestSpec` (arrival time in seconds, prompt tokens,
+output tokens), so a fixed trace can be kept and replayed exactly.
 """
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -248,14 +246,14 @@ def get_length_preset(preset: str | WorkloadPreset) -> WorkloadPreset:
 class RequestSpec:
     """One request of a workload, fixed before the run (the engine's runtime state is ``Sequence``)."""
 
-    arrival_time: float  # seconds from the start of the run (chapter 02's trace: steps)
-    prompt_len: int
-    output_len: int  # becomes SamplingParams.max_tokens
+    arrival_time: float  # seconds of the engine clock (virtual or wall) from the start of the run
+    num_prompt_tokens: int
+    num_output_tokens: int  # exactly that many output tokens: SamplingParams(max_tokens=..., ignore_eos=True)
 
     def __post_init__(self):
         object.__setattr__(self, "arrival_time", check_real(self.arrival_time, "arrival_time", minimum=0))
-        object.__setattr__(self, "prompt_len", check_int(self.prompt_len, "prompt_len", minimum=1))
-        object.__setattr__(self, "output_len", check_int(self.output_len, "output_len", minimum=1))
+        object.__setattr__(self, "num_prompt_tokens", check_int(self.num_prompt_tokens, "num_prompt_tokens", minimum=1))
+        object.__setattr__(self, "num_output_tokens", check_int(self.num_output_tokens, "num_output_tokens", minimum=1))
 
 
 def poisson_arrivals(num_requests: int, rate: float, rng: np.random.Generator) -> np.ndarray:
@@ -263,7 +261,7 @@ def poisson_arrivals(num_requests: int, rate: float, rng: np.random.Generator) -
 
     Args:
         num_requests: how many arrivals (at most :data:`MAX_DRAWS`).
-        rate: requests per unit of time (> 0); ``math.inf`` puts every arrival at 0.
+        rate: requests per second (> 0); ``math.inf`` puts every arrival at 0.
         rng: the generator; it draws ``num_requests`` gaps whatever the rate.
     """
     num_requests = check_num_draws(num_requests, "num_requests")
@@ -307,17 +305,3 @@ def prompt_token_ids(index: int, length: int, vocab_size: int, seed: int = 0) ->
     vocab_size = check_int(vocab_size, "vocab_size", minimum=1)
     rng = np.random.default_rng([check_int(seed, "seed"), index])
     return rng.integers(0, vocab_size, size=length).tolist()
-
-
-def save_workload(workload: list[RequestSpec], path) -> None:
-    """Write ``workload`` to ``path`` as JSON (a list of objects with the fields of :class:`RequestSpec`)."""
-    for i, r in enumerate(workload):
-        if not isinstance(r, RequestSpec):
-            raise TypeError(f"workload[{i}] must be a RequestSpec, got {type(r).__name__}")
-    Path(path).write_text(json.dumps([asdict(r) for r in workload], indent=1))
-
-
-def load_workload(path) -> list[RequestSpec]:
-    """The workload :func:`save_workload` wrote to ``path``."""
-    return [RequestSpec(**r) for r in json.loads(Path(path).read_text())]
-

@@ -323,3 +323,25 @@ def test_waste_breakdown_rejects_bad_input():
         acc.waste_breakdown("chat", 0)
     with pytest.raises(TypeError, match="block_size"):
         acc.waste_breakdown("chat", 128, block_size=16.0)
+
+
+@given(st.integers(0, 500), st.integers(1, 64), st.integers(1, 64), st.integers(1, 32))
+def test_the_pool_measures_have_one_owner_and_agree(num_tokens, used_blocks, extra_blocks, block_size):
+    num_blocks = used_blocks + extra_blocks
+    u = acc.slot_utilisation(num_tokens, used_blocks * block_size)
+    assert u == num_tokens / (used_blocks * block_size)
+    assert acc.kv_usage(used_blocks, num_blocks) == used_blocks / num_blocks
+    occupancy = acc.token_occupancy(num_tokens, num_blocks * block_size)
+    assert occupancy == pytest.approx(acc.kv_usage(used_blocks, num_blocks) * u)
+
+
+def test_the_pool_measures_refuse_bad_input():
+    assert acc.slot_utilisation(0, 0) == 0.0  # nothing allocated holds nothing
+    with pytest.raises(TypeError, match="num_tokens"):
+        acc.slot_utilisation(1.5, 4)
+    with pytest.raises(ValueError, match="num_slots"):
+        acc.slot_utilisation(1, -4)
+    with pytest.raises(ValueError, match="num_blocks"):
+        acc.kv_usage(0, 0)
+    with pytest.raises(ValueError, match="pool_slots"):
+        acc.token_occupancy(3, 0)

@@ -16,7 +16,7 @@ SHORT = WorkloadPreset("short", Uniform(8, 64), Geometric(40, 1, 64))  # at most
 
 def test_the_chapter_preset_keeps_every_request_within_512_tokens():
     trace = make_workload(300, 0.3, "tiny_geometric", seed=3)
-    assert all(16 <= r.prompt_len <= 128 and 1 <= r.output_len <= 384 for r in trace)
+    assert all(16 <= r.num_prompt_tokens <= 128 and 1 <= r.num_output_tokens <= 384 for r in trace)
     TraceSimulator(trace, num_blocks=256, block_size=16, max_len=512)  # no request is too long
 
 
@@ -84,7 +84,7 @@ def test_paging_serves_more_than_max_reservation_on_the_same_trace():
 
 def test_contiguous_arenas_get_num_blocks_times_block_size_slots():
     sim = TraceSimulator(make_workload(5, math.inf, SHORT), num_blocks=20, block_size=8, max_len=128)
-    assert {name: r.pool.capacity for name, r in sim.replays.items()} == dict.fromkeys(SYSTEMS, 160)
+    assert {name: r.pool.capacity for name, r in sim.runs.items()} == dict.fromkeys(SYSTEMS, 160)
 
 
 def test_simulator_rejects_bad_arguments():
@@ -99,3 +99,21 @@ def test_simulator_rejects_bad_arguments():
         TraceSimulator(trace, block_size=0)
     with pytest.raises(TypeError, match=r"trace\[0\] must be a RequestSpec"):
         TraceSimulator([(0, 4, 4)])
+    with pytest.raises(ValueError, match="step_time must be > 0"):
+        TraceSimulator(trace, step_time=0.0)
+    with pytest.raises(TypeError, match="step_time must be a real number"):
+        TraceSimulator(trace, step_time="1")
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(0, 1_000), st.sampled_from([0.25, 0.5, 2.0, 4.0]))
+def test_arrivals_are_seconds_and_step_time_maps_them_to_steps(seed, step_time):
+    # The same trace on a clock step_time times as fast (each arrival scaled exactly) runs step for step alike.
+    trace = make_workload(30, 0.3, SHORT, seed=seed)
+    scaled = [RequestSpec(r.arrival_time * step_time, r.num_prompt_tokens, r.num_output_tokens) for r in trace]
+    base = TraceSimulator(trace, num_blocks=32, block_size=8, max_len=128)
+    fast = TraceSimulator(scaled, num_blocks=32, block_size=8, max_len=128, step_time=step_time)
+    assert fast.run() == base.run()
+    late = TraceSimulator([RequestSpec(2.5, 4, 2)], num_blocks=4, block_size=4, max_len=16, step_time=0.5)
+    late.run()
+    assert [row["paged"].running for row in late.history][:7] == [0, 0, 0, 0, 0, 1, 1]  # arrives at step 5

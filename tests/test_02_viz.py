@@ -395,19 +395,19 @@ def svg_root(html_widget):
 
 def test_view_steps_and_redraws():
     view = BlockMapView(lambda: ToySim(steps=6))
-    before = svg_root(view.map_html)
+    before = svg_root(view.panels["map"])
     assert before.get("data-step") == "0" and before.get("data-used") == "0"
     view.step_button.click()
-    after = svg_root(view.map_html)
+    after = svg_root(view.panels["map"])
     assert after.get("data-step") == "1" and int(after.get("data-used")) == 1
     assert len(find_class(after, "lblock")) == 1
-    assert svg_root(view.timeline_html).get("data-points") == "1"
+    assert svg_root(view.panels["timeline"]).get("data-points") == "1"
     for _ in range(10):
         view.step_button.click()
     assert view.finished and view.steps == 6 and view.step_button.disabled
     assert not view.step()  # no more steps once finished
     assert [k for _, k in view.events] == ["preempt"]
-    assert find_class(svg_root(view.timeline_html), "event")[0].get("data-kind") == "preempt"
+    assert find_class(svg_root(view.panels["timeline"]), "event")[0].get("data-kind") == "preempt"
 
 
 def test_view_play_value_steps_and_speed_drives_interval():
@@ -416,7 +416,7 @@ def test_view_play_value_steps_and_speed_drives_interval():
     assert view.play.interval == 100
     view.play.value = 1  # what the front end's timer does
     view.play.value = 2
-    assert view.steps == 2 and svg_root(view.map_html).get("data-step") == "2"
+    assert view.steps == 2 and svg_root(view.panels["map"]).get("data-step") == "2"
     view.play.playing = True
     view.play.value = 3
     assert view.finished and view.play.playing is False
@@ -429,11 +429,11 @@ def test_view_reset_builds_a_fresh_simulation():
     view.step()
     view.reset_button.click()
     assert view.sim is not old and view.steps == 0 and not view.finished
-    assert svg_root(view.map_html).get("data-used") == "0"
+    assert svg_root(view.panels["map"]).get("data-used") == "0"
     old.step()  # the old simulation no longer drives the picture
-    assert svg_root(view.map_html).get("data-used") == "0"
+    assert svg_root(view.panels["map"]).get("data-used") == "0"
     view.step()
-    assert svg_root(view.map_html).get("data-step") == "1"
+    assert svg_root(view.panels["map"]).get("data-step") == "1"
 
 
 def test_view_follows_allocator_events_from_outside():
@@ -441,11 +441,11 @@ def test_view_follows_allocator_events_from_outside():
     view = BlockMapView(sim)
     sim.tables["x"] = BlockTable(sim.allocator, "x")
     sim.tables["x"].append_tokens(9)  # three allocate events, no Step click
-    root = svg_root(view.map_html)
+    root = svg_root(view.panels["map"])
     assert root.get("data-used") == "3" and [g.get("data-seq") for g in find_class(root, "seq")] == ["x"]
     view.close()
     sim.tables["x"].release()
-    assert svg_root(view.map_html).get("data-used") == "3"  # unsubscribed
+    assert svg_root(view.panels["map"]).get("data-used") == "3"  # unsubscribed
 
 
 def test_view_without_reset_or_factory_says_so():
@@ -517,7 +517,7 @@ def test_view_over_the_trace_simulator_matches_its_paged_pool():
     for _ in range(12):
         view.step()
     sim = view.sim
-    root = svg_root(view.map_html)
+    root = svg_root(view.panels["map"])
     assert root.get("data-step") == "12" and int(root.get("data-used")) == sim.allocator.num_used > 0
     rows = [g.get("data-seq") for g in find_class(root, "seq", "g")]
     assert rows == [str(s) for s in sim.tables][: len(rows)]
@@ -525,7 +525,7 @@ def test_view_over_the_trace_simulator_matches_its_paged_pool():
     for seq_id, table in sim.tables.items():
         for b in table.blocks:
             assert by_id[b].get("data-state") == "used" and by_id[b].get("data-seqs") == str(seq_id)
-    timeline = svg_root(view.timeline_html)
+    timeline = svg_root(view.panels["timeline"])
     assert int(timeline.get("data-points")) == len(sim.history) == 12
     view.reset()
-    assert view.sim is not sim and svg_root(view.map_html).get("data-used") == "0"
+    assert view.sim is not sim and svg_root(view.panels["map"]).get("data-used") == "0"

@@ -114,7 +114,7 @@ def test_replay_refuses_arrival_times_that_never_come(model):
     object.__setattr__(spec, "arrival_time", float("inf"))
     with pytest.raises(ValueError, match=r"workload\[0\].arrival_time"):  # was: the clock jumped to inf
         Replay(engine, [spec])
-    Duck = namedtuple("Duck", "arrival_time prompt_len output_len")
+    Duck = namedtuple("Duck", "arrival_time num_prompt_tokens num_output_tokens")
     with pytest.raises(TypeError, match=r"workload\[0\] must be a RequestSpec"):
         Replay(engine, [Duck(float("nan"), 3, 2)])
     assert engine.clock.now() == 0 and not engine.metrics.history

@@ -128,3 +128,16 @@ def test_rss_stays_flat_over_a_thousand_requests_after_warm_up():
     r = measure(1_000, warmup=ARRIVALS_PER_STEP * (window + 40), window=window)
     assert r["steps"] >= 1_000 // ARRIVALS_PER_STEP
     assert r["growth"] < 512 * 2**10, f"RSS grew {r['growth'] / 2**10:,.0f} KiB over 1,000 requests"
+
+
+def test_a_record_reads_blocks_in_use_from_the_attached_allocator():
+    from minipaged.block_manager import BlockAllocator
+
+    allocator = BlockAllocator(8, 4)
+    m = Metrics(8, 4)
+    assert m.record_step(0.0, [], 0, [], 0, 0).kv_used_blocks == 0  # nothing attached: no pool to read
+    m.attach(allocator)
+    blocks = [allocator.allocate() for _ in range(3)]
+    assert (m.record_step(1.0, [], 0, [], 0, 0).kv_used_blocks, m.history[-1].kv_usage) == (3, 3 / 8)
+    allocator.free(blocks[0])
+    assert m.record_step(2.0, [], 0, [], 0, 0).kv_used_blocks == allocator.num_used == 2

@@ -169,7 +169,7 @@ def test_ignore_eos_and_stop_token_ids_against_named_wrong_behaviours(model):
     assert seq["ignore_eos, a stop token"].stop_reason == free[6]
     last = seq["a stop token at the last allowed token"]
     assert (last.finish_reason, last.stop_reason) == ("stop", free[1])  # stop is checked before length, as in vLLM
-    # A workload's output_len means exactly that many tokens, although the EOS comes up early.
+    # A workload's num_output_tokens means exactly that many tokens, although the EOS comes up early.
     done = Engine(with_eos).run([RequestSpec(0.0, 3, 12), RequestSpec(0.0, 3, 5)], progress=False, prompts=[prompt] * 2)
     assert [s.output_token_ids for s in done] == [free, free[:5]]
     assert [s.finish_reason for s in done] == ["length", "length"]
@@ -297,7 +297,8 @@ def test_abort_frees_blocks_at_once(model):
 
 def test_virtual_clock_runs_are_deterministic_and_metrics_follow_events(model):
     workload = make_workload(12, rate=40.0, preset="tiny_chat", seed=3)
-    workload = [RequestSpec(r.arrival_time, min(r.prompt_len, 40), min(r.output_len, 12)) for r in workload]
+    workload = [RequestSpec(r.arrival_time, min(r.num_prompt_tokens, 40), min(r.num_output_tokens, 12))
+                for r in workload]
     config = EngineConfig(num_blocks=16, block_size=8, max_num_batched_tokens=64)
     runs = []
     for _ in range(2):
@@ -339,7 +340,7 @@ def test_run_replays_arrivals_and_idles_between_them(model):
     assert [s.arrival_time for s in seqs] == [0.0, 10.0, 0.001]  # in the workload's order
     assert seqs[2].first_token_time < 10.0 <= seqs[1].first_token_time
     assert [s.prompt_token_ids for s in seqs] == [
-        prompt_token_ids(i, r.prompt_len, model.config.vocab_size, seed=7) for i, r in enumerate(workload)
+        prompt_token_ids(i, r.num_prompt_tokens, model.config.vocab_size, seed=7) for i, r in enumerate(workload)
     ]
     # Step 1 prefills request 0 alone; step 2 decodes it and prefills request 2, which arrived meanwhile;
     # step 3 finishes both. Then the clock jumps to t = 10 without a step, and request 1 takes two.

@@ -38,7 +38,7 @@ def make_engine(model, mode="recompute", prefix_caching=False, **kw):
 
 def check_after_run(model, engine, ids, aborted=()):
     assert not engine.has_unfinished()
-    assert engine.cache.allocator.num_used == 0 and engine.metrics.used_blocks == 0  # nothing leaked
+    assert engine.cache.allocator.num_used == 0  # nothing leaked
     assert not engine.swap_space
     for rid, prompt in zip(ids, PROMPTS):
         seq = engine.seqs[rid]

@@ -551,7 +551,7 @@ def test_a_fault_in_the_front_end_leaves_no_request_running_and_the_next_call_wo
                     pass
     engine = llm.engine  # every request it queued is aborted and forgotten, its blocks back in the pool
     assert not engine.has_unfinished() and not engine.seqs and not engine.requests and not engine.swap_space
-    assert engine.cache.allocator.num_used == 0 and engine.metrics.used_blocks == 0
+    assert engine.cache.allocator.num_used == 0
     assert [o.outputs[0] for o in llm.generate(PROMPTS, params)] == expected  # and the next call works
     assert expected[1].stop_reason == s
 

@@ -209,7 +209,7 @@ def test_admission_counts_a_free_hit_block_as_used(model):
     engine.add_request(prefix + [20, 21, 22, 23, 24], SamplingParams(max_tokens=4), request_id="b")
     engine.step()
     assert engine.seqs["b"].status is SequenceStatus.RUNNING
-    assert allocator.num_free == 2 and engine.metrics.used_blocks == 4
+    assert allocator.num_free == 2 and engine.metrics.history[-1].kv_used_blocks == 4
     # "c" shares the same 2 blocks (already in use, so nothing is touched) and needs 1 new: 2 - 1 < watermark.
     engine.add_request(prefix + [30], SamplingParams(max_tokens=1), request_id="c")
     engine.step()

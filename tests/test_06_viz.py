@@ -119,11 +119,12 @@ def test_view_marks_only_the_last_steps_events():
         seen = []
         for _ in range(3):
             view.step()
-            seen.append({b: g.get("data-mark") for b, g in cells(view.map_html.value).items() if g.get("data-mark")})
+            marks = cells(view.panels["map"].value).items()
+            seen.append({b: g.get("data-mark") for b, g in marks if g.get("data-mark")})
         assert seen == [{0: "hit"}, {3: "cow"}, {5: "evict"}]
         assert [k for _, k in view.events] == ["cow", "evict"]  # hits are too frequent for timeline markers
         assert 'data-mark="evict"' in view._static_html()
         view.reset()
-        assert view.marks == {} and "data-mark" not in view.map_html.value
+        assert view.marks == {} and "data-mark" not in view.panels["map"].value
     finally:
         view.close()

@@ -115,16 +115,6 @@ def test_the_smallest_utilisation_that_fits():
     assert pl.min_utilization("Llama-2-70B", "A100 (80 GiB)", max_model_len=4096) is None
 
 
-def test_plans_side_by_side():
-    rows = [llama(kv_dtype=d) for d in ("fp16", "fp8")] + [pl.reported_case()]
-    table = pl.plans_table(rows)
-    for p in rows:
-        assert f"{p.num_blocks:,}" in table and p.outcome in table
-    assert len(table.splitlines()) == 2 + len(rows)
-    with pytest.raises(TypeError, match="plans"):
-        pl.plans_table(rows[0])
-
-
 def test_no_memory_for_cache_blocks():
     # L4, 24 GiB × 0.62 = 14.88 GiB: less than the 8B model's 14.96 GiB of weights, though the GPU holds them
     p = pl.plan("Llama-3-8B", "L4 (24 GiB)", 0.62, max_model_len=2048)

@@ -41,7 +41,7 @@ def test_memory_rows_regenerate(record, block_size):
 
 def test_launch_and_hit_rate_rows_regenerate(record):
     pytest.importorskip("triton")
-    lens = [r.prompt_len + r.output_len for r in T.regime_trace("sharegpt_like")[:32]]
+    lens = [r.num_prompt_tokens + r.num_output_tokens for r in T.regime_trace("sharegpt_like")[:32]]
     for B in (1, 64, 256):
         assert asdict(T.decode_launch(lens, B, 8)) == record["launch"][str(B)]
     prompts = T.shared_prefix_prompts(50, T.FEW_SHOT_PREFIXES["5-shot"], (8, 32))

@@ -56,7 +56,7 @@ def test_memory_measures_refuse_a_pool_too_small_and_bad_input():
 def test_memory_sweep_measures_agree_with_chapter_01():
     trace = make_workload(24, 1.0, "tiny_chat", seed=3)
     rows = T.memory_sweep(trace, pool_tokens=1024, block_sizes=(1, 8, 64), max_len=512)
-    final = [r.prompt_len + r.output_len for r in trace]
+    final = [r.num_prompt_tokens + r.num_output_tokens for r in trace]
     assert [r.block_size for r in rows] == [1, 8, 64]
     assert rows[0].utilisation == 1.0 and rows[0].tail_waste == 0.0
     for r in rows:
@@ -238,7 +238,7 @@ def test_each_ablation_changes_one_factor():
             assert not changed
         elif a.factor == "block_size":  # contiguous: one block per sequence in the same slots
             assert changed <= {"block_size", "num_blocks"}
-            assert config.block_size >= max(r.prompt_len + r.output_len for r in workload)
+            assert config.block_size >= max(r.num_prompt_tokens + r.num_output_tokens for r in workload)
             assert config.num_blocks * config.block_size <= T.POOL_TOKENS
         else:
             assert changed == {a.factor}
@@ -248,6 +248,6 @@ def test_each_ablation_changes_one_factor():
 def test_regime_workload_shares_a_prefix_and_rejects_unknown_names():
     workload, prompts = T.regime_workload("alpaca_like")
     assert len({tuple(p[:16]) for p in prompts}) == 1
-    assert [len(p) for p in prompts] == [r.prompt_len for r in workload]
+    assert [len(p) for p in prompts] == [r.num_prompt_tokens for r in workload]
     with pytest.raises(ValueError, match="regime"):
         T.regime_workload("nope")

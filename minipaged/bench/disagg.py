@@ -31,7 +31,7 @@ from minipaged.workload import make_workload, prompt_token_ids
 SETUPS = ("mixed", "2 x mixed", "disaggregated")
 
 
-def main(argv: list[str]) -> int:
+def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m minipaged.bench disagg", description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=positive_int, default=48, help="requests per workload")
     parser.add_argument("--rates", type=positive_rate, nargs="+", default=[6.0, 12.0, 18.0, 24.0, float("inf")],
@@ -45,8 +45,11 @@ def main(argv: list[str]) -> int:
                         help="link bandwidths (bytes/s) swept at the rate --sweep-rate")
     parser.add_argument("--sweep-rate", type=positive_rate, default=18.0)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
+
+def main(argv: list[str]) -> int:
+    args = _parse(argv)
     torch.set_grad_enabled(False)
     torch.set_num_threads(1)
     model = LlamaForCausalLM(LlamaConfig(), seed=args.seed).eval()
@@ -58,7 +61,15 @@ def main(argv: list[str]) -> int:
           f"output {DISAGG_PRESET.output_len}), seed {args.seed}; virtual clock")
     print(f"memory: mixed {total} blocks; 2 x mixed {args.prefill_blocks} + {args.decode_blocks}; disaggregated "
           f"prefill {args.prefill_blocks} + decode {args.decode_blocks} (block_size {args.block_size})\n")
+    _rate_table(model, args, knobs)
+    workload = make_workload(args.requests, args.sweep_rate, DISAGG_PRESET, args.seed)
+    _bandwidth_sweep(model, args, knobs, workload)
+    _wall_against_virtual(model, args, workload)
+    return 0
 
+
+def _rate_table(model, args, knobs: dict) -> None:
+    """Mixed, 2 x mixed and disaggregated at each arrival rate: latencies, throughput, the engines' busy time."""
     header = f"{'rate/s':>7} {'setup':>14} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'tok/s':>7}"
     print(header + "   (latencies in ms)")
     for rate in args.rates:
@@ -74,8 +85,10 @@ def main(argv: list[str]) -> int:
         busy = cmp.summaries["disaggregated"]["busy_fraction"]
         print(f"{'':>7} busy: prefill engine {busy[0]:.0%}, decode engine {busy[1]:.0%}\n")
 
+
+def _bandwidth_sweep(model, args, knobs: dict, workload) -> None:
+    """The disaggregated setup at each link bandwidth: transfer time, waiting, and what it does to TPOT."""
     print(f"link bandwidth at {args.sweep_rate:g} requests/s (bytes per token: Llama-2-7B's)")
-    workload = make_workload(args.requests, args.sweep_rate, DISAGG_PRESET, args.seed)
     for bandwidth in args.bandwidths:
         cmp = compare_disaggregation(model, workload, link=KVLink(bandwidth=bandwidth), data_parallel=False, **knobs)
         s = cmp.summaries["disaggregated"]
@@ -83,14 +96,16 @@ def main(argv: list[str]) -> int:
               f"{s['transfer_wait_ms_mean']:.1f} ms waiting, TPOT p50 {1000 * s['tpot_p50']:.1f} ms, "
               f"p99 {1000 * s['tpot_p99']:.1f} ms (mixed: {1000 * cmp.summaries['mixed']['tpot_p99']:.1f} ms)")
 
-    # Why the virtual clock: on this machine the two engines take turns, they never overlap.
+
+def _wall_against_virtual(model, args, workload) -> None:
+    """Why the virtual clock: on this machine the two engines take turns, they never overlap."""
     config = {"block_size": args.block_size, "max_num_seqs": args.max_num_seqs,
               "max_num_batched_tokens": args.max_num_batched_tokens}  # fmt: skip
     d = DisaggregatedEngine(model, EngineConfig(num_blocks=args.prefill_blocks, **config),
                             EngineConfig(num_blocks=args.decode_blocks, **config), None, BusyClock(), BusyClock())
     for i, r in enumerate(workload):
-        d.add_request(prompt_token_ids(i, r.prompt_len, model.config.vocab_size, args.seed),
-                      SamplingParams(max_tokens=r.output_len, ignore_eos=True),
+        d.add_request(prompt_token_ids(i, r.num_prompt_tokens, model.config.vocab_size, args.seed),
+                      SamplingParams(max_tokens=r.num_output_tokens, ignore_eos=True),
                       arrival_time=r.arrival_time)  # fmt: skip
     wall = {"prefill": 0.0, "decode": 0.0}
     start = time.perf_counter()
@@ -107,4 +122,3 @@ def main(argv: list[str]) -> int:
           f"= {wall['prefill'] + wall['decode']:.2f} s of the run's {total:.2f} s: one after the other, never at once")
     print(f"virtual clock, two GPUs: prefill busy {busy['prefill']:.2f} s and decode busy {busy['decode']:.2f} s "
           f"overlap within a run of {span:.2f} s (busy sum / span = {sum(busy.values()) / span:.2f})")
-    return 0

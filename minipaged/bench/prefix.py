@@ -60,7 +60,7 @@ def shared_prefix_workload(num_requests: int, rate: float, prefix_len: int, suff
     return workload, prompts
 
 
-def main(argv: list[str]) -> int:
+def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m minipaged.bench prefix", description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=200, help="requests per workload")
     parser.add_argument("--rate", type=float, default=400.0, help="Poisson arrivals per second")
@@ -75,13 +75,50 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--backend", default="torch", choices=["torch", "triton"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1, help="runs per system, alternating; the fastest counts")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
+
+def _config(args) -> EngineConfig:
+    """The engine of both systems (prefix caching is the allocator: see :func:`_compare`)."""
+    return EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens, backend=args.backend)  # fmt: skip
+
+
+def _compare(model, args, shot: str, prefix_len: int) -> float:
+    """Prefix caching off against on for one shared prefix, printed; the throughput ratio on / off."""
+    workload, prompts = shared_prefix_workload(args.requests, args.rate, prefix_len, args.suffix_len,
+                                               args.output_len, model.config.vocab_size, args.seed)  # fmt: skip
+    systems = {
+        name: (lambda caching=caching: Engine(model, _config(args), WallClock() if args.clock == "wall" else
+                                              VirtualClock(), allocator=PrefixCachingAllocator if caching else
+                                              BlockAllocator))  # fmt: skip
+        for name, caching in (("cache off", False), ("cache on", True))
+    }
+    runs = best_runs(systems, lambda engine, w=workload, p=prompts: engine.run(w, progress=False, prompts=p),
+                     args.repeats, label=f"{shot} ")
+    hit_rate = runs["cache on"]["hit_rate"]
+    print(f"\n{shot}: shared prefix of {prefix_len} tokens")
+    print(format_summary(runs, unit="ms"))
+    for key, label in (("max_concurrent", "max concurrent seqs"), ("preemptions", "preemptions")):
+        print(f"{label:<20}" + "".join(f"{r[key]:>12}" for r in runs.values()))
+    off, on = runs["cache off"], runs["cache on"]
+    ratio = on["tokens_per_s"] / off["tokens_per_s"]
+    print(f"throughput ratio (on / off): {ratio:.2f}x")
+    print(f"TTFT ratio (off / on): p50 {off['ttft_p50'] / on['ttft_p50']:.2f}x, "
+          f"p99 {off['ttft_p99'] / on['ttft_p99']:.2f}x")
+    print(f"prefix cache hit rate: {hit_rate:.1%} of prompt tokens\n")
+    if off["requests_per_s"] > 0.9 * args.rate:
+        print(f"note: the uncached engine kept up with the arrivals ({off['requests_per_s']:.0f} of "
+              f"{args.rate:g} requests/s): its throughput is the load; raise --rate to measure capacity\n")
+    return ratio
+
+
+def main(argv: list[str]) -> int:
+    args = _parse(argv)
     torch.set_grad_enabled(False)
     torch.set_num_threads(1)  # tiny matmuls; one thread keeps the two measurements comparable
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = LlamaForCausalLM(LlamaConfig(), seed=args.seed).to(device).eval()
-    vocab = model.config.vocab_size
     print(f"workloads: {args.requests} requests each, shared prefix {SHOTS} tokens, unique suffix "
           f"{args.suffix_len[0]}-{args.suffix_len[1]}, output {args.output_len[0]}-{args.output_len[1]} (uniform), "
           f"Poisson {args.rate:g}/s, seed {args.seed}")
@@ -89,37 +126,8 @@ def main(argv: list[str]) -> int:
           f"max_num_seqs {args.max_num_seqs}, budget {args.max_num_batched_tokens}; "
           f"{args.clock} clock, device {device}")
 
-    config = EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens, backend=args.backend)  # fmt: skip
-
-    Engine(model, config).generate([[1, 2, 3]] * 2)  # warm-up: one-off costs of the first passes
-
-    ratios = {}
-    for shot, prefix_len in SHOTS.items():
-        workload, prompts = shared_prefix_workload(args.requests, args.rate, prefix_len, args.suffix_len,
-                                                   args.output_len, vocab, args.seed)  # fmt: skip
-        systems = {
-            name: (lambda caching=caching: Engine(model, config, WallClock() if args.clock == "wall" else
-                                                  VirtualClock(), allocator=PrefixCachingAllocator if caching else
-                                                  BlockAllocator))  # fmt: skip
-            for name, caching in (("cache off", False), ("cache on", True))
-        }
-        runs = best_runs(systems, lambda engine, w=workload, p=prompts: engine.run(w, progress=False, prompts=p),
-                         args.repeats, label=f"{shot} ")
-        hit_rate = runs["cache on"]["hit_rate"]
-        print(f"\n{shot}: shared prefix of {prefix_len} tokens")
-        print(format_summary(runs, unit="ms"))
-        for key, label in (("max_concurrent", "max concurrent seqs"), ("preemptions", "preemptions")):
-            print(f"{label:<20}" + "".join(f"{r[key]:>12}" for r in runs.values()))
-        off, on = runs["cache off"], runs["cache on"]
-        ratios[shot] = on["tokens_per_s"] / off["tokens_per_s"]
-        print(f"throughput ratio (on / off): {ratios[shot]:.2f}x")
-        print(f"TTFT ratio (off / on): p50 {off['ttft_p50'] / on['ttft_p50']:.2f}x, "
-              f"p99 {off['ttft_p99'] / on['ttft_p99']:.2f}x")
-        print(f"prefix cache hit rate: {hit_rate:.1%} of prompt tokens\n")
-        if off["requests_per_s"] > 0.9 * args.rate:
-            print(f"note: the uncached engine kept up with the arrivals ({off['requests_per_s']:.0f} of "
-                  f"{args.rate:g} requests/s): its throughput is the load; raise --rate to measure capacity\n")
+    Engine(model, _config(args)).generate([[1, 2, 3]] * 2)  # warm-up: one-off costs of the first passes
+    ratios = {shot: _compare(model, args, shot, prefix_len) for shot, prefix_len in SHOTS.items()}
     goals = {"1-shot": 1.6, "5-shot": 3.0}
     print("goals: " + ", ".join(f"{shot} {ratios[shot]:.2f}x (goal >= {goal:g}x)" for shot, goal in goals.items()))
     return 0

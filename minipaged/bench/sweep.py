@@ -203,7 +203,7 @@ def main(argv: list[str]) -> int:
 
     wall = {}
     if not args.no_wall:
-        seq_lens = [r.prompt_len + r.output_len for r in T.regime_trace("sharegpt_like")[:32]]
+        seq_lens = [r.num_prompt_tokens + r.num_output_tokens for r in T.regime_trace("sharegpt_like")[:32]]
         wall["attention"] = (
             f"attention, one decode step of {len(seq_lens)} ShareGPT-like sequences ({sum(seq_lens)} context tokens, "
             "8 heads x 64, fp32), wall clock",

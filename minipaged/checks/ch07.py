@@ -55,7 +55,6 @@ MIN_SHARED = 0.9  # of the system prompt's tokens
 
 DIRECTIONS = ("more", "fewer", "same")
 PREDICTED = ("preemptions", "mean_running", "ttft_p99")
-WATERMARK = 0.3
 
 
 # ---------------------------------------------------------------------------

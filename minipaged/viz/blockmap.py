@@ -202,6 +202,63 @@ def _cell_xy(block_id: int, cols: int, x0: float, y0: float) -> tuple[float, flo
     return x0 + col * (CELL + GAP), y0 + row * (CELL + GAP)
 
 
+def _cell_look(snap: PoolSnapshot, b: int, held_by: list, written: int) -> tuple[str, str, str, int, str]:
+    """A pool cell's state (free, cached, shared, used), its bar and background colours, its fill and its border.
+
+    ``written`` is the tokens its sequences wrote into it (``snap.fills[b]``).
+    """
+    ref = snap.refcounts[b]
+    if ref == 0 and b in snap.cached:
+        state, bar, bg = "cached", CACHED_COLOR, tint(CACHED_COLOR, 0.6)
+    elif ref == 0:
+        state, bar, bg = "free", FREE_COLOR, FREE_COLOR
+    elif ref > 1 or len(held_by) > 1:
+        state, bar = "shared", SHARED_COLOR
+        bg = tint(bar)
+    elif held_by:
+        state, bar = "used", seq_color(held_by[0])
+        bg = tint(bar)
+    else:
+        state, bar = "used", USED_COLOR
+        bg = tint(bar, 0.5)
+    fill = written if held_by else (snap.block_size if ref > 0 or state == "cached" else 0)
+    if state == "shared":
+        stroke = ' stroke="#333" stroke-width="2"'
+    elif state == "cached":
+        stroke = f' stroke="{CACHED_COLOR}" stroke-width="1.5" stroke-dasharray="3,2"'
+    else:
+        stroke = ' stroke="#999" stroke-width="1"'
+    return state, bar, bg, fill, stroke
+
+
+def _cell_labels(x: float, y: float, b: int, ref: int, frac: float, bar: str, mark: str | None, key: bool,
+                 state: str, show_refcount: str) -> list[str]:  # fmt: skip
+    """What is written on a pool cell: its id, its refcount, this step's mark and the key sign."""
+    text_fill = text_on(bar) if frac >= 0.5 else TEXT_COLOR
+    out = [
+        f'<text class="block-id" x="{fmt(x + CELL / 2)}" y="{fmt(y + CELL / 2 + 4)}" text-anchor="middle"'
+        f' font-size="11" fill="{text_fill}">{b}</text>'
+    ]
+    if show_refcount == "always" or (show_refcount == "shared" and ref > 1):
+        out.append(
+            f'<text class="refcount" x="{fmt(x + CELL - 3)}" y="{fmt(y + 10)}" text-anchor="end"'
+            f' font-size="9" font-weight="bold" fill="{text_fill if frac >= 0.9 else TEXT_COLOR}">×{ref}</text>'
+        )
+    if mark:
+        out.append(
+            f'<circle class="mark" cx="{fmt(x + 7)}" cy="{fmt(y + 7)}" r="6" fill="{MARK_COLORS[mark]}"'
+            f' stroke="#ffffff" stroke-width="1"/>'
+            f'<text class="mark-letter" x="{fmt(x + 7)}" y="{fmt(y + 10)}" text-anchor="middle" font-size="8"'
+            f' font-weight="bold" fill="#ffffff">{MARKS[mark]}</text>'
+        )
+    if key and state != "cached":
+        out.append(
+            f'<text class="key" x="{fmt(x + 3)}" y="{fmt(y + CELL - 3)}" font-size="8" fill="{CACHED_COLOR}"'
+            ' font-weight="bold">#</text>'
+        )
+    return out
+
+
 def _pool_cells(snap: PoolSnapshot, cols: int, x0: float, y0: float, show_refcount: str) -> list[str]:
     """SVG for every pool cell: background by state, a fill bar for tokens used, id and refcount."""
     owners, fills = snap.owners, snap.fills
@@ -210,28 +267,9 @@ def _pool_cells(snap: PoolSnapshot, cols: int, x0: float, y0: float, show_refcou
         x, y = _cell_xy(b, cols, x0, y0)
         ref = snap.refcounts[b]
         held_by = owners.get(b, [])
-        if ref == 0 and b in snap.cached:
-            state, bar, bg = "cached", CACHED_COLOR, tint(CACHED_COLOR, 0.6)
-        elif ref == 0:
-            state, bar, bg = "free", FREE_COLOR, FREE_COLOR
-        elif ref > 1 or len(held_by) > 1:
-            state, bar = "shared", SHARED_COLOR
-            bg = tint(bar)
-        elif held_by:
-            state, bar = "used", seq_color(held_by[0])
-            bg = tint(bar)
-        else:
-            state, bar = "used", USED_COLOR
-            bg = tint(bar, 0.5)
-        fill = fills[b] if held_by else (snap.block_size if ref > 0 or state == "cached" else 0)
+        state, bar, bg, fill, stroke = _cell_look(snap, b, held_by, fills[b])
         frac = fill / snap.block_size
         seqs = " ".join(escape(str(s)) for s in held_by)
-        if state == "shared":
-            stroke = ' stroke="#333" stroke-width="2"'
-        elif state == "cached":
-            stroke = f' stroke="{CACHED_COLOR}" stroke-width="1.5" stroke-dasharray="3,2"'
-        else:
-            stroke = ' stroke="#999" stroke-width="1"'
         key = b in snap.cached
         mark = snap.marks.get(b)
         extra = (' data-cached="1"' if key else "") + (f' data-mark="{mark}"' if mark else "")
@@ -250,28 +288,7 @@ def _pool_cells(snap: PoolSnapshot, cols: int, x0: float, y0: float, show_refcou
                 f'<rect class="fill" x="{fmt(x)}" y="{fmt(y + CELL - h)}" width="{CELL}" height="{fmt(h)}"'
                 f' rx="3" fill="{bar}" fill-opacity="0.85" data-fraction="{fmt(frac)}"/>'
             )
-        text_fill = text_on(bar) if frac >= 0.5 else TEXT_COLOR
-        out.append(
-            f'<text class="block-id" x="{fmt(x + CELL / 2)}" y="{fmt(y + CELL / 2 + 4)}" text-anchor="middle"'
-            f' font-size="11" fill="{text_fill}">{b}</text>'
-        )
-        if show_refcount == "always" or (show_refcount == "shared" and ref > 1):
-            out.append(
-                f'<text class="refcount" x="{fmt(x + CELL - 3)}" y="{fmt(y + 10)}" text-anchor="end"'
-                f' font-size="9" font-weight="bold" fill="{text_fill if frac >= 0.9 else TEXT_COLOR}">×{ref}</text>'
-            )
-        if mark:
-            out.append(
-                f'<circle class="mark" cx="{fmt(x + 7)}" cy="{fmt(y + 7)}" r="6" fill="{MARK_COLORS[mark]}"'
-                f' stroke="#ffffff" stroke-width="1"/>'
-                f'<text class="mark-letter" x="{fmt(x + 7)}" y="{fmt(y + 10)}" text-anchor="middle" font-size="8"'
-                f' font-weight="bold" fill="#ffffff">{MARKS[mark]}</text>'
-            )
-        if key and state != "cached":
-            out.append(
-                f'<text class="key" x="{fmt(x + 3)}" y="{fmt(y + CELL - 3)}" font-size="8" fill="{CACHED_COLOR}"'
-                ' font-weight="bold">#</text>'
-            )
+        out += _cell_labels(x, y, b, ref, frac, bar, mark, key, state, show_refcount)
         out.append("</g>")
     return out
 
@@ -356,6 +373,123 @@ def _hover_style(seq_ids) -> str:
     return "<style>" + "".join(rules) + "</style>"
 
 
+@dataclass(frozen=True)
+class _MapLayout:
+    """The geometry of :func:`render_block_map`: which rows it shows, the logical cells' size, where the pool is."""
+
+    cols: int  # pool columns
+    shown: list  # the sequences drawn as rows
+    hidden: list  # the ones summarised in one line
+    longest: int  # blocks in the longest shown table
+    lcell: float  # px, a logical block's side
+    pool_x0: float
+    width: float
+    height: float
+    lgap: int = 3
+    label_w: int = 78
+    row_h: int = 28
+    top: int = 48
+
+
+def _map_layout(snap: PoolSnapshot, columns: int | None, max_rows: int) -> _MapLayout:
+    cols = _grid_columns(snap.num_blocks, columns)
+    pool_rows = max(1, math.ceil(snap.num_blocks / cols))
+    seq_ids = list(snap.tables)
+    shown, hidden = seq_ids[:max_rows], seq_ids[max_rows:]
+    longest = max((len(snap.tables[s]) for s in shown), default=0)
+    # Logical cells shrink for long tables so the map keeps a readable width.
+    pitch = min(25.0, max(9.0, 400 / max(longest, 1)))
+    lcell, lgap, label_w, row_h, top = pitch - 3, 3, 78, 28, 48
+    logical_w = label_w + max(longest, 1) * (lcell + lgap)
+    pool_x0 = logical_w + 70
+    pool_w = cols * (CELL + GAP) - GAP
+    prefix = bool(snap.cached or snap.marks)
+    width = max(pool_x0 + max(pool_w, 270) + 10, 780 if prefix else 660)  # room for the caption and legend
+    rows_h = max(len(shown), 1) * row_h + (row_h if hidden else 0)
+    height = top + max(rows_h, pool_rows * (CELL + GAP)) + 30 + LEGEND_LINE * len(MAP_NOTES)
+    return _MapLayout(cols, shown, hidden, longest, lcell, pool_x0, width, height, lgap, label_w, row_h, top)
+
+
+def _map_head(snap: PoolSnapshot, lay: _MapLayout) -> list[str]:
+    """The opening of the block map: the caption, the two column titles, the hover style, the logical indices."""
+    caption = (f"step {snap.step}: {len(snap.tables)} sequences, {snap.num_used}/{snap.num_blocks} blocks used, "
+               f"tail waste {snap.tail_waste} slots{_prefix_caption(snap)}")
+    parts = [
+        svg_open(
+            "minipaged-blockmap",
+            lay.width,
+            lay.height,
+            snap.step,
+            f' data-used="{snap.num_used}" data-seqs="{len(snap.tables)}"',
+        ),
+        f'<text class="caption" x="8" y="16" font-size="12" fill="{TEXT_COLOR}">{escape(caption)}</text>',
+        '<text x="8" y="32" font-size="10" fill="#666">block tables (logical → physical)</text>',
+        f'<text x="{fmt(lay.pool_x0)}" y="32" font-size="10" fill="#666">'
+        "physical pool (block id, fill, ×refcount)</text>",
+        _hover_style(lay.shown),
+    ]
+    if lay.longest and lay.lcell >= 14:  # the logical indices, once, above the rows
+        parts.append('<g class="logical-index">' + "".join(
+            f'<text x="{fmt(lay.label_w + i * (lay.lcell + lay.lgap) + lay.lcell / 2)}" y="{lay.top - 4}"'
+            f' text-anchor="middle" font-size="8" fill="#666">{i}</text>' for i in range(lay.longest)) + "</g>")
+    return parts
+
+
+def _logical_block(lay: _MapLayout, sid: str, i: int, b: int, fill: int, frac: float, color: str,
+                   x: float, y: float, block_size: int) -> list[str]:  # fmt: skip
+    """Logical block ``i`` of one row: its box, its fill and the physical block its table entry names."""
+    lcell = lay.lcell
+    out = [
+        f'<g class="lblock" data-seq="{sid}" data-logical="{i}" data-block="{b}" data-fill="{fill}">'
+        f"<title>seq {sid} logical block {i} -> physical block {b} ({fill}/{block_size} slots)</title>"
+        f'<rect x="{fmt(x)}" y="{fmt(y)}" width="{fmt(lcell)}" height="{fmt(lcell)}" rx="2"'
+        f' fill="{tint(color)}" stroke="{color}"/>'
+    ]
+    if frac > 0:
+        w = lcell * frac
+        out.append(
+            f'<rect class="fill" x="{fmt(x)}" y="{fmt(y)}" width="{fmt(w)}" height="{fmt(lcell)}" rx="2"'
+            f' fill="{color}" data-fraction="{fmt(frac)}"/>'
+        )
+    if lcell >= 14:  # the table entry: which physical block this logical block is
+        out.append(
+            f'<text class="entry" x="{fmt(x + lcell / 2)}" y="{fmt(y + 15)}" text-anchor="middle"'
+            f' font-size="9" fill="{text_on(color) if frac >= 0.5 else TEXT_COLOR}">{b}</text>'
+        )
+    out.append("</g>")
+    return out
+
+
+def _map_row(snap: PoolSnapshot, lay: _MapLayout, row: int, seq_id) -> tuple[list[str], list[str]]:
+    """One sequence's row of logical blocks, and the links from each to its pool cell."""
+    color = seq_color(seq_id)
+    y = lay.top + row * lay.row_h
+    sid = escape(str(seq_id))
+    n_tok = snap.num_tokens[seq_id]
+    logical = [
+        f'<g class="seq" data-seq="{sid}" data-color="{color}" data-tokens="{n_tok}">'
+        f'<rect class="swatch" x="2" y="{fmt(y)}" width="4" height="{fmt(lay.lcell)}" fill="{color}"/>'
+        f'<text class="label" x="10" y="{fmt(y + 13)}" font-size="11" fill="{TEXT_COLOR}" font-weight="bold">'
+        f"seq {sid}</text>"
+        f'<text x="10" y="{fmt(y + 24)}" font-size="8" fill="#555">{n_tok} tokens</text>'
+    ]
+    links = []
+    for i, b in enumerate(snap.tables[seq_id]):
+        x = lay.label_w + i * (lay.lcell + lay.lgap)
+        fill = snap.logical_fill(seq_id, i)
+        logical += _logical_block(lay, sid, i, b, fill, fill / snap.block_size, color, x, y, snap.block_size)
+        cx, cy = _cell_xy(b, lay.cols, lay.pool_x0, lay.top)
+        x1, y1 = x + lay.lcell / 2, y + lay.lcell
+        x2, y2 = cx, cy + CELL / 2  # the middle of the cell's left edge
+        links.append(
+            f'<path class="link" data-seq="{sid}" data-logical="{i}" data-block="{b}" stroke="{color}"'
+            f' d="M{fmt(x1)},{fmt(y1)} C{fmt(x1)},{fmt(y1 + 14)} {fmt(x2 - 60)},{fmt(y2)} {fmt(x2)},{fmt(y2)}"'
+            f' fill="none" stroke-width="1" stroke-opacity="0.35"/>'
+        )
+    logical.append("</g>")
+    return logical, links
+
+
 def render_block_map(
     snapshot: PoolSnapshot,
     *,
@@ -372,98 +506,24 @@ def render_block_map(
     if show_refcount not in ("shared", "always", "never"):
         raise ValueError(f"show_refcount must be 'shared', 'always' or 'never', got {show_refcount!r}")
     snap = snapshot
-    prefix = bool(snap.cached or snap.marks)
-    cols = _grid_columns(snap.num_blocks, columns)
-    pool_rows = max(1, math.ceil(snap.num_blocks / cols))
-    seq_ids = list(snap.tables)
-    shown, hidden = seq_ids[:max_rows], seq_ids[max_rows:]
-    longest = max((len(snap.tables[s]) for s in shown), default=0)
-
-    # Logical cells shrink for long tables so the map keeps a readable width.
-    pitch = min(25.0, max(9.0, 400 / max(longest, 1)))
-    lcell, lgap, label_w, row_h = pitch - 3, 3, 78, 28
-    top = 48
-    logical_w = label_w + max(longest, 1) * (lcell + lgap)
-    pool_x0 = logical_w + 70
-    pool_w = cols * (CELL + GAP) - GAP
-    width = max(pool_x0 + max(pool_w, 270) + 10, 780 if prefix else 660)  # room for the caption and legend
-    rows_h = max(len(shown), 1) * row_h + (row_h if hidden else 0)
-    height = top + max(rows_h, pool_rows * (CELL + GAP)) + 30 + LEGEND_LINE * len(MAP_NOTES)
-
-    caption = (f"step {snap.step}: {len(seq_ids)} sequences, {snap.num_used}/{snap.num_blocks} blocks used, "
-               f"tail waste {snap.tail_waste} slots{_prefix_caption(snap)}")
-    parts = [
-        svg_open(
-            "minipaged-blockmap",
-            width,
-            height,
-            snap.step,
-            f' data-used="{snap.num_used}" data-seqs="{len(seq_ids)}"',
-        ),
-        f'<text class="caption" x="8" y="16" font-size="12" fill="{TEXT_COLOR}">{escape(caption)}</text>',
-        '<text x="8" y="32" font-size="10" fill="#666">block tables (logical → physical)</text>',
-        f'<text x="{fmt(pool_x0)}" y="32" font-size="10" fill="#666">physical pool (block id, fill, ×refcount)</text>',
-        _hover_style(shown),
-    ]
-    if longest and lcell >= 14:  # the logical indices, once, above the rows
-        parts.append('<g class="logical-index">' + "".join(
-            f'<text x="{fmt(label_w + i * (lcell + lgap) + lcell / 2)}" y="{top - 4}" text-anchor="middle"'
-            f' font-size="8" fill="#666">{i}</text>' for i in range(longest)) + "</g>")
+    lay = _map_layout(snap, columns, max_rows)
+    parts = _map_head(snap, lay)
     links, logical = [], []
-    for row, seq_id in enumerate(shown):
-        color = seq_color(seq_id)
-        y = top + row * row_h
-        sid = escape(str(seq_id))
-        n_tok = snap.num_tokens[seq_id]
-        logical.append(
-            f'<g class="seq" data-seq="{sid}" data-color="{color}" data-tokens="{n_tok}">'
-            f'<rect class="swatch" x="2" y="{fmt(y)}" width="4" height="{fmt(lcell)}" fill="{color}"/>'
-            f'<text class="label" x="10" y="{fmt(y + 13)}" font-size="11" fill="{TEXT_COLOR}" font-weight="bold">'
-            f"seq {sid}</text>"
-            f'<text x="10" y="{fmt(y + 24)}" font-size="8" fill="#555">{n_tok} tokens</text>'
-        )
-        for i, b in enumerate(snap.tables[seq_id]):
-            x = label_w + i * (lcell + lgap)
-            fill = snap.logical_fill(seq_id, i)
-            frac = fill / snap.block_size
-            logical.append(
-                f'<g class="lblock" data-seq="{sid}" data-logical="{i}" data-block="{b}" data-fill="{fill}">'
-                f"<title>seq {sid} logical block {i} -> physical block {b} ({fill}/{snap.block_size} slots)</title>"
-                f'<rect x="{fmt(x)}" y="{fmt(y)}" width="{fmt(lcell)}" height="{fmt(lcell)}" rx="2"'
-                f' fill="{tint(color)}" stroke="{color}"/>'
-            )
-            if frac > 0:
-                w = lcell * frac
-                logical.append(
-                    f'<rect class="fill" x="{fmt(x)}" y="{fmt(y)}" width="{fmt(w)}" height="{fmt(lcell)}" rx="2"'
-                    f' fill="{color}" data-fraction="{fmt(frac)}"/>'
-                )
-            if lcell >= 14:  # the table entry: which physical block this logical block is
-                logical.append(
-                    f'<text class="entry" x="{fmt(x + lcell / 2)}" y="{fmt(y + 15)}" text-anchor="middle"'
-                    f' font-size="9" fill="{text_on(color) if frac >= 0.5 else TEXT_COLOR}">{b}</text>'
-                )
-            logical.append("</g>")
-            cx, cy = _cell_xy(b, cols, pool_x0, top)
-            x1, y1 = x + lcell / 2, y + lcell
-            x2, y2 = cx, cy + CELL / 2  # the middle of the cell's left edge
-            links.append(
-                f'<path class="link" data-seq="{sid}" data-logical="{i}" data-block="{b}" stroke="{color}"'
-                f' d="M{fmt(x1)},{fmt(y1)} C{fmt(x1)},{fmt(y1 + 14)} {fmt(x2 - 60)},{fmt(y2)} {fmt(x2)},{fmt(y2)}"'
-                f' fill="none" stroke-width="1" stroke-opacity="0.35"/>'
-            )
-        logical.append("</g>")
-    if hidden:
-        y = top + len(shown) * row_h
+    for row, seq_id in enumerate(lay.shown):
+        row_logical, row_links = _map_row(snap, lay, row, seq_id)
+        logical += row_logical
+        links += row_links
+    if lay.hidden:
+        y = lay.top + len(lay.shown) * lay.row_h
         logical.append(
             f'<text class="more" x="8" y="{fmt(y + 15)}" font-size="10" fill="#666">'
-            f"… and {len(hidden)} more sequences</text>"
+            f"… and {len(lay.hidden)} more sequences</text>"
         )
     parts += logical
     # Links run beneath the pool cells, faint so that they do not hide the table entries.
     parts.append('<g class="links">' + "".join(links) + "</g>")
-    parts += _pool_cells(snap, cols, pool_x0, top, show_refcount)
-    parts += _legend(8, height - 8 - LEGEND_LINE * len(MAP_NOTES), prefix, MAP_NOTES)
+    parts += _pool_cells(snap, lay.cols, lay.pool_x0, lay.top, show_refcount)
+    parts += _legend(8, lay.height - 8 - LEGEND_LINE * len(MAP_NOTES), bool(snap.cached or snap.marks), MAP_NOTES)
     parts.append("</svg>")
     return "".join(parts)
 
@@ -553,24 +613,12 @@ class BlockMapView:
 
         controls = widgets.HBox([self.step_button, self.play, self.speed, self.reset_button])
         self.widget = widgets.VBox(
-            [controls, self.status, *self._layout(widgets), self.out],
+            [controls, self.status, *(self.panels[name] for name in self.PANELS), self.out],
             layout=widgets.Layout(width="100%"),
         )
         self.widget.add_class(self.CSS_CLASS)
         self._subscribe()
         self.redraw()
-
-    def _layout(self, widgets) -> list:
-        """The panel widgets, in display order (a subclass may arrange them in boxes)."""
-        return [self.panels[name] for name in self.PANELS]
-
-    @property
-    def map_html(self):
-        return self.panels["map"]
-
-    @property
-    def timeline_html(self):
-        return self.panels["timeline"]
 
     # -- state -----------------------------------------------------------------
 

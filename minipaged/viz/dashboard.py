@@ -309,9 +309,6 @@ class EngineDashboard(BlockMapView):
             raise TypeError(f"engine must be an Engine, a Replay or a function that builds an Engine, got {engine!r}")
         super().__init__(source, columns=columns, interval=interval, title=title)
 
-    def _layout(self, widgets) -> list:
-        return [self.panels["queues"], self.panels["map"], self.panels["timeline"], self.panels["load"]]
-
     def engine_snapshot(self) -> EngineSnapshot:
         return EngineSnapshot.from_engine(self.sim.engine)
 

@@ -79,6 +79,68 @@ def program_reads(block_tables, seq_lens, block_size: int, tile: int, num_splits
     return reads
 
 
+def _step_width(step) -> int:
+    """px of one loop step's frame: a cell per block it loads, plus a margin."""
+    return len(step) * CELL + 8
+
+
+def _program_rows(reads: dict, top: int, num_splits: int) -> list[str]:
+    """One row per program (a sequence, or a split of it): a frame per loop step around the blocks it loads."""
+    parts = []
+    for row, ((seq, split), steps) in enumerate(reads.items()):
+        y = top + row * ROW
+        color = seq_color(seq)
+        label = f"seq {seq}" + (f", split {split}" if num_splits > 1 else "")
+        parts.append(f'<text x="10" y="{fmt(y + 21)}" font-size="13" fill="{TEXT_COLOR}">{label}</text>')
+        if not steps:
+            parts.append(f'<text x="{LABEL}" y="{fmt(y + 21)}" font-size="12" fill="#666666">'
+                         "no tiles: skips the loop, stores m = −inf, l = 0</text>")
+        x = LABEL
+        for k, step in enumerate(steps):
+            parts.append(f'<rect x="{fmt(x)}" y="{fmt(y + 2)}" width="{fmt(_step_width(step))}" height="{ROW - 4}" '
+                         f'rx="4" fill="none" stroke="{color}" stroke-width="2"><title>step {k}</title></rect>')
+            for i, block in enumerate(step):
+                cx = x + 4 + i * CELL
+                parts.append(f'<rect x="{fmt(cx + 1)}" y="{fmt(y + 6)}" width="{CELL - 2}" height="{ROW - 12}" '
+                             f'fill="{tint(color, 0.55)}"/>')
+                parts.append(f'<text x="{fmt(cx + CELL / 2)}" y="{fmt(y + 22)}" font-size="12" text-anchor="middle" '
+                             f'fill="{TEXT_COLOR}">{block}</text>')
+            x += _step_width(step) + GAP
+    return parts
+
+
+def _pool_strip(num_blocks: int, reader: dict, pool_y: float) -> list[str]:
+    """The pool under the programs: each block tinted with the colour of the sequence that reads it."""
+    parts = [f'<text x="10" y="{fmt(pool_y + 20)}" font-size="13" fill="{TEXT_COLOR}">pool (block id)</text>']
+    for block in range(num_blocks):
+        cx = LABEL + block * CELL
+        fill = tint(seq_color(reader[block]), 0.55) if block in reader else FREE_COLOR
+        parts.append(f'<rect x="{fmt(cx + 1)}" y="{fmt(pool_y)}" width="{CELL - 2}" height="{CELL}" fill="{fill}" '
+                     f'stroke="#999999" stroke-width="0.5"/>')
+        parts.append(f'<text x="{fmt(cx + CELL / 2)}" y="{fmt(pool_y + 20)}" font-size="12" text-anchor="middle" '
+                     f'fill="{TEXT_COLOR}">{block}</text>')
+    return parts
+
+
+def _tile_legend(lens: list[int], legend_y: float, num_rows: int, num_kv_heads: int) -> list[str]:
+    """The key: a swatch per sequence, one for unread blocks, and the programs count."""
+    parts = []
+    x = 10.0
+    for seq, n in enumerate(lens):
+        parts.append(f'<rect x="{fmt(x)}" y="{fmt(legend_y - 11)}" width="14" height="14" '
+                     f'fill="{tint(seq_color(seq), 0.55)}" stroke="{seq_color(seq)}" stroke-width="2"/>')
+        text = f"seq {seq}: {n} tokens"
+        parts.append(f'<text x="{fmt(x + 20)}" y="{fmt(legend_y)}" font-size="12" fill="{TEXT_COLOR}">{text}</text>')
+        x += 30 + 7.5 * len(text)
+    parts.append(f'<rect x="{fmt(x)}" y="{fmt(legend_y - 11)}" width="14" height="14" fill="{FREE_COLOR}" '
+                 'stroke="#999999" stroke-width="0.5"/>')
+    parts.append(f'<text x="{fmt(x + 20)}" y="{fmt(legend_y)}" font-size="12" fill="{TEXT_COLOR}">owned by nobody: '
+                 "never read</text>")
+    parts.append(f'<text x="10" y="{fmt(legend_y + 24)}" font-size="12" fill="{TEXT_COLOR}">each row runs once per '
+                 f"KV head: {num_rows} rows × {num_kv_heads} KV heads = {num_rows * num_kv_heads} programs</text>")
+    return parts
+
+
 def render_tile_loop(
     block_tables, seq_lens, *, block_size: int, tile: int, num_blocks: int, num_splits: int = 1,
     num_kv_heads: int = 1, title: str | None = None,
@@ -108,11 +170,7 @@ def render_tile_loop(
     splits = f"{num_splits} split" + ("s" if num_splits > 1 else "")
     title = title or (f"grid ({len(lens)} seqs, {num_kv_heads} KV heads, {splits}) · "
                       f"block_size {block_size} · tile {tile} tokens per loop step")
-
-    def step_width(step):
-        return len(step) * CELL + 8
-
-    rows_width = max((sum(step_width(s) + GAP for s in steps) for steps in reads.values()), default=0)
+    rows_width = max((sum(_step_width(s) + GAP for s in steps) for steps in reads.values()), default=0)
     width = LABEL + max(rows_width, num_blocks * CELL, 420) + 20
     top = 46
     pool_y = top + len(reads) * ROW + 30
@@ -124,47 +182,9 @@ def render_tile_loop(
         f'<text x="{LABEL}" y="{top - 8}" font-size="12" fill="{TEXT_COLOR}">'
         "loop steps → (each frame: the physical blocks one step loads)</text>",
     ]
-    for row, ((seq, split), steps) in enumerate(reads.items()):
-        y = top + row * ROW
-        color = seq_color(seq)
-        label = f"seq {seq}" + (f", split {split}" if num_splits > 1 else "")
-        parts.append(f'<text x="10" y="{fmt(y + 21)}" font-size="13" fill="{TEXT_COLOR}">{label}</text>')
-        if not steps:
-            parts.append(f'<text x="{LABEL}" y="{fmt(y + 21)}" font-size="12" fill="#666666">'
-                         "no tiles: skips the loop, stores m = −inf, l = 0</text>")
-        x = LABEL
-        for k, step in enumerate(steps):
-            parts.append(f'<rect x="{fmt(x)}" y="{fmt(y + 2)}" width="{fmt(step_width(step))}" height="{ROW - 4}" '
-                         f'rx="4" fill="none" stroke="{color}" stroke-width="2"><title>step {k}</title></rect>')
-            for i, block in enumerate(step):
-                cx = x + 4 + i * CELL
-                parts.append(f'<rect x="{fmt(cx + 1)}" y="{fmt(y + 6)}" width="{CELL - 2}" height="{ROW - 12}" '
-                             f'fill="{tint(color, 0.55)}"/>')
-                parts.append(f'<text x="{fmt(cx + CELL / 2)}" y="{fmt(y + 22)}" font-size="12" text-anchor="middle" '
-                             f'fill="{TEXT_COLOR}">{block}</text>')
-            x += step_width(step) + GAP
-    parts.append(f'<text x="10" y="{fmt(pool_y + 20)}" font-size="13" fill="{TEXT_COLOR}">pool (block id)</text>')
-    for block in range(num_blocks):
-        cx = LABEL + block * CELL
-        fill = tint(seq_color(reader[block]), 0.55) if block in reader else FREE_COLOR
-        parts.append(f'<rect x="{fmt(cx + 1)}" y="{fmt(pool_y)}" width="{CELL - 2}" height="{CELL}" fill="{fill}" '
-                     f'stroke="#999999" stroke-width="0.5"/>')
-        parts.append(f'<text x="{fmt(cx + CELL / 2)}" y="{fmt(pool_y + 20)}" font-size="12" text-anchor="middle" '
-                     f'fill="{TEXT_COLOR}">{block}</text>')
-    legend_y = pool_y + CELL + 24
-    x = 10.0
-    for seq, n in enumerate(lens):
-        parts.append(f'<rect x="{fmt(x)}" y="{fmt(legend_y - 11)}" width="14" height="14" '
-                     f'fill="{tint(seq_color(seq), 0.55)}" stroke="{seq_color(seq)}" stroke-width="2"/>')
-        text = f"seq {seq}: {n} tokens"
-        parts.append(f'<text x="{fmt(x + 20)}" y="{fmt(legend_y)}" font-size="12" fill="{TEXT_COLOR}">{text}</text>')
-        x += 30 + 7.5 * len(text)
-    parts.append(f'<rect x="{fmt(x)}" y="{fmt(legend_y - 11)}" width="14" height="14" fill="{FREE_COLOR}" '
-                 'stroke="#999999" stroke-width="0.5"/>')
-    parts.append(f'<text x="{fmt(x + 20)}" y="{fmt(legend_y)}" font-size="12" fill="{TEXT_COLOR}">owned by nobody: '
-                 "never read</text>")
-    parts.append(f'<text x="10" y="{fmt(legend_y + 24)}" font-size="12" fill="{TEXT_COLOR}">each row runs once per '
-                 f"KV head: {len(reads)} rows × {num_kv_heads} KV heads = {len(reads) * num_kv_heads} programs</text>")
+    parts += _program_rows(reads, top, num_splits)
+    parts += _pool_strip(num_blocks, reader, pool_y)
+    parts += _tile_legend(lens, pool_y + CELL + 24, len(reads), num_kv_heads)
     parts.append("</svg>")
     return "".join(parts)
 

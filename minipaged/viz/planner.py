@@ -42,6 +42,76 @@ def _size(n: int) -> str:
     return f"{n / pl.MiB:.2f} MiB" if abs(n) >= pl.MiB // 100 else f"{n} B"
 
 
+def _bar_parts(p: pl.Plan, parts: dict, x) -> list[str]:
+    """The bar's segments in :data:`PARTS` order, the KV cache's block boundaries, a label where it fits.
+
+    ``x`` maps a byte offset to its x coordinate.
+    """
+    out, start = [], 0
+    for name in PARTS:
+        n = parts[name]
+        if n <= 0:
+            continue
+        x0, x1 = x(start), x(start + n)
+        color = COLORS[name]
+        stroke = ' stroke="#999" stroke-dasharray="3,2"' if name == "not requested" else ""
+        out.append(f'<g class="part" data-part="{escape(name)}" data-bytes="{n}">'
+                   f'<rect x="{fmt(x0)}" y="{BAR_Y}" width="{fmt(max(x1 - x0, 0.5))}" height="{BAR_H}"'
+                   f' fill="{color}"{stroke}><title>{escape(name)}: {_size(n)}</title></rect>')
+        if name == "KV cache" and 1 < p.num_blocks <= BLOCK_BOUNDARY_MAX:
+            for k in range(1, p.num_blocks):
+                bx = x(start + k * p.block_bytes)
+                out.append(f'<line x1="{fmt(bx)}" y1="{BAR_Y}" x2="{fmt(bx)}" y2="{BAR_Y + BAR_H}"'
+                           ' stroke="#ffffff" stroke-width="0.6"/>')
+        label = f"{p.num_blocks:,} blocks" if name == "KV cache" else name
+        if x1 - x0 >= 7.2 * len(label) + 8:
+            out.append(f'<text x="{fmt((x0 + x1) / 2)}" y="{BAR_Y + BAR_H / 2 + 4}" text-anchor="middle"'
+                       f' font-size="11" fill="{text_on(color)}">{escape(label)}</text>')
+        out.append("</g>")
+        start += n
+    return out
+
+
+def _bar_marks(p: pl.Plan, extent: int, x) -> list[str]:
+    """What is drawn over the bar: the part past the GPU's end, other processes' memory, the requested line."""
+    out = []
+    if extent > p.gpu_bytes:  # the part past the GPU's end, greyed out
+        xg = x(p.gpu_bytes)
+        out.append(f'<rect class="overflow" x="{fmt(xg)}" y="{BAR_Y}" width="{fmt(BAR_X + BAR_W - xg)}"'
+                   f' height="{BAR_H}" fill="#ffffff" fill-opacity="0.6"/>'
+                   f'<line x1="{fmt(xg)}" y1="{BAR_Y - 4}" x2="{fmt(xg)}" y2="{BAR_Y + BAR_H + 10}"'
+                   f' stroke="{FAIL_COLOR}" stroke-width="2"/>'
+                   f'<text x="{fmt(xg + 4)}" y="{BAR_Y + BAR_H + 12}" font-size="10" fill="{FAIL_COLOR}">'
+                   f'the GPU ends here: {_size(extent - p.gpu_bytes)} too much</text>')
+    if p.other_bytes:  # what other processes hold, under the end of the bar
+        x0 = x(p.gpu_bytes - p.other_bytes)
+        out.append(f'<rect class="others" x="{fmt(x0)}" y="{BAR_Y + BAR_H + 2}" width="{fmt(BAR_X + BAR_W - x0)}"'
+                   f' height="6" fill="{style.color("other processes")}"/>')
+    xr = x(p.requested_bytes)
+    out.append(f'<line class="requested" x1="{fmt(xr)}" y1="{BAR_Y - 8}" x2="{fmt(xr)}" y2="{BAR_Y + BAR_H + 10}"'
+               f' stroke="{TEXT_COLOR}" stroke-width="1.5" stroke-dasharray="4,2"/>')
+    anchor = "end" if xr > WIDTH / 2 else "start"
+    dx = -4 if anchor == "end" else 4
+    out.append(f'<text x="{fmt(xr + dx)}" y="{BAR_Y - 2}" text-anchor="{anchor}" font-size="10" fill="{TEXT_COLOR}">'
+               f'requested = {p.gpu_memory_utilization:g} × GPU = {_gib(p.requested_bytes)}</text>')
+    return out
+
+
+def _budget_legend(p: pl.Plan, parts: dict) -> list[str]:
+    """Every part with its size, in two columns under the bar."""
+    entries = [(name, COLORS[name], parts[name]) for name in PARTS]
+    if p.other_bytes:
+        entries.append(("held by other processes", style.color("other processes"), p.other_bytes))
+    out, y0 = [], BAR_Y + BAR_H + 30
+    for i, (name, color, n) in enumerate(entries):
+        lx, ly = BAR_X + (i % 2) * (BAR_W / 2), y0 + 18 * (i // 2)
+        stroke = "#999" if color == "#ffffff" else color
+        out.append(f'<rect x="{fmt(lx)}" y="{fmt(ly - 10)}" width="12" height="12" fill="{color}" stroke="{stroke}"/>'
+                   f'<text x="{fmt(lx + 18)}" y="{fmt(ly)}" font-size="11" fill="{TEXT_COLOR}">'
+                   f'{escape(name)}: {_size(n)}</text>')
+    return out
+
+
 def render_memory_budget(p: pl.Plan, title: str | None = None) -> str:
     """One bar of the whole GPU, split as vLLM's start-up splits it, with the requested fraction marked.
 
@@ -66,63 +136,8 @@ def render_memory_budget(p: pl.Plan, title: str | None = None) -> str:
     extra = (f' data-outcome="{p.outcome}" data-blocks="{p.num_blocks}" data-kv-tokens="{p.kv_tokens}"'
              f' data-requested="{p.requested_bytes}"')
     out = [svg_open("minipaged-planner-budget", WIDTH, height, 0, extra),
-           f'<text x="{BAR_X}" y="18" font-size="13" font-weight="bold" fill="{TEXT_COLOR}">{escape(caption)}</text>']
-
-    start = 0
-    for name in PARTS:
-        n = parts[name]
-        if n <= 0:
-            continue
-        x0, x1 = x(start), x(start + n)
-        color = COLORS[name]
-        stroke = ' stroke="#999" stroke-dasharray="3,2"' if name == "not requested" else ""
-        out.append(f'<g class="part" data-part="{escape(name)}" data-bytes="{n}">'
-                   f'<rect x="{fmt(x0)}" y="{BAR_Y}" width="{fmt(max(x1 - x0, 0.5))}" height="{BAR_H}"'
-                   f' fill="{color}"{stroke}><title>{escape(name)}: {_size(n)}</title></rect>')
-        if name == "KV cache" and 1 < p.num_blocks <= BLOCK_BOUNDARY_MAX:
-            for k in range(1, p.num_blocks):
-                bx = x(start + k * p.block_bytes)
-                out.append(f'<line x1="{fmt(bx)}" y1="{BAR_Y}" x2="{fmt(bx)}" y2="{BAR_Y + BAR_H}"'
-                           ' stroke="#ffffff" stroke-width="0.6"/>')
-        label = f"{p.num_blocks:,} blocks" if name == "KV cache" else name
-        if x1 - x0 >= 7.2 * len(label) + 8:
-            out.append(f'<text x="{fmt((x0 + x1) / 2)}" y="{BAR_Y + BAR_H / 2 + 4}" text-anchor="middle"'
-                       f' font-size="11" fill="{text_on(color)}">{escape(label)}</text>')
-        out.append("</g>")
-        start += n
-
-    if extent > p.gpu_bytes:  # the part past the GPU's end, greyed out
-        xg = x(p.gpu_bytes)
-        out.append(f'<rect class="overflow" x="{fmt(xg)}" y="{BAR_Y}" width="{fmt(BAR_X + BAR_W - xg)}"'
-                   f' height="{BAR_H}" fill="#ffffff" fill-opacity="0.6"/>'
-                   f'<line x1="{fmt(xg)}" y1="{BAR_Y - 4}" x2="{fmt(xg)}" y2="{BAR_Y + BAR_H + 10}"'
-                   f' stroke="{FAIL_COLOR}" stroke-width="2"/>'
-                   f'<text x="{fmt(xg + 4)}" y="{BAR_Y + BAR_H + 12}" font-size="10" fill="{FAIL_COLOR}">'
-                   f'the GPU ends here: {_size(extent - p.gpu_bytes)} too much</text>')
-    if p.other_bytes:  # what other processes hold, under the end of the bar
-        x0 = x(p.gpu_bytes - p.other_bytes)
-        out.append(f'<rect class="others" x="{fmt(x0)}" y="{BAR_Y + BAR_H + 2}" width="{fmt(BAR_X + BAR_W - x0)}"'
-                   f' height="6" fill="{style.color("other processes")}"/>')
-    xr = x(p.requested_bytes)
-    out.append(f'<line class="requested" x1="{fmt(xr)}" y1="{BAR_Y - 8}" x2="{fmt(xr)}" y2="{BAR_Y + BAR_H + 10}"'
-               f' stroke="{TEXT_COLOR}" stroke-width="1.5" stroke-dasharray="4,2"/>')
-    anchor = "end" if xr > WIDTH / 2 else "start"
-    dx = -4 if anchor == "end" else 4
-    out.append(f'<text x="{fmt(xr + dx)}" y="{BAR_Y - 2}" text-anchor="{anchor}" font-size="10" fill="{TEXT_COLOR}">'
-               f'requested = {p.gpu_memory_utilization:g} × GPU = {_gib(p.requested_bytes)}</text>')
-
-    # legend: every part with its size, two columns
-    entries = [(name, COLORS[name], parts[name]) for name in PARTS]
-    if p.other_bytes:
-        entries.append(("held by other processes", style.color("other processes"), p.other_bytes))
-    y0 = BAR_Y + BAR_H + 30
-    for i, (name, color, n) in enumerate(entries):
-        lx, ly = BAR_X + (i % 2) * (BAR_W / 2), y0 + 18 * (i // 2)
-        stroke = "#999" if color == "#ffffff" else color
-        out.append(f'<rect x="{fmt(lx)}" y="{fmt(ly - 10)}" width="12" height="12" fill="{color}" stroke="{stroke}"/>'
-                   f'<text x="{fmt(lx + 18)}" y="{fmt(ly)}" font-size="11" fill="{TEXT_COLOR}">'
-                   f'{escape(name)}: {_size(n)}</text>')
-    out.append("</svg>")
+           f'<text x="{BAR_X}" y="18" font-size="13" font-weight="bold" fill="{TEXT_COLOR}">{escape(caption)}</text>',
+           *_bar_parts(p, parts, x), *_bar_marks(p, extent, x), *_budget_legend(p, parts), "</svg>"]
     return "".join(out)
 
 
