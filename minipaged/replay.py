@@ -80,6 +80,11 @@ class Replay:
         self.seqs: list[Sequence | None] = [None] * len(workload)  # in the workload's order, once added
 
     @property
+    def allocator(self):
+        """The engine's block pool: a view driving the replay subscribes to its events (``BlockMapView``)."""
+        return self.engine.cache.allocator
+
+    @property
     def done(self) -> bool:
         return not self.arrivals and not self.engine.has_unfinished()
 

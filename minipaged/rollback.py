@@ -8,7 +8,7 @@ Restoring puts each one back *in place*, so a view that holds a list or a table 
 state again. What is not bookkeeping is not walked: tensors (the K/V pools, whose rollback is
 :meth:`StepUndo.protect_kv`'s), modules, functions, classes, and instances of frozen dataclasses
 (immutable by contract). A class may name attributes that a rollback must leave alone (event
-plumbing, the step's own flags) in ``_not_rolled_back``, and an object whose ``is_final`` is True
+plumbing, the step's own flags) in ``_not_rolled_back``, and an object whose ``is_finished`` is True
 (a finished sequence: no step changes it again) is not walked.
 """
 
@@ -53,7 +53,7 @@ class Snapshot:
         while stack:
             obj = stack.pop()
             kind = _kind(type(obj))
-            if kind == ATOM or id(obj) in self._saved or kind == OBJECT and getattr(obj, "is_final", False):
+            if kind == ATOM or id(obj) in self._saved or kind == OBJECT and getattr(obj, "is_finished", False):
                 continue
             state, children = _save(obj, kind)
             self._saved[id(obj)] = (obj, state)

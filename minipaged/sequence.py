@@ -184,12 +184,8 @@ class Sequence:
         return self.num_computed_tokens < self.num_prompt_tokens or self.num_uncomputed_tokens > 1
 
     @property
-    def is_final(self) -> bool:
-        """Finished or aborted: no engine step changes it again (a rollback need not save it)."""
-        return self.is_finished
-
-    @property
     def is_finished(self) -> bool:
+        """Finished or aborted: no engine step changes it again (so a rollback need not save it)."""
         return self.status in (SequenceStatus.FINISHED, SequenceStatus.ABORTED)
 
     @property
