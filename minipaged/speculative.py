@@ -39,7 +39,7 @@ drafts ends the request right there: the tokens after it, bonus token included, 
 its blocks are freed in the same step. ``min_tokens`` holds at every verified position: before
 verification, row ``i`` of a request (which picks its output token number ``num_output_tokens + i``)
 has the stop tokens masked if that number is below ``min_tokens``, so a drafted stop token there
-can never equal the target's choice and is rejected (:func:`minipaged.engine.mask_stop_tokens`).
+can never equal the target's choice and is rejected (:func:`minipaged.stopping.mask_stop_tokens`).
 
 **Rollback** (:func:`rollback_drafts`): the verification step wrote K/V for all ``k + 1``
 positions, but only the last sampled token and the ``j`` accepted drafts are real. Rolling
@@ -56,9 +56,9 @@ the accepted prefix. Nothing else happens, on purpose:
 * **A block holding unverified tokens is never put in the prefix cache.** A cached block is
   shared, read-only K/V that another request trusts to match its key (the token ids). A
   rejected draft's K/V would break that promise, and its slot will be overwritten next step,
-  which would corrupt a sharer. So keys go only to blocks that are full of *verified* tokens:
-  the scheduler registers blocks after the rollback, up to ``num_computed_tokens``, and a
-  block the drafts filled waits for a later step to verify it.
+  which would corrupt a sharer. So keys go only to blocks that this step's *scheduled* tokens
+  fill, drafts excluded: the scheduler keys them when it plans the step, before the drafts are
+  added, and a block the drafts filled gets its key in a later step, once verified tokens fill it.
 
 Metrics (``engine.metrics``): ``num_spec_drafts`` (verifications with at least one draft),
 ``num_draft_tokens``, ``num_accepted_tokens``, ``num_accepted_tokens_per_pos``, and from them
