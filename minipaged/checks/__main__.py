@@ -20,6 +20,10 @@ For each notebook, the grader:
    grading seed, and prints the probe's transcript as JSON;
 4. decides each verdict in its own process: it checks the transcript's exact types, runs the
    reference on the same cases and compares. Nothing the kernel prints, reads or writes is a verdict.
+5. flags, for the instructor to look at, a learner's cell that is the model solution with identifiers
+   renamed (:func:`copied_solutions`) or that imports, subclasses or calls a package module its exercise
+   rebuilds (:func:`delegations`, the modules from the chapter's ``chNN.REBUILDS``). Flags are static
+   analysis, not verdicts and not a security boundary; they leave the verdicts as they are.
 
 A cell past its limit is interrupted; if it does not stop within :data:`KILL_GRACE` s the kernel is
 killed. The check FAILs with "timed out after N s", a dead kernel FAILs the rest of its notebook,
