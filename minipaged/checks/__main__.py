@@ -20,6 +20,10 @@ For each notebook, the grader:
    grading seed, and prints the probe's transcript as JSON;
 4. decides each verdict in its own process: it checks the transcript's exact types, runs the
    reference on the same cases and compares. Nothing the kernel prints, reads or writes is a verdict.
+5. flags, for the instructor to look at, a learner's cell that is the model solution with identifiers
+   renamed (:func:`copied_solutions`) or that imports, subclasses or calls a package module its exercise
+   rebuilds (:func:`delegations`, the modules from the chapter's ``chNN.REBUILDS``). Flags are static
+   analysis, not verdicts and not a security boundary; they leave the verdicts as they are.
 
 A cell past its limit is interrupted; if it does not stop within :data:`KILL_GRACE` s the kernel is
 killed. The check FAILs with "timed out after N s", a dead kernel FAILs the rest of its notebook,
@@ -112,6 +116,8 @@ class Exercise:
     questions: dict[str, tuple[str, str]]  # markdown cell id -> (question title, model answer)
     framing: dict[str, tuple[str, str]] = field(default_factory=dict)  # question cell id -> text around the answer
     solution_shapes: dict[str, str] = field(default_factory=dict)  # renamed AST of a task cell -> its cell id
+    rebuilds: tuple[str, ...] = ()  # the package modules the exercise rebuilds (its chapter's ``REBUILDS``)
+    given: frozenset[str] = frozenset()  # what the solution's own cells import from them (``module.name``)
 
     @property
     def checks(self) -> list[str]:
@@ -244,6 +250,8 @@ def shape(source: str) -> str | None:
 
 def load_exercise(solution_path: Path) -> Exercise:
     """The check cells, free-text questions and task cells of the exercise whose solution is ``solution_path``."""
+    import importlib
+
     nb = _read(solution_path)
     check_cells, previous, questions, framing, shapes, before = [], {}, {}, {}, {}, None
     title = ""
@@ -266,7 +274,9 @@ def load_exercise(solution_path: Path) -> Exercise:
         before = cell.id
     if not check_cells:
         raise GradeError(f"{solution_path}: no code cell calls a chNN.check_* function")
-    return Exercise(solution_path, check_cells, previous, questions, framing, shapes)
+    rebuilds = tuple(getattr(importlib.import_module(f"minipaged.checks.ch{solution_path.name[:2]}"), "REBUILDS", ()))
+    given = frozenset(name for cell in nb.cells if cell.cell_type == "code" for name in _imported(cell.source))
+    return Exercise(solution_path, check_cells, previous, questions, framing, shapes, rebuilds, given)
 
 
 def find_exercise(path: Path, exercises: dict[str, Exercise]) -> Exercise:
@@ -338,6 +348,116 @@ def copied_solutions(nb, exercise: Exercise) -> list[str]:
             twin = exercise.solution_shapes.get(shape(cell.source) or "")
             if twin is not None:
                 flags.append(f"cell {cell.get('id')} is the model solution's cell {twin} with identifiers renamed")
+    return flags
+
+
+def _imported(source: str) -> list[str]:
+    """The dotted names a cell's ``import`` statements bring in (``minipaged.block_manager.OutOfBlocks``)."""
+    try:
+        tree = ast.parse(_code(source))
+    except SyntaxError:
+        return []
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names += [f"{node.module}.{alias.name}" for alias in node.names]
+    return names
+
+
+class _Delegation(ast.NodeVisitor):
+    """What one cell does with the modules an exercise rebuilds: ``{module: [how, ...]}``.
+
+    ``bindings`` maps a name to the dotted name it stands for (``pc`` -> ``minipaged.prefix_cache``) and carries
+    over from cell to cell; ``rebuilds`` are the modules, ``given`` the dotted names the solution itself imports.
+    """
+
+    def __init__(self, bindings: dict[str, str], rebuilds: tuple[str, ...], given: frozenset[str]):
+        self.bindings, self.rebuilds, self.given = bindings, rebuilds, given
+        self.uses: dict[str, list[str]] = {}
+        self._inner: set[int] = set()  # attribute nodes that are part of a longer chain
+
+    def _module(self, dotted: str | None) -> str | None:
+        """The rebuilt module ``dotted`` is (in), unless the solution imports that very name too."""
+        if dotted is None or dotted in self.given:
+            return None
+        return next((m for m in self.rebuilds if dotted == m or dotted.startswith(m + ".")), None)
+
+    def _use(self, dotted: str | None, how: str) -> None:
+        module = self._module(dotted)
+        if module is not None and how not in self.uses.setdefault(module, []):
+            self.uses[module].append(how)
+
+    def _dotted(self, node) -> str | None:
+        if isinstance(node, ast.Name):
+            return self.bindings.get(node.id)
+        if isinstance(node, ast.Attribute):
+            base = self._dotted(node.value)
+            return None if base is None else f"{base}.{node.attr}"
+        return None
+
+    def visit_Import(self, node):
+        for alias in node.names:
+            self._use(alias.name, f"import {alias.name}" + (f" as {alias.asname}" if alias.asname else ""))
+            head = alias.name.partition(".")[0]
+            self.bindings[alias.asname or head] = alias.name if alias.asname else head
+
+    def visit_ImportFrom(self, node):
+        for alias in node.names if not node.level and node.module else []:
+            dotted = f"{node.module}.{alias.name}"
+            self._use(dotted, f"from-import {alias.name}" + (f" as {alias.asname}" if alias.asname else ""))
+            self.bindings[alias.asname or alias.name] = dotted
+
+    def visit_ClassDef(self, node):
+        for base in node.bases:
+            self._inner.add(id(base))  # said as a subclass, not again as an attribute
+            self._use(self._dotted(base), f"subclass of {ast.unparse(base)}")
+        self.generic_visit(node)
+
+    def visit_Call(self, node):
+        target = self._dotted(node.func)
+        self._inner.add(id(node.func))  # said as a call, not again as an attribute
+        literal = node.args[0].value if node.args and isinstance(node.args[0], ast.Constant) else None
+        if target in ("importlib.import_module", "builtins.__import__") and isinstance(literal, str):
+            self._use(literal, f"{target.rpartition('.')[2]}({literal!r})")
+        else:
+            self._use(target, f"call of {ast.unparse(node.func)}")
+        self.generic_visit(node)
+
+    def visit_Attribute(self, node):
+        if isinstance(node.value, ast.Attribute):
+            self._inner.add(id(node.value))
+        if id(node) not in self._inner:
+            self._use(self._dotted(node), f"attribute {ast.unparse(node)}")
+        self.generic_visit(node)
+
+
+def delegations(nb, exercise: Exercise) -> list[str]:
+    """A flag for every learner's code cell that imports, subclasses or calls a module the exercise rebuilds.
+
+    The learner's cells are those :func:`copied_solutions` reads (every code cell but the check cells), in
+    order, so an import in one cell is known in the next. What the solution's own cells import is allowed
+    (chapter 02's ``OutOfBlocks``); a cell that does not parse is skipped. Static analysis: a flag for a
+    person to look at, which a determined learner can evade, never a verdict.
+    """
+    if not exercise.rebuilds:
+        return []
+    check_ids = {c.cell_id for c in exercise.check_cells}
+    bindings = {"minipaged": "minipaged", "importlib": "importlib", "__import__": "builtins.__import__"}
+    flags = []
+    for cell in nb.cells:
+        if cell.cell_type != "code" or cell.get("id") in check_ids:
+            continue
+        try:
+            tree = ast.parse(_code(cell.source))
+        except SyntaxError:
+            continue
+        visitor = _Delegation(bindings, exercise.rebuilds, exercise.given)
+        visitor.visit(tree)
+        if visitor.uses:
+            uses = "; ".join(f"{module} ({', '.join(hows)})" for module, hows in visitor.uses.items())
+            flags.append(f"cell {cell.get('id')} uses {uses}")
     return flags
 
 
@@ -551,7 +671,7 @@ async def grade_notebook(submission: Submission, exercise: Exercise, limits: Lim
     with tempfile.TemporaryDirectory(prefix="minipaged-learner-") as cwd:
         results, run_notes = await execute(nb, exercise, Path(cwd), env, limits, refs)
     return Graded(submission.learner, submission.path, exercise, results, notes + run_notes, _answers(nb, exercise),
-                  copied_solutions(nb, exercise))
+                  copied_solutions(nb, exercise) + delegations(nb, exercise))
 
 
 def _failed(submission: Submission, exercise: Exercise, note: str) -> Graded:

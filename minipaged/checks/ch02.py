@@ -12,6 +12,10 @@ from __future__ import annotations
 
 from minipaged.checks import CheckFailed, check, expect_equal, expect_raised, outcome
 
+# The package modules this exercise rebuilds: the grader flags a learner's cell that imports, subclasses or
+# calls them (a flag for the instructor, not a verdict).
+REBUILDS = ("minipaged.block_manager",)
+
 HINTS = {
     "2.1": [
         "all or nothing: decide whether the whole request fits before touching the pool",

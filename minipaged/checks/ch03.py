@@ -18,6 +18,10 @@ from minipaged.attention import contiguous_attention
 from minipaged.checks import CheckFailed, as_tensor, check, expect_tensor_close
 from minipaged.testing import make_paged_case
 
+# The package modules this exercise rebuilds: the grader flags a learner's cell that imports, subclasses or
+# calls them (a flag for the instructor, not a verdict).
+REBUILDS = ("minipaged.attention", "minipaged.attention_loop")
+
 HINTS = {
     "3.1": [
         "causal masking with an offset: query i of the chunk sits at position start + i of the sequence",

@@ -27,6 +27,10 @@ from minipaged.attention import contiguous_attention
 from minipaged.checks import CheckFailed, as_tensor, check, expect_tensor_close
 from minipaged.testing import make_paged_case
 
+# The package modules this exercise rebuilds: the grader flags a learner's cell that imports, subclasses or
+# calls them (a flag for the instructor, not a verdict).
+REBUILDS = ("minipaged.kernels",)
+
 HINTS = {
     "4.1": [
         "a sliding window of W tokens: the new token at position seq_len - 1 sees positions seq_len - W .. seq_len - 1",

@@ -13,6 +13,10 @@ from __future__ import annotations
 from minipaged.accounting import ceil_div
 from minipaged.checks import CheckFailed, check, expect_equal
 
+# The package modules this exercise rebuilds: the grader flags a learner's cell that imports, subclasses or
+# calls them (a flag for the instructor, not a verdict).
+REBUILDS = ("minipaged.scheduler", "minipaged.request_queue")
+
 HINTS = {
     "5.1": [
         "three limits at once: the tokens left to prefill, the step's token budget, and the slots the pool can "

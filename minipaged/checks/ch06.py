@@ -22,6 +22,10 @@ from __future__ import annotations
 from minipaged.block_manager import BlockAllocator
 from minipaged.checks import CheckFailed, check, expect_equal, expect_raised, outcome, to_tuples
 
+# The package modules this exercise rebuilds: the grader flags a learner's cell that imports, subclasses or
+# calls them (a flag for the instructor, not a verdict).
+REBUILDS = ("minipaged.prefix_cache",)
+
 # Staged hints: the first names the idea (stubs carry it), later ones come closer to code on request,
 # `hint("6.1", 2)`. None of them is the solution.
 HINTS = {

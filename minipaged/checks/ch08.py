@@ -20,6 +20,10 @@ from collections import Counter
 from minipaged.block_manager import BlockAllocator, BlockTable
 from minipaged.checks import CheckFailed, check, expect_equal, expect_raised, outcome
 
+# The package modules this exercise rebuilds: the grader flags a learner's cell that imports, subclasses or
+# calls them (a flag for the instructor, not a verdict).
+REBUILDS = ("minipaged.speculative",)
+
 # Staged hints: the first names the idea (stubs carry it), later ones come closer to code on request,
 # `hint("8.1", 2)`. None of them is the solution.
 HINTS = {
