@@ -94,8 +94,20 @@ def test_the_toy_backend_is_one_file():
     loop = get_backend("loop")
     files = {Path(inspect.getsourcefile(getattr(loop, f))).name for f in ("decode", "prefill")}
     assert files == {"attention_loop.py"}
-    naming = [p.name for p in (ROOT / "minipaged").rglob("*.py") if "attention_loop" in p.read_text()]
-    assert naming == ["attention.py"]  # no other module of the package names it
+    importing = [p.name for p in (ROOT / "minipaged").rglob("*.py") if _file_imports(p, "minipaged.attention_loop")]
+    assert importing == ["attention.py"]  # no other module of the package imports it
+
+
+def _file_imports(path: Path, module: str) -> bool:
+    """Whether the file imports ``module`` anywhere (``import m``, ``from m import x``, ``from package import m``)."""
+    package, _, name = module.rpartition(".")
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import) and any(a.name == module for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and (node.module == module or node.module == package and any(
+                a.name == name for a in node.names)):  # fmt: skip
+            return True
+    return False
 
 
 def test_the_forward_looks_the_backend_up_once(model):
