@@ -183,13 +183,20 @@ def _code(source: str) -> str:
     return "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines())
 
 
+def _tree(source: str) -> ast.Module | None:
+    """A cell's AST (IPython lines skipped), or None if Python cannot parse it."""
+    try:
+        return ast.parse(_code(source))
+    except SyntaxError:
+        return None
+
+
 def check_calls(source: str) -> list[CheckCall]:
     """The ``chNN.check_x(...)`` calls in a cell, resolved to the grader's own :class:`Check` objects."""
     import importlib
 
-    try:
-        tree = ast.parse(_code(source))
-    except SyntaxError:
+    tree = _tree(source)
+    if tree is None:
         return []
     calls = []
     for node in ast.walk(tree):
@@ -241,11 +248,8 @@ class _Renamer(ast.NodeTransformer):
 
 def shape(source: str) -> str | None:
     """The cell's AST with identifiers renamed and docstrings dropped, as text; ``None`` if it does not parse."""
-    try:
-        tree = ast.parse(_code(source))
-    except SyntaxError:
-        return None
-    return ast.dump(_Renamer().visit(tree), annotate_fields=False)
+    tree = _tree(source)
+    return None if tree is None else ast.dump(_Renamer().visit(tree), annotate_fields=False)
 
 
 def load_exercise(solution_path: Path) -> Exercise:
@@ -353,9 +357,8 @@ def copied_solutions(nb, exercise: Exercise) -> list[str]:
 
 def _imported(source: str) -> list[str]:
     """The dotted names a cell's ``import`` statements bring in (``minipaged.block_manager.OutOfBlocks``)."""
-    try:
-        tree = ast.parse(_code(source))
-    except SyntaxError:
+    tree = _tree(source)
+    if tree is None:
         return []
     names = []
     for node in ast.walk(tree):
@@ -449,9 +452,8 @@ def delegations(nb, exercise: Exercise) -> list[str]:
     for cell in nb.cells:
         if cell.cell_type != "code" or cell.get("id") in check_ids:
             continue
-        try:
-            tree = ast.parse(_code(cell.source))
-        except SyntaxError:
+        tree = _tree(cell.source)
+        if tree is None:
             continue
         visitor = _Delegation(bindings, exercise.rebuilds, exercise.given)
         visitor.visit(tree)
