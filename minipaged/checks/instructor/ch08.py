@@ -7,7 +7,6 @@ import random
 from minipaged.checks.instructor import Side
 from minipaged.speculative import NgramSpeculator
 
-
 # Task 8.1: the package's own speculator is the reference; its tokens equal plain decoding's (tests/test_08_checks.py).
 SPEC_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
@@ -24,8 +23,8 @@ def speculator_workload(rng: random.Random, num_requests: int = 5) -> list[dict]
         motif = [rng.randrange(64) for _ in range(rng.randrange(2, 5))]
         body = (motif * 8)[: rng.randrange(6, 13)]
         prompt = (shared if i % 2 else []) + body
-        requests.append({"id": i, "prompt": prompt, "max_tokens": rng.randrange(10, 19), "arrive": arrive,
-                         "abort": None, "n": 1, "ignore_eos": True})
+        requests.append({"id": f"r{i}", "prompt": prompt, "max_tokens": rng.randrange(10, 19), "arrive": arrive,
+                         "abort": None, "n": 1, "cache_salt": None})
         arrive += rng.randrange(1, 4)
     return requests
 
