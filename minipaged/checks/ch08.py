@@ -31,7 +31,7 @@ from minipaged.prefix_cache import PrefixCachingAllocator
 
 # The package modules this exercise rebuilds: the grader flags a learner's cell that imports, subclasses or
 # calls them (a flag for the instructor, not a verdict). Task 8.1's MySpeculator subclasses NgramSpeculator
-# for its proposer and verification, which the exercise gives; the grader flags that import for a look.
+# for its proposer and verification, which the exercise gives: the solution imports it, so that is allowed.
 REBUILDS = ("minipaged.speculative",)
 
 # Staged hints: the first names the idea (stubs carry it), later ones come closer to code on request,
