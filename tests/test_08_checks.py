@@ -9,7 +9,7 @@ max_tokens or for a prefill; a beam step that frees what a later step needs or w
 import pytest
 import torch
 
-from minipaged.checks import FAIL, PASS, TODO, ch08
+from minipaged.checks import FAIL, PASS, TODO, ch08, reference_transcript
 from minipaged.checks.instructor import ch08 as instructor
 from minipaged.checks.instructor.ch08 import beam_step as beam_step_reference
 from minipaged.speculative import NgramSpeculator
@@ -131,67 +131,76 @@ class NotASpeculator:
         raise NotImplementedError("Task 8.1 is not implemented yet.")
 
 
-WRONG_SPECULATORS = {  # class -> (a phrase of its FAIL message, the SPEC_HINTS entry it must print)
-    ForgetsTheBonusToken: ("one too few", "bonus"),
-    CountsTheNewToken: ("one too many", "one_too_many"),
-    RollsBackPastThePrompt: ("rolls back past the", "past_prompt"),
-    FreesTheRejectedBlocks: ("was given back", "freed"),
-    LeavesTheTableLong: ("rejected drafts are still counted", "table"),
-    KeysTheDrafts: ("not verified", "keys"),
-    DraftsPastMaxTokens: ("drafted", "draft_count"),
-    DraftsDuringPrefill: ("prefill chunk", "draft_where"),
-    IgnoresTheBudget: ("budget", "budget"),
+WRONG_SPECULATORS = {  # class -> (the public case it fails on, a phrase of its FAIL message, its SPEC_HINTS entry)
+    ForgetsTheBonusToken: (0, "one too few", "bonus"),
+    CountsTheNewToken: (0, "one too many", "one_too_many"),
+    RollsBackPastThePrompt: (0, "rolls back past the", "past_prompt"),
+    FreesTheRejectedBlocks: (0, "was given back", "freed"),
+    LeavesTheTableLong: (0, "rejected drafts are still counted", "table"),
+    KeysTheDrafts: (1, "not verified", "keys"),  # only with prefix caching on: case 1
+    DraftsPastMaxTokens: (0, "drafted", "draft_count"),
+    DraftsDuringPrefill: (0, "prefill chunk", "draft_where"),
+    IgnoresTheBudget: (0, "budget", "budget"),
 }
 
 
-def test_the_reference_and_a_model_solution_pass(capsys):
-    assert ch08.check_speculator(NgramSpeculator).status == PASS
+@pytest.fixture(scope="module")
+def reference():
+    """The package speculator's transcript of each public case, run once for the whole module."""
+    return [reference_transcript("ch08.speculator", [case]) for case in instructor.SPECULATOR_CASES]
+
+
+def verdict(speculator, index, want):
+    """The check's verdict on public case ``index`` alone (the reference run once, in ``want``)."""
+    cases = [instructor.SPECULATOR_CASES[index]]
+    return ch08.check_speculator.verdict(cases, ch08.check_speculator.transcript(cases, (speculator,)), want[index], 1)
+
+
+def test_a_model_solution_passes_and_the_line_says_what_was_compared(capsys):
     result = ch08.check_speculator(MySpeculator)
     assert result.status == PASS, result
     assert "tokens equal plain decoding" in capsys.readouterr().out
 
 
-def test_the_reference_speculator_gives_plain_decodings_tokens():
-    """What the judge compares with is plain decoding's output: the package's speculative run equals it."""
+def test_the_reference_gives_plain_decodings_tokens_and_the_cases_exercise_every_rule(reference):
+    """The judge compares with plain decoding's output (the package's speculative run equals it), and the public
+    cases hold drafts accepted in full, in part and not at all, and prefix-cache keys only where caching is on."""
     from minipaged.block_manager import BlockAllocator
     from minipaged.checks.engine_run import run_engine
     from minipaged.prefix_cache import PrefixCachingAllocator
 
-    for case in instructor.SPECULATOR_CASES:
+    seen = [want["observations"][0] for want in reference]
+    for case, obs in zip(instructor.SPECULATOR_CASES, seen):
         run = {"config": case["config"], "requests": case["requests"]}
-        allocator = PrefixCachingAllocator if case["prefix_caching"] else BlockAllocator
-        plain = run_engine(run, allocator=allocator)
-        spec = run_engine(run, allocator=allocator, speculator=NgramSpeculator(case["speculative_config"]))
-        assert spec["tokens"] == plain["tokens"]
-
-
-def test_the_public_cases_exercise_every_rule():
-    """Drafts accepted in full, in part and not at all; draft blocks; prefix hits: every mistake can show."""
-    seen = [ch08.check_speculator.probe(case, NgramSpeculator) for case in instructor.SPECULATOR_CASES]
+        plain = run_engine(run, allocator=PrefixCachingAllocator if case["prefix_caching"] else BlockAllocator)
+        assert obs["tokens"] == plain["tokens"]
     verifications = [(len(d), step["accepted"][r]) for obs in seen for step in obs["steps"]
                      for r, d in step["drafts"].items()]
     assert any(j == 0 for _, j in verifications) and any(j == k for k, j in verifications)
     assert any(0 < j < k for k, j in verifications)
-    keys = [k for st in seen[1]["steps"] for s in st["seqs"].values() for k in s["keys"]]
-    assert any(keys) and not any(k for st in seen[0]["steps"] for s in st["seqs"].values() for k in s["keys"])
+    keys = [[k for step in obs["steps"] for s in step["seqs"].values() for k in s["keys"] if k] for obs in seen]
+    assert not keys[0] and keys[1]
 
 
 @pytest.mark.parametrize("wrong", list(WRONG_SPECULATORS), ids=lambda c: c.__name__)
-def test_a_wrong_speculator_fails_naming_the_step_and_the_mistake(wrong, capsys):
-    phrase, hint = WRONG_SPECULATORS[wrong]
-    result = ch08.check_speculator(wrong)
+def test_a_wrong_speculator_fails_naming_the_step_and_the_mistake(wrong, reference):
+    index, phrase, hint = WRONG_SPECULATORS[wrong]
+    result = verdict(wrong, index, reference)
     assert result.status == FAIL, result
     assert "step " in result.message, result.message
     assert phrase in result.message, result.message
     assert result.hint == ch08.SPEC_HINTS[hint], (result.message, result.hint)
-    assert f"hint: {ch08.SPEC_HINTS[hint]}" in capsys.readouterr().out
 
 
-def test_a_speculator_that_raises_fails_with_the_error(capsys):
-    result = ch08.check_speculator(PreemptsForDrafts)
-    assert result.status == FAIL and "OutOfBlocks" in result.message, result
-    assert ch08.check_speculator(NotASpeculator).status == TODO
-    capsys.readouterr()
+def test_the_fail_line_prints_the_hint_for_that_failure(capsys):
+    result = ch08.check_speculator(FreesTheRejectedBlocks)
+    assert f"hint: {ch08.SPEC_HINTS['freed']}" in capsys.readouterr().out and result.status == FAIL
+
+
+def test_a_speculator_that_raises_fails_with_the_error(reference):
+    result = verdict(PreemptsForDrafts, 0, reference)
+    assert result.status == FAIL and "OutOfBlocks" in result.message and "called with" in result.message, result
+    assert verdict(NotASpeculator, 0, reference).status == TODO
 
 
 # -- Task 8.2 ----------------------------------------------------------------------
