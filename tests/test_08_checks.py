@@ -90,6 +90,14 @@ class KeysTheDrafts(MySpeculator):
                                                         seq.block_table.num_tokens, seq.cache_salt)
 
 
+class PutsTheDraftSlotsFirst(MySpeculator):
+    def reserve(self, out, i, seq, drafts):
+        slots = seq.block_table.append_tokens(len(drafts))
+        out.spec_token_ids[seq.seq_id] = drafts
+        out.num_new_tokens[i] += len(drafts)
+        out.slot_mappings[i] = torch.cat([slots, out.slot_mappings[i]])  # the sampled token's slot must come first
+
+
 class DraftsPastMaxTokens(MySpeculator):
     def drafts(self, seq, budget):
         room = seq.sampling_params.max_tokens - seq.num_output_tokens  # forgets the token sampled after them
@@ -138,6 +146,7 @@ WRONG_SPECULATORS = {  # class -> (the public case it fails on, a phrase of its 
     FreesTheRejectedBlocks: (0, "was given back", "freed"),
     LeavesTheTableLong: (0, "rejected drafts are still counted", "table"),
     KeysTheDrafts: (1, "not verified", "keys"),  # only with prefix caching on: case 1
+    PutsTheDraftSlotsFirst: (0, "read K/V that is not the verified tokens'", "tokens"),
     DraftsPastMaxTokens: (0, "drafted", "draft_count"),
     DraftsDuringPrefill: (0, "prefill chunk", "draft_where"),
     IgnoresTheBudget: (0, "budget", "budget"),

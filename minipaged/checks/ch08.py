@@ -80,6 +80,8 @@ SPEC_HINTS = {
              "after the verified ones, into the first rejected slot",
     "freed": "rollback frees nothing: the next step writes its sampled token and new drafts into the rejected "
              "slots, so every block stays in the table",
+    "tokens": "the drafts' K/V must land in the drafts' own slots, after the verified tokens': append them to the "
+              "table first, and add the slots append_tokens returns to the step's slot mapping, in order",
     "running": "a rollback that leaves num_computed_tokens or the table wrong makes the engine lose or stall a "
                "request; compare your counters after each verification with c + 1 + j",
 }
@@ -107,6 +109,7 @@ def _observe(engine, out) -> dict:
             for s in engine.scheduler.running}  # fmt: skip
     return {"step": out.step, "drafts": {str(i): list(d) for i, d in out.drafts.items()},
             "accepted": {str(i): len(a) for i, a in out.accepted.items()},
+            "sampled": {str(i): t for i, t in out.sampled.items()},
             "scheduled": {str(i): n for i, n in out.scheduled.items()}, "seqs": seqs}  # fmt: skip
 
 
@@ -194,6 +197,13 @@ def _compare_step(got: dict, want: dict, prompts: dict, budget: int) -> None:
         raise CheckFailed(f"step {step}, request {rid}: scheduled {got['scheduled'].get(rid, 0)} tokens, expected "
                           f"{want['scheduled'].get(rid, 0)} (the budget left after the drafts differs)",
                           hint=SPEC_HINTS["budget"])  # fmt: skip
+    for rid in sorted(want["sampled"]):
+        g, w = [*got["accepted"].get(rid, 0) * ["?"], got["sampled"].get(rid)], [*want["accepted"].get(rid, 0) * ["?"],
+                                                                                  want["sampled"][rid]]  # fmt: skip
+        if g != w:
+            raise CheckFailed(f"step {step}, request {rid}: verification kept {len(g) - 1} drafts and then token "
+                              f"{g[-1]}, where plain decoding's tokens keep {len(w) - 1} and then {w[-1]}: the forward "
+                              "pass read K/V that is not the verified tokens'", hint=SPEC_HINTS["tokens"])  # fmt: skip
     for rid, w in want["seqs"].items():
         where = f"after step {step}, request {rid}"
         g = got["seqs"].get(rid)
