@@ -86,8 +86,7 @@ SPEC_HINTS = {
                "request; compare your counters after each verification with c + 1 + j",
 }
 
-_FIELDS = (("computed", "num_computed_tokens"), ("table", "the table's num_tokens"), ("blocks", "the table's length"),
-           ("keys", "the blocks' prefix-cache keys"))  # fmt: skip
+_FIELDS = ("computed", "table", "blocks", "keys")  # per running request, compared in this order
 
 
 # ---------------------------------------------------------------------------
@@ -198,18 +197,18 @@ def _compare_step(got: dict, want: dict, prompts: dict, budget: int) -> None:
                           f"{want['scheduled'].get(rid, 0)} (the budget left after the drafts differs)",
                           hint=SPEC_HINTS["budget"])  # fmt: skip
     for rid in sorted(want["sampled"]):
-        g, w = [*got["accepted"].get(rid, 0) * ["?"], got["sampled"].get(rid)], [*want["accepted"].get(rid, 0) * ["?"],
-                                                                                  want["sampled"][rid]]  # fmt: skip
+        g = (got["accepted"].get(rid, 0), got["sampled"].get(rid))
+        w = (want["accepted"].get(rid, 0), want["sampled"][rid])
         if g != w:
-            raise CheckFailed(f"step {step}, request {rid}: verification kept {len(g) - 1} drafts and then token "
-                              f"{g[-1]}, where plain decoding's tokens keep {len(w) - 1} and then {w[-1]}: the forward "
-                              "pass read K/V that is not the verified tokens'", hint=SPEC_HINTS["tokens"])  # fmt: skip
+            raise CheckFailed(f"step {step}, request {rid}: verification kept {g[0]} drafts and then token {g[1]}, "
+                              f"where plain decoding's tokens keep {w[0]} and then {w[1]}: the forward pass read K/V "
+                              "that is not the verified tokens'", hint=SPEC_HINTS["tokens"])  # fmt: skip
     for rid, w in want["seqs"].items():
         where = f"after step {step}, request {rid}"
         g = got["seqs"].get(rid)
         if g is None:
             raise CheckFailed(f"{where} is no longer running; it should be", hint=SPEC_HINTS["running"])
-        for field, _ in _FIELDS:
+        for field in _FIELDS:
             if g[field] != w[field]:
                 raise _diagnose_seq(where, field, g, w, prompts[rid], want["accepted"].get(rid))
     extra = sorted(set(got["seqs"]) - set(want["seqs"]))
@@ -233,7 +232,7 @@ def _judge_speculator(case, got, want):
         first_token_divergence(got["tokens"], want["tokens"])
     except CheckFailed as exc:
         raise CheckFailed(f"{exc} (the package's speculative run gives plain decoding's tokens)",
-                          hint=SPEC_HINTS["table"]) from None
+                          hint=SPEC_HINTS["tokens"]) from None
 
 
 # ---------------------------------------------------------------------------
