@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from minipaged.checks import CheckFailed, check
-from minipaged.checks.engine_run import first_divergence, first_token_divergence, make_engine, one_thread, run_engine
+from minipaged.checks.engine_run import first_divergence, first_token_divergence, make_engine, run_engine
 
 # The package modules the capstone's pieces rebuild: the grader flags a learner's cell that imports, subclasses or
 # calls them (a flag for the instructor, not a verdict).
