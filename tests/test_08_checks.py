@@ -1,9 +1,11 @@
 """The chapter 08 exercise checks pass the reference answers and catch the classic mistakes.
 
-Each wrong implementation below is one mistake; the check must FAIL on it, with a message that names
-the first step and request where it went wrong and the hint for that mistake: a rollback by one too
-few or too many, past the prompt, freeing blocks, leaving the table long; drafts keyed, drafted past
-max_tokens or for a prefill; a beam step that frees what a later step needs or writes before it copies.
+Task 8.1's check runs the engine on a learner's speculator. Each wrong speculator below is one
+mistake, and the check must FAIL on it with a message that names the first step and request where it
+went wrong, and with the hint for that mistake: a rollback by one too few (the bonus token forgotten)
+or one too many, past the prompt, freeing the rejected drafts' blocks, leaving them counted in the
+table; drafts keyed, put before the sampled token's slot, drafted past max_tokens, for a prefill or
+past the budget. Task 8.2's wrong beam steps free what a later step needs or write before they copy.
 """
 
 import pytest
