@@ -68,7 +68,7 @@ H_DELEGATED = ("this exercise rebuilds minipaged.attention and minipaged.attenti
 H_CACHE = "the pool is shared by every sequence: compute on gathered copies (torch.where, masked_fill without _)"
 H_DTYPE = "compute in float32 (float64 for float64 inputs) if you like, but return q.dtype"
 H_NAN = ("a masked position still read a slot no sequence wrote, or a padding entry of the block table: a 0 weight "
-         "does not cancel NaN (0 x NaN = NaN); point masked positions at a slot the sequence wrote, or never gather them")
+         "does not cancel NaN (0 x NaN = NaN); point masked positions at a slot the sequence wrote, or don't gather")
 H_OFFSET = ("query j of a chunk sits at position seq_len - q_len + j, not j: the mask aligned to the chunk's start "
             "(like scaled_dot_product_attention's is_causal=True) hides the cached tokens before it")
 H_NO_CAUSAL = "inside a chunk, query j must not see the chunk's later tokens: mask positions > its own position"
@@ -257,14 +257,16 @@ def _first_wrong_row(case, out):
     paged, tol = paged_case(case), _tolerance(getattr(torch, case["dtype"]))
     starts = paged.query_start_loc.tolist()
     for s, (seq_len, n) in enumerate(zip(case["seq_lens"], case["new_tokens"])):
-        q, k, v, rows = paged.q[starts[s] : starts[s + 1]], paged.keys[s], paged.values[s], out[starts[s] : starts[s + 1]]
+        q, rows = paged.q[starts[s] : starts[s + 1]], out[starts[s] : starts[s + 1]]
+        k, v = paged.keys[s], paged.values[s]
         want = _attend(q, k, v, _scale(case), seq_len - n + torch.arange(n), _by_group)
         wrong = [j for j in range(n) if not torch.allclose(rows[j].double(), want[j], **tol)]
         if not wrong:
             continue
         j = wrong[0]
-        where = (f"sequence {s} (context {seq_len}, {n} new token{'s' if n > 1 else ''} at positions "
-                 f"{seq_len - n}..{seq_len - 1}), query token {j} (position {seq_len - n + j})")
+        chunk = f"{n} new tokens at positions {seq_len - n}..{seq_len - 1}" if n > 1 else \
+            f"1 new token at position {seq_len - 1}"
+        where = f"sequence {s} (context {seq_len}, {chunk}), query token {j} (position {seq_len - n + j})"
         if rows[j].isnan().any():
             raise CheckFailed(f"{where}: the output row holds NaN (unwritten slots hold NaN here)", H_NAN)
         for (scale, query_pos, group_of), message, hint in _mistakes(case, n, seq_len):
@@ -387,8 +389,9 @@ def _judge_engine(case, got, want):
         if bad:
             i = bad[0]
             err = (a[i] - b[i]).abs().nan_to_num(float("inf")).max().item()
+            before = "; the steps before agree" if step else ""
             raise CheckFailed(f"step {step}: the logits of {_describe(mine['scheduled'][i])} differ from the "
-                              f"reference's (max abs error {err:.3g}; the steps before agree)", H_ENGINE)
+                              f"reference's (max abs error {err:.3g}{before})", H_ENGINE)
     if len(got["steps"]) != len(want["steps"]):
         raise CheckFailed(f"the run took {len(got['steps'])} steps, the reference's {len(want['steps'])}", H_ENGINE)
     first_token_divergence(got["tokens"], want["tokens"])

@@ -1,4 +1,4 @@
-"""Exercise 03's reference backend, public cases and hidden cases (the instructor's side of ``minipaged.checks.ch03``)."""
+"""Exercise 03's reference backend, public and hidden cases (the instructor's side of ``minipaged.checks.ch03``)."""
 
 from __future__ import annotations
 
