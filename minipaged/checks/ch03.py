@@ -28,8 +28,7 @@ import sys
 import torch
 from torch.overrides import TorchFunctionMode
 
-from minipaged.checks import CheckFailed, _is_learners, as_tensor, check
-from minipaged.checks.engine_run import CHECK_BACKEND, check_model, first_token_divergence, run_engine
+from minipaged.checks import CheckFailed, _is_learners, as_tensor, check, engine_run
 from minipaged.testing import make_paged_case
 
 # The package modules this exercise rebuilds: the grader flags a learner's cell that imports, subclasses or
@@ -357,9 +356,9 @@ def check_engine(case, backend):
     """``case`` = {"name", "config", "requests"} (:func:`run_engine`'s case): the engine on the learner's backend."""
     backend = _backend(backend)
     logits = []
-    handle = check_model().lm_head.register_forward_hook(lambda module, args, output: logits.append(output))
+    handle = engine_run.check_model().lm_head.register_forward_hook(lambda module, args, output: logits.append(output))
     try:
-        record = run_engine(case, backend=dataclasses.replace(backend, name=CHECK_BACKEND),
+        record = engine_run.run_engine(case, backend=dataclasses.replace(backend, name=engine_run.CHECK_BACKEND),
                             observe=lambda engine, out: _observe(engine, out, logits))
     finally:
         handle.remove()
@@ -394,4 +393,4 @@ def _judge_engine(case, got, want):
                               f"reference's (max abs error {err:.3g}{before})", H_ENGINE)
     if len(got["steps"]) != len(want["steps"]):
         raise CheckFailed(f"the run took {len(got['steps'])} steps, the reference's {len(want['steps'])}", H_ENGINE)
-    first_token_divergence(got["tokens"], want["tokens"])
+    engine_run.first_token_divergence(got["tokens"], want["tokens"])
