@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from minipaged.checks import CheckFailed, check
-from minipaged.checks.engine_run import first_divergence, first_token_divergence, make_engine, run_engine
+from minipaged.checks.engine_run import engine_with, first_divergence, first_token_divergence, run_engine
 
 # The package modules the capstone's pieces rebuild: the grader flags a learner's cell that imports, subclasses or
 # calls them (a flag for the instructor, not a verdict).
@@ -85,12 +85,13 @@ def serve_recorded(name: str, max_tokens: int, allocator, block_table, scheduler
 
     record, model = recorded(name), _model(name)
     config = dict(record["limits"], block_size=32, watermark=0.0, keep_finished=True)
-    engine = make_engine(model, config, backend, allocator=allocator, block_table=block_table, scheduler=scheduler)
     batches: dict[int, list] = {}
     for r in record["requests"]:
         batches.setdefault(r["batch"], []).append(r)
     results = []
-    with torch.no_grad():  # all threads: SmolLM2's matmuls are big enough to share
+    seams = {"allocator": allocator, "block_table": block_table, "scheduler": scheduler}
+    # All threads: SmolLM2's matmuls are big enough to share.
+    with engine_with(model, config, backend, **seams) as engine, torch.no_grad():
         for batch in sorted(batches):
             ids = [engine.add_request(r["prompt_token_ids"], SamplingParams(
                 max_tokens=min(max_tokens, r["max_tokens"]), ignore_eos=r["ignore_eos"])) for r in batches[batch]]
@@ -121,8 +122,8 @@ def _summary(cases, seen) -> str:
         if case["kind"] != "recorded":
             parts.append(f"{len(obs['tokens'])} sequences under preemption as the package's, step for step")
             continue
-        compared = sum(c["compared"] for c in _vllm_comparisons(case, obs))
-        ties = sum(c["near_tie"] is not None for c in _vllm_comparisons(case, obs))
+        compared = sum(c["compared"] for c in vllm_comparisons(case["model"], case["max_tokens"], obs))
+        ties = sum(c["near_tie"] is not None for c in vllm_comparisons(case["model"], case["max_tokens"], obs))
         cached = sum(r["cached"] for r in obs["mine"])
         tie = f", {ties} stopped at a near-tie" if ties else ""
         parts.append(f"{case['model']}: {len(obs['mine'])} requests, {compared} tokens equal to vLLM's{tie}, "
@@ -151,16 +152,26 @@ def check_your_engine(case, allocator, block_table, backend, scheduler):
         with torch.no_grad():
             margins = [teacher_forced_margins(model, r["prompt_token_ids"], m["tokens"]) if m["tokens"] else []
                        for r, m in zip(requests, mine)]
-        return {"mine": mine, "package": package, "margins": margins}
+        return {"model": case["model"], "max_tokens": case["max_tokens"], "mine": mine, "package": package,
+                "margins": margins}
     return run_engine(case["workload"], observe=_schedule, backend=backend, **seams)
 
 
-def _vllm_comparisons(case, obs) -> list[dict]:
+def vllm_comparisons(model: str, max_tokens: int, obs: dict) -> list[dict]:
+    """Each request's tokens against vLLM's record, up to the first near-tie (``near_ties.compare_tokens``).
+
+    One ``{"compared", "near_tie", "first_difference"}`` per request, in the record's order.
+
+    Args:
+        model: the record's model name.
+        max_tokens: the cap the run had on each request's tokens.
+        obs: the probe's observation of the recorded case (``mine`` and ``margins`` are read).
+    """
     from minipaged.near_ties import compare_tokens
 
-    cap, threshold = case["max_tokens"], near_tie_threshold()
+    cap, threshold = max_tokens, near_tie_threshold()
     rows = []
-    for r, m, margins in zip(recorded(case["model"])["requests"], obs["mine"], obs["margins"]):
+    for r, m, margins in zip(recorded(model)["requests"], obs["mine"], obs["margins"]):
         theirs = r.get("vllm_token_ids", r["token_ids"])[:cap]
         c = compare_tokens(theirs, r["margins"][: len(theirs)], m["tokens"], [float(x) for x in margins], threshold)
         rows.append({"compared": c.compared, "near_tie": c.near_tie, "first_difference": c.first_difference})
@@ -192,7 +203,7 @@ def _judge(case, got, want):
         if m["cached"] != r["vllm_cached_tokens"]:
             raise CheckFailed(f"{where}: your prefix cache covered {m['cached']} of its prompt's tokens, vLLM's "
                               f"covered {r['vllm_cached_tokens']}", HINTS["9.1"][2])
-    for i, c in enumerate(_vllm_comparisons(case, got)):
+    for i, c in enumerate(vllm_comparisons(case["model"], case["max_tokens"], got)):
         if c["first_difference"] is not None:
             raise CheckFailed(f"request {i}: token {c['first_difference']} differs from vLLM's recorded one, before "
                               "any near-tie", HINTS["9.1"][1])
