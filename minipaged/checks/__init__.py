@@ -462,8 +462,14 @@ def expected(name: str) -> tuple[list, dict]:
         if entry is None:
             raise RuntimeError(f"{name}: neither minipaged.checks.instructor nor {EXPECTED.name} knows its cases")
         return entry["cases"], entry["want"]
-    cases = side.public()
-    return cases, reference_transcript(name, cases)
+    return json.loads(_instructor_expected(name))  # a fresh copy: a probe may change the cases it is given
+
+
+@cache
+def _instructor_expected(name: str) -> str:
+    """``[cases, reference transcript]`` of check ``name`` as JSON, computed once per process."""
+    cases = instructor_side(name).public()
+    return json.dumps([cases, reference_transcript(name, cases)])
 
 
 def reference_transcript(name: str, cases: list) -> dict:
