@@ -279,7 +279,9 @@ def load_exercise(solution_path: Path) -> Exercise:
     if not check_cells:
         raise GradeError(f"{solution_path}: no code cell calls a chNN.check_* function")
     rebuilds = tuple(getattr(importlib.import_module(f"minipaged.checks.ch{solution_path.name[:2]}"), "REBUILDS", ()))
-    given = frozenset(name for cell in nb.cells if cell.cell_type == "code" for name in _imported(cell.source))
+    # What the learner's version has too: a reveal (solution-only) may import the package's own pieces to show them.
+    given = frozenset(name for cell in nb.cells if cell.cell_type == "code"
+                      and "solution-only" not in cell.metadata.get("tags", ()) for name in _imported(cell.source))
     return Exercise(solution_path, check_cells, previous, questions, framing, shapes, rebuilds, given)
 
 
@@ -450,7 +452,8 @@ def delegations(nb, exercise: Exercise) -> list[str]:
     bindings = {"minipaged": "minipaged", "importlib": "importlib", "__import__": "builtins.__import__"}
     flags = []
     for cell in nb.cells:
-        if cell.cell_type != "code" or cell.get("id") in check_ids:
+        # A solution's reveal (tagged solution-only, never in a handout) shows the package's version on purpose.
+        if cell.cell_type != "code" or cell.get("id") in check_ids or "solution-only" in cell.metadata.get("tags", ()):
             continue
         tree = _tree(cell.source)
         if tree is None:
