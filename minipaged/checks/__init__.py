@@ -64,6 +64,10 @@ _ICONS = {PASS: "✅", FAIL: "❌", TODO: "⏳"}
 class CheckFailed(AssertionError):
     """A learner's answer disagrees with the reference."""
 
+    def __init__(self, message: str = "", hint: str = ""):
+        super().__init__(message)
+        self.hint = hint
+
 
 class NotPlainData(TypeError):
     """A probe observed a value that is not plain data (an ``int`` subclass, a NumPy array, an object)."""
@@ -317,8 +321,8 @@ class Check:
             except CheckFailed as exc:
                 if hidden:
                     return CheckResult(self.name, FAIL, f"{label}: a wrong answer (a hidden case's expected value "
-                                       "is not shown; test your code on cases like it)", self.hint)
-                return CheckResult(self.name, FAIL, f"{label}: {exc}", self.hint)
+                                       "is not shown; test your code on cases like it)", exc.hint or self.hint)
+                return CheckResult(self.name, FAIL, f"{label}: {exc}", exc.hint or self.hint)
         extra = f", {len(cases) - public} hidden" if len(cases) > public else ""
         if callable(self.summary):
             return CheckResult(self.name, PASS, self.summary(cases[:public], observed[:public]) + extra)
