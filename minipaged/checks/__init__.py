@@ -74,10 +74,6 @@ class CheckFailed(AssertionError):
         super().__init__(message)
         self.hint = hint
 
-    def __init__(self, message: str = "", hint: str = ""):
-        super().__init__(message)
-        self.hint = hint
-
 
 class NotPlainData(TypeError):
     """A probe observed a value that is not plain data (an ``int`` subclass, a NumPy array, an object)."""
