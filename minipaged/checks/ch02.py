@@ -21,7 +21,7 @@ from __future__ import annotations
 import sys
 from collections import Counter, deque
 
-from minipaged.checks import CheckFailed, _is_learners, check, outcome, plain
+from minipaged.checks import CheckFailed, _is_learners, _where, check, outcome, plain
 from minipaged.checks.engine_run import first_divergence, first_token_divergence, run_engine
 
 # The package modules this exercise rebuilds: the grader flags a learner's cell that imports, subclasses or
@@ -188,15 +188,17 @@ def _all_or_nothing_hint(kind: str) -> str:
 
 def _state_failure(where: str, got: dict, want: dict, before: dict) -> CheckFailed:
     """Name the first block whose refcount or place in the free queue differs after a call."""
+    for block in got["free"]:
+        if 0 <= block < len(got["refcounts"]) and want["refcounts"][block] > 0:
+            return CheckFailed(f"{where} put block {block} back in free_block_ids, but it still has "
+                               f"{want['refcounts'][block]} holder(s) (refcount {before['refcounts'][block]} before)",
+                               "free drops ONE reference; the block goes back to the pool only when its refcount "
+                               "reaches 0")  # fmt: skip
     for block, (g, w) in enumerate(zip(got["refcounts"], want["refcounts"])):
         if g != w:
             was = before["refcounts"][block]
-            hint = HINTS["2.1"][1]
-            if w > 0 and block in got["free"]:
-                hint = "free drops ONE reference; the block goes back to the pool only when its refcount reaches 0"
-                return CheckFailed(f"{where} put block {block} back in free_block_ids with refcount {g}, but it still "
-                                   f"has {w} holder(s) (refcount {was} before)", hint)  # fmt: skip
-            return CheckFailed(f"{where} left block {block} with refcount {g}, expected {w} (it was {was})", hint)
+            return CheckFailed(f"{where} left block {block} with refcount {g}, expected {w} (it was {was})",
+                               HINTS["2.1"][1])
     hint = "a block whose refcount reaches 0 joins the RIGHT end of free_block_ids (_put_free_block), once"
     return CheckFailed(f"{where} left free_block_ids {got['free']}, expected {want['free']}", hint)
 
@@ -317,10 +319,11 @@ def _count_ops(cls, num_blocks: int, block_size: int) -> list[int]:
     measure(alloc.free, a, "c")
     measure(alloc.free, a, "a")
     measure(alloc.free_sequence, many, "b")
-    rest = alloc.allocate_many(num_blocks - 3, "d")  # not measured: the pool is nearly full from here
-    measure(alloc.free, rest[len(rest) // 2], "d")
+    alloc.allocate_many(num_blocks, "d")  # not measured: the pool is full, then its last 3 blocks are free
+    alloc.free_sequence([num_blocks - 3, num_blocks - 2, num_blocks - 1], "d")
+    measure(alloc.free, num_blocks // 2, "d")
     measure(alloc.allocate, "e")
-    measure(alloc.free_sequence, rest[:2], "d")
+    measure(alloc.free_sequence, [0, 1], "d")
     measure(alloc.allocate_many, 2, "f")
     measure(lambda: alloc.num_free)
     return counts
@@ -380,37 +383,51 @@ def _engine_label(case) -> str:
        summary=lambda cases, seen: f"{len(cases)} runs of the engine on your allocator and table: every step's "
                                    "blocks, slots, free queue and refcounts, and every token, as the package's")
 def check_engine(case, allocator, block_table):
-    """``case``: a :func:`~minipaged.checks.engine_run.run_engine` case; the learner's allocator and table classes."""
+    """``case``: a :func:`~minipaged.checks.engine_run.run_engine` case; the learner's allocator and table classes.
+
+    A run that raises keeps the steps before it, and the appends of the step that raised, for the judge.
+    """
     missing = _allocator_missing(allocator) + [f"{n} (on the table)" for n in _missing(block_table, TABLE_METHODS)]
     if missing:
         return {"missing": missing}
-    log = []
-    recorded = _recorded(block_table, log)
+    log, steps = [], []
 
     def observe(engine, out):
         alloc = engine.cache.allocator
         tables = [[str(s.seq_id), list(s.block_table.blocks), s.block_table.num_tokens]
                   for s in engine.scheduler.running]  # fmt: skip
-        step = {"appends": list(log), "tables": tables, **_state(alloc),
-                "preempted": [str(s) for s in out.preempted]}  # fmt: skip
+        steps.append(plain({"appends": list(log), "tables": tables, **_state(alloc),
+                            "preempted": [str(s) for s in out.preempted]}))  # fmt: skip
         log.clear()
-        return plain(step)
+        return None
 
-    return dict(run_engine(case, observe=observe, allocator=allocator, block_table=recorded), missing=[])
+    try:
+        run = run_engine(case, observe=observe, allocator=allocator, block_table=_recorded(block_table, log))
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # the step that raised: what it appended so far, and where the learner's code raised
+        return {"missing": [], "steps": steps, "error": f"{type(exc).__name__}: {exc}{_where(exc)}",
+                "appends": plain(log)}  # fmt: skip
+    return {"missing": [], "steps": steps, "error": None, "tokens": run["tokens"], "finished": run["finished"]}
 
 
 def _recorded(block_table: type, log: list) -> type:
-    """The learner's table class with each ``append_tokens`` call recorded: sequence, start, count, slots, blocks."""
+    """The learner's table class with each ``append_tokens`` recorded.
+
+    An entry: ``[seq_id, tokens before, n, blocks before, num_new_blocks(n), slots, their dtype, blocks after]``
+    (the last three None while the call has not returned).
+    """
     import torch
 
     def append_tokens(self, num_tokens):
-        start = self.num_tokens
+        entry = [str(self.seq_id), self.num_tokens, num_tokens, len(self.blocks), self.num_new_blocks(num_tokens),
+                 None, None, None]  # fmt: skip
+        log.append(entry)
         slots = block_table.append_tokens(self, num_tokens)
         if not isinstance(slots, torch.Tensor):
             raise TypeError(f"{block_table.__name__}.append_tokens({num_tokens}) returned a {type(slots).__name__}; "
                             "return the new tokens' slots as a torch.Tensor of int64")  # fmt: skip
-        log.append([str(self.seq_id), start, num_tokens, [int(s) for s in slots.tolist()], str(slots.dtype),
-                    list(self.blocks)])  # fmt: skip
+        entry[5:] = [[int(s) for s in slots.tolist()], str(slots.dtype), list(self.blocks)]
         return slots
 
     return type(block_table.__name__, (block_table,), {"append_tokens": append_tokens})
@@ -420,7 +437,15 @@ def _recorded(block_table: type, log: list) -> type:
 def _judge_engine(case, got, want):
     if got["missing"]:
         raise _missing_failure(got["missing"], "allocator or table")
-    first_divergence(got["steps"], want["steps"], _describe_step(case["config"]["block_size"]))
+    B, steps = case["config"]["block_size"], got["steps"]
+    if got["error"] is not None:
+        first_divergence(steps, want["steps"][: len(steps)], _describe_step(B))
+        for append in got["appends"]:
+            problem = _append_problem(append, B)
+            if problem:
+                raise CheckFailed(f"step {len(steps)}: {problem[0]}", problem[1])
+        raise CheckFailed(f"step {len(steps)}: your code raised {got['error']}", HINTS["2.2"][1])
+    first_divergence(steps, want["steps"], _describe_step(B))
     try:
         first_token_divergence(got["tokens"], want["tokens"])
     except CheckFailed as exc:
@@ -435,24 +460,29 @@ def _describe_step(block_size: int):
             problem = _append_problem(append, block_size)
             if problem:
                 return problem
-        problem = _holders_problem(g)
-        if problem:
-            return problem
-        return _reference_difference(g, w)
+        return _holders_problem(g) or _reference_difference(g, w)
 
     return describe
 
 
 def _append_problem(append, B: int) -> tuple[str, str] | None:
-    seq, start, n, slots, dtype, blocks = append
+    """What is wrong with one recorded ``append_tokens`` call (None: nothing)."""
+    seq, start, n, held, said, slots, dtype, blocks = append
     call = f"sequence {seq}'s append_tokens({n}) (tokens {start} .. {start + n - 1})"
     need = -(-(start + n) // B)
+    boundary = ("a table needs ceil(num_tokens / block_size) blocks: a new one exactly when a token lands past the "
+                "last block (num_new_blocks: ceil((num_tokens + n) / B) - len(blocks))")  # fmt: skip
+    if said != max(0, need - held):
+        early = "early" if said > max(0, need - held) else "late"
+        return (f"with {start} tokens in {held} blocks of {B}, num_new_blocks({n}) said {said}, expected "
+                f"{max(0, need - held)}: {start + n} tokens need {need} block(s), so it asks for a new block too "
+                f"{early}", boundary)
+    if slots is None:
+        return None
     if len(blocks) != need:
         late = len(blocks) < need
         return (f"after {call} its table holds {len(blocks)} blocks for {start + n} tokens; blocks of {B} need {need}, "
-                f"so a new block came one token too {'late' if late else 'early'}",
-                "a table needs ceil(num_tokens / block_size) blocks: a new one exactly when a token lands past the "
-                "last block (num_new_blocks: ceil((num_tokens + n) / B) - len(blocks))")  # fmt: skip
+                f"so a new block came one token too {'late' if late else 'early'}", boundary)
     right = [blocks[p // B] * B + p % B for p in range(start, start + n)]
     if dtype != "torch.int64":
         return (f"{call} returned {dtype.removeprefix('torch.')} slots; the cache write and the attention metadata "
@@ -462,10 +492,9 @@ def _append_problem(append, B: int) -> tuple[str, str] | None:
         if i >= len(right) or i >= len(slots):
             return (f"{call} returned {len(slots)} slots, expected {n}", HINTS["2.2"][2])
         p = start + i
-        past = i > 0 and slots[i] == slots[i - 1] + 1 and (p % B) == 0
         message = (f"{call} gave position {p} slot {slots[i]}, expected {right[i]} = block {blocks[p // B]} * {B} + "
                    f"{p % B} (blocks {blocks})")
-        if past:
+        if i > 0 and slots[i] == slots[i - 1] + 1 and p % B == 0:
             return (message + f": the slots run on past the end of block {blocks[(p - 1) // B]}",
                     "slots are contiguous only inside a block: position p is in logical block p // B, which the "
                     "table maps to any physical block")  # fmt: skip
@@ -502,12 +531,12 @@ def _reference_difference(g, w) -> tuple[str, str]:
         return (f"the scheduler preempted {g['preempted'] or 'nobody'}, expected {w['preempted'] or 'nobody'}: "
                 "your num_new_blocks or num_free told it a different number of blocks",
                 "num_new_blocks(n) counts only the blocks appending n tokens adds; num_free is len(free_block_ids)")
-    for seq in right:
-        if mine.get(seq) != right[seq]:
-            got = mine.get(seq, "no table")
-            return (f"sequence {seq}'s table is {got} (blocks, tokens), expected {right[seq]}", HINTS["2.2"][1])
     if g["free"] != w["free"]:
         return (f"free_block_ids is {g['free']}, expected {w['free']}",
                 "allocate takes from the left, a freed block joins on the right, and free_sequence frees in table "
                 "order (logical block 0 first)")  # fmt: skip
+    for seq in right:
+        if mine.get(seq) != right[seq]:
+            got = mine.get(seq, "no table")
+            return (f"sequence {seq}'s table is {got} (blocks, tokens), expected {right[seq]}", HINTS["2.2"][1])
     return (f"the step's record differs: got {g}, expected {w}", HINTS["2.2"][0])

@@ -88,16 +88,16 @@ def _engine_case(seed: int, block_size: int) -> dict:
     """A pool too small for its workload (preemptions) with aborts, drawn from ``seed``."""
     rng = random.Random(seed)
     requests = seeded_requests(rng, 7, (2, 13), (3, 12), arrive_within=5, abort_prob=0.3)
-    num_blocks = max(-(-(len(r["prompt"]) + r["max_tokens"]) // block_size) for r in requests) + 2
+    num_blocks = max(-(-(len(r["prompt"]) + r["max_tokens"]) // block_size) for r in requests) + 1
     return {"config": {"num_blocks": num_blocks, "block_size": block_size, "max_num_seqs": 4,
                        "max_num_batched_tokens": 16, "watermark": 0.0}, "requests": requests}  # fmt: skip
 
 
-ENGINE_CASES = [_engine_case(3, 4), _engine_case(4, 3)]
+ENGINE_CASES = [_engine_case(3, 4), _engine_case(7, 3)]  # 6 and 4 preemptions; 1 and 2 aborts
 
 
 def _hidden_engine(rng: random.Random) -> list[dict]:
-    return [_engine_case(rng.randrange(10**6), rng.choice([2, 3, 4])) for _ in range(2)]
+    return [_engine_case(rng.randrange(10**6), rng.choice([2, 3, 4])) for _ in range(3)]
 
 
 SIDES = {
