@@ -1,4 +1,4 @@
-"""Exercise 02's checks by mutation: the model solution PASSes, every classic mistake FAILs with its own message and hint.
+"""Exercise 02's checks by mutation: the model solution PASSes, each classic mistake FAILs with its message and hint.
 
 The model solution (``MyAllocator``, ``MyBlockTable``) is the solution notebook's; each wrong one
 below changes one thing in it. The engine check's reference transcript is computed once per case
@@ -261,9 +261,10 @@ def test_a_wrong_allocator_is_named_at_its_first_wrong_call(mutant):
 
 
 CONSTANT_TIME_MUTANTS = {
-    SearchesTheFreeQueue: ("incref(block) took 38 operations on a pool of 32 blocks but 1030", "never search free_block_ids"),
+    SearchesTheFreeQueue: ("incref(block) took 38 operations on a pool of 32 blocks but 1030",
+                           "never search free_block_ids"),
     ListPopFront: ("allocate() on a nearly empty pool took", "pop(0) a list"),
-    CountsZeroRefcounts: ("allocate() on a nearly empty pool took", "popleft() on a deque"),
+    CountsZeroRefcounts: ("allocate() on a nearly empty pool took", "num_free = len(free_block_ids)"),
     ScansForAFreeBlock: ("allocate() on a nearly full pool took", "never search the refcounts"),
 }
 

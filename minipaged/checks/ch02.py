@@ -357,7 +357,8 @@ def _judge_constant_time(case, got, want):
     for call, few, many in zip(CONSTANT_TIME_CALLS, *got["counts"]):
         if many > GROWTH_ALLOWED * few + 8:
             hint = ("num_free is len(free_block_ids), not a count over the refcounts" if call == "num_free" else
-                    "take the next free block with popleft() on a deque; never search the refcounts or pop(0) a list"
+                    "take the next free block with popleft() on a deque and keep num_free = len(free_block_ids): never "
+                    "search or count the refcounts, never pop(0) a list"
                     if "allocate" in call else
                     "tell a free block by its refcount (one index); never search free_block_ids for it")
             raise CheckFailed(f"{call} took {few} operations on a pool of {small} blocks but {many} on a pool of "
