@@ -5,6 +5,7 @@ below changes one thing in it. The engine check's reference transcript is comput
 here (``verdict`` on a cached ``want``), so each wrong piece costs one engine run.
 """
 
+import json
 from collections import Counter, deque
 from functools import cache
 
@@ -263,9 +264,9 @@ def test_a_wrong_allocator_is_named_at_its_first_wrong_call(mutant):
 CONSTANT_TIME_MUTANTS = {
     SearchesTheFreeQueue: ("incref(block) took 38 operations on a pool of 32 blocks but 1030",
                            "never search free_block_ids"),
-    ListPopFront: ("allocate() on a nearly empty pool took", "pop(0) a list"),
+    ListPopFront: ("allocate() on a nearly empty pool took", "never pop(0) a list"),
     CountsZeroRefcounts: ("allocate() on a nearly empty pool took", "num_free = len(free_block_ids)"),
-    ScansForAFreeBlock: ("allocate() on a nearly full pool took", "never search the refcounts"),
+    ScansForAFreeBlock: ("allocate() on a nearly full pool took", "never search or count the refcounts"),
 }
 
 
@@ -350,3 +351,14 @@ def test_hidden_cases_pass_on_the_model_solution():
         assert check.verdict(cases, check.transcript(cases, answers), want, 0).status == PASS
         assert check.verdict(cases, check.transcript(cases, (NewestFirst, MyBlockTable)[: len(answers)]), want,
                              0).status == FAIL  # fmt: skip
+
+
+def test_a_block_still_held_after_the_run_is_a_leak():
+    """An abort after the last step is seen only in the pool after the run: the judge reads it there."""
+    cases, want = _want("ch02.engine")
+    got = json.loads(json.dumps(want))
+    final = got["observations"][0]["final"]
+    final["refcounts"][2], final["free"] = 1, [b for b in final["free"] if b != 2]
+    result = ch02.check_engine.verdict(cases, got, want, len(cases))
+    assert result.status == FAIL and "after the run" in result.message and "blocks [2] are still held" in result.message
+    assert "release() must hand every block" in result.hint

@@ -21,6 +21,7 @@ from __future__ import annotations
 import sys
 from collections import Counter, deque
 
+from minipaged.accounting import blocks_needed
 from minipaged.checks import CheckFailed, _is_learners, _where, check, outcome, plain
 from minipaged.checks.engine_run import first_divergence, first_token_divergence, run_engine
 
@@ -391,10 +392,11 @@ def check_engine(case, allocator, block_table):
     missing = _allocator_missing(allocator) + [f"{n} (on the table)" for n in _missing(block_table, TABLE_METHODS)]
     if missing:
         return {"missing": missing}
-    log, steps = [], []
+    log, steps, pools = [], [], []
 
     def observe(engine, out):
         alloc = engine.cache.allocator
+        pools[:] = [alloc]
         tables = [[str(s.seq_id), list(s.block_table.blocks), s.block_table.num_tokens]
                   for s in engine.scheduler.running]  # fmt: skip
         steps.append(plain({"appends": list(log), "tables": tables, **_state(alloc),
@@ -409,7 +411,9 @@ def check_engine(case, allocator, block_table):
     except Exception as exc:  # the step that raised: what it appended so far, and where the learner's code raised
         return {"missing": [], "steps": steps, "error": f"{type(exc).__name__}: {exc}{_where(exc)}",
                 "appends": plain(log)}  # fmt: skip
-    return {"missing": [], "steps": steps, "error": None, "tokens": run["tokens"], "finished": run["finished"]}
+    final = _state(pools[0]) if pools else None  # after the run: an abort after the last step included
+    return {"missing": [], "steps": steps, "error": None, "tokens": run["tokens"], "finished": run["finished"],
+            "final": final}  # fmt: skip
 
 
 def _recorded(block_table: type, log: list) -> type:
@@ -453,6 +457,12 @@ def _judge_engine(case, got, want):
         raise CheckFailed(f"every step's bookkeeping agrees, but {exc}", HINTS["2.2"][2]) from None
     if not got["finished"]:
         raise CheckFailed("the run did not finish", HINTS["2.2"][0])
+    final = got["final"]
+    leaked = [b for b, count in enumerate(final["refcounts"]) if count] if final else []
+    if leaked or (final and sorted(final["free"]) != list(range(len(final["refcounts"])))):
+        raise CheckFailed(f"after the run, with every request finished or aborted, blocks {leaked} are still held "
+                          f"and free_block_ids is {final['free']}: they leaked",
+                          "release() must hand every block of the table to free_sequence")  # fmt: skip
 
 
 def _describe_step(block_size: int):
@@ -470,7 +480,7 @@ def _append_problem(append, B: int) -> tuple[str, str] | None:
     """What is wrong with one recorded ``append_tokens`` call (None: nothing)."""
     seq, start, n, held, said, slots, dtype, blocks = append
     call = f"sequence {seq}'s append_tokens({n}) (tokens {start} .. {start + n - 1})"
-    need = -(-(start + n) // B)
+    need = blocks_needed(start + n, B)
     boundary = ("a table needs ceil(num_tokens / block_size) blocks: a new one exactly when a token lands past the "
                 "last block (num_new_blocks: ceil((num_tokens + n) / B) - len(blocks))")  # fmt: skip
     if said != max(0, need - held):

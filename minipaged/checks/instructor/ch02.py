@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import random
 
+from minipaged.accounting import blocks_needed
 from minipaged.block_manager import BlockAllocator, BlockTable
+from minipaged.checks.ch02 import run_script
 from minipaged.checks.engine_run import seeded_requests
 from minipaged.checks.instructor import Side
 
@@ -74,8 +76,6 @@ def _hidden_allocator(rng: random.Random) -> list[dict]:
 
 def _held_after(num_blocks: int, ops: list) -> list[int]:
     """The references the reference allocator holds after ``ops`` (one entry per reference)."""
-    from minipaged.checks.ch02 import run_script
-
     alloc = BlockAllocator(num_blocks, 4)
     run_script(alloc, ops)
     return [b for b in range(num_blocks) for _ in range(alloc.refcount(b))]
@@ -88,7 +88,7 @@ def _engine_case(seed: int, block_size: int) -> dict:
     """A pool too small for its workload (preemptions) with aborts, drawn from ``seed``."""
     rng = random.Random(seed)
     requests = seeded_requests(rng, 7, (2, 13), (3, 12), arrive_within=5, abort_prob=0.3)
-    num_blocks = max(-(-(len(r["prompt"]) + r["max_tokens"]) // block_size) for r in requests) + 1
+    num_blocks = max(blocks_needed(len(r["prompt"]) + r["max_tokens"], block_size) for r in requests) + 1
     return {"config": {"num_blocks": num_blocks, "block_size": block_size, "max_num_seqs": 4,
                        "max_num_batched_tokens": 16, "watermark": 0.0}, "requests": requests}  # fmt: skip
 
