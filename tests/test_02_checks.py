@@ -140,6 +140,15 @@ class SharedNotDecremented(MyAllocator):  # freeing a shared block forgets to dr
         super().free(block_id, seq_id)
 
 
+class BypassesTheHooks(MyAllocator):  # right on its own, wrong under chapter 06's subclass: asks the deque itself
+    def allocate(self, seq_id=None):
+        if not self.free_block_ids:
+            raise OutOfBlocks("no free block")
+        block_id = self.free_block_ids.popleft()
+        self._refcounts[block_id] = 1
+        return block_id
+
+
 class NewestFirst(MyAllocator):  # takes free blocks from the right: the block freed last comes back first
     def _take_free_block(self, seq_id):
         return self.free_block_ids.pop()
@@ -162,10 +171,10 @@ class ListPopFront(MyAllocator):  # the free queue is a list: pop(0) moves every
         return self.free_block_ids.pop(0)
 
 
-class CountsZeroRefcounts(MyAllocator):  # num_free counts the free blocks every time it is asked
+class CountsTheFreeBlocks(MyAllocator):  # num_free walks the free queue every time it is asked
     @property
     def num_free(self):
-        return self._refcounts.count(0)
+        return sum(1 for _ in self.free_block_ids)
 
 
 class ScansForAFreeBlock(MyAllocator):  # looks for a block whose refcount is 0, block by block
@@ -249,6 +258,8 @@ ALLOCATOR_MUTANTS = {
                        "free drops ONE reference"),
     SharedNotDecremented: ("call 14, free(1), left block 1 with refcount 2, expected 1", "only when its refcount"),
     NewestFirst: ("call 1, allocate('A'), returned 5, expected 0", "LEFT of free_block_ids (popleft)"),
+    BypassesTheHooks: ("(chapter 06's shape): call 19, allocate_many(4), raised OutOfBlocks",
+                       "ask self.num_free (never len(free_block_ids))"),
 }
 
 
@@ -265,7 +276,7 @@ CONSTANT_TIME_MUTANTS = {
     SearchesTheFreeQueue: ("incref(block) took 38 operations on a pool of 32 blocks but 1030",
                            "never search free_block_ids"),
     ListPopFront: ("allocate() on a nearly empty pool took", "never pop(0) a list"),
-    CountsZeroRefcounts: ("allocate() on a nearly empty pool took", "num_free = len(free_block_ids)"),
+    CountsTheFreeBlocks: ("allocate() on a nearly empty pool took", "num_free = len(free_block_ids)"),
     ScansForAFreeBlock: ("allocate() on a nearly full pool took", "never search or count the refcounts"),
 }
 

@@ -39,7 +39,9 @@ ALLOCATOR_SCRIPT = [
     ["allocate", "D"],  # none left: OutOfBlocks
     ["refcount", 6],  # outside the pool: IndexError
 ]
-ALLOCATOR_CASES = [{"num_blocks": 6, "block_size": 4, "ops": ALLOCATOR_SCRIPT}]
+# The same script again under ch02.with_side_queue: chapter 06's prefix cache subclasses the allocator this way.
+ALLOCATOR_CASES = [{"num_blocks": 6, "block_size": 4, "ops": ALLOCATOR_SCRIPT},
+                   {"num_blocks": 6, "block_size": 4, "ops": ALLOCATOR_SCRIPT, "side_queue": True}]
 
 
 def _hidden_allocator(rng: random.Random) -> list[dict]:
@@ -70,7 +72,8 @@ def _hidden_allocator(rng: random.Random) -> list[dict]:
             else:
                 ops.append(["refcount", rng.randrange(-1, n + 1)])
             held = _held_after(n, ops)
-        cases.append({"num_blocks": n, "block_size": rng.choice([2, 4]), "ops": ops + [["num_free"]]})
+        cases.append({"num_blocks": n, "block_size": rng.choice([2, 4]), "ops": ops + [["num_free"]],
+                      "side_queue": rng.random() < 0.5})  # fmt: skip
     return cases
 
 
