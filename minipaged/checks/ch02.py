@@ -2,7 +2,9 @@
 
 - ``ch02.allocator`` drives the allocator through a script of calls (legal ones, and the classic
   wrong ones: a double free, an id outside the pool, a list with a bad id at its end) and records
-  each call's outcome and the pool after it (``free_block_ids`` and the refcounts);
+  each call's outcome and the pool after it (``free_block_ids`` and the refcounts), once on the
+  learner's class and once on the subclass :func:`with_side_queue` makes of it, shaped like chapter
+  06's prefix cache (which must work on top of the learner's allocator in the capstone);
 - ``ch02.constant_time`` counts the operations of allocate and free on two pool sizes: list and
   deque element touches plus the lines the learner's code runs. O(1) means the count does not grow
   with the pool;
@@ -22,7 +24,8 @@ import sys
 from collections import Counter, deque
 
 from minipaged.accounting import blocks_needed
-from minipaged.checks import CheckFailed, _is_learners, _where, check, outcome, plain
+from minipaged.block_manager import AllocatorBase
+from minipaged.checks import CheckFailed, _is_learners, _where, check, outcome, plain, same
 from minipaged.checks.engine_run import first_divergence, first_token_divergence, run_engine
 
 # The package modules this exercise rebuilds: the grader flags a learner's cell that imports, subclasses or
@@ -77,8 +80,6 @@ def _missing(cls, names) -> list[str]:
 
 
 def _allocator_missing(cls) -> list[str]:
-    from minipaged.block_manager import AllocatorBase
-
     base = [] if isinstance(cls, type) and issubclass(cls, AllocatorBase) else ["AllocatorBase as its base class"]
     return base + _missing(cls, ALLOCATOR_METHODS)
 
@@ -141,8 +142,9 @@ def _allocator_label(case) -> str:
 
 
 @check("ch02.allocator", hint=HINTS["2.1"][0], label=_allocator_label,
-       summary=lambda cases, seen: f"{sum(len(c['ops']) for c in cases)} calls: pool order, shared blocks, "
-                                   "all or nothing, errors before any change")
+       summary=lambda cases, seen: f"{sum(len(c['ops']) for c in cases)} calls, on your class and on a subclass "
+                                   "shaped like chapter 06's: pool order, shared blocks, all or nothing, errors "
+                                   "before any change")
 def check_allocator(case, cls):
     """``case`` = {"num_blocks", "block_size", "ops", "side_queue"}: ``cls(num_blocks, block_size)``, then ``ops``.
 
@@ -168,7 +170,7 @@ def _missing_failure(missing: list[str], what: str) -> CheckFailed:
 def _judge_allocator(case, got, want):
     if got["missing"]:
         raise _missing_failure(got["missing"], "allocator")
-    if got["start"] != want["start"]:
+    if not same(got["start"], want["start"]):
         raise CheckFailed(f"a new pool of {case['num_blocks']} blocks has free_block_ids {got['start']['free']} and "
                           f"refcounts {got['start']['refcounts']}; expected every block free, 0 first, refcount 0",
                           "__init__: free_block_ids = deque(range(num_blocks)) and one refcount of 0 per block")
@@ -198,7 +200,7 @@ def _judge_call(where: str, op, before: dict, g: dict, w: dict) -> None:
         if want_exc not in g["raised"]:
             raise CheckFailed(f"{where} raised {g['raised'][0]} ({g.get('message', '')[:100]}); expected {want_exc}",
                               _raise_hint(kind, want_exc))  # fmt: skip
-        if state != {"free": before["free"], "refcounts": before["refcounts"]}:
+        if not same(state, {"free": before["free"], "refcounts": before["refcounts"]}):
             changed = [b for b, (x, y) in enumerate(zip(g["refcounts"], before["refcounts"])) if x != y]
             raise CheckFailed(f"{where} raised {want_exc} as it should, but it had already changed the pool "
                               f"(the refcounts of blocks {changed or 'none'}, free_block_ids {g['free']} instead of "
@@ -207,12 +209,12 @@ def _judge_call(where: str, op, before: dict, g: dict, w: dict) -> None:
     if "raised" in g:
         raise CheckFailed(f"{where} raised {g['raised'][0]}: {g.get('message', '')[:120]}; expected it to return "
                           f"{w.get('returned')!r}", HINTS["2.1"][0])  # fmt: skip
-    if g.get("returned") != w.get("returned"):
+    if not same(g.get("returned"), w.get("returned")):
         hint = ("a block comes off the LEFT of free_block_ids (popleft): the block freed longest ago goes first"
                 if kind in ("allocate", "allocate_many") else HINTS["2.1"][1])
         raise CheckFailed(f"{where} returned {g.get('returned')!r}, expected {w.get('returned')!r} (free_block_ids "
                           f"was {before['free']})", hint)  # fmt: skip
-    if state != {"free": w["free"], "refcounts": w["refcounts"]}:
+    if not same(state, {"free": w["free"], "refcounts": w["refcounts"]}):
         raise _state_failure(where, state, w, before)
 
 
