@@ -1,13 +1,20 @@
 """The chapter 08 exercise checks pass the reference answers and catch the classic mistakes.
 
-Each wrong implementation below is one mistake; the check must FAIL on it: freeing blocks that a
-later step needs, rolling back past the prompt, forgetting the copy before a diverging write.
+Task 8.1's check runs the engine on a learner's speculator. Each wrong speculator below is one
+mistake, and the check must FAIL on it with a message that names the first step and request where it
+went wrong, and with the hint for that mistake: a rollback by one too few (the bonus token forgotten)
+or one too many, past the prompt, freeing the rejected drafts' blocks, leaving them counted in the
+table; drafts keyed, put before the sampled token's slot, drafted past max_tokens, for a prefill or
+past the budget. Task 8.2's wrong beam steps free what a later step needs or write before they copy.
 """
 
 import pytest
+import torch
 
-from minipaged.checks import FAIL, PASS, TODO, ch08
+from minipaged.checks import FAIL, PASS, TODO, ch08, reference_transcript
+from minipaged.checks.instructor import ch08 as instructor
 from minipaged.checks.instructor.ch08 import beam_step as beam_step_reference
+from minipaged.speculative import NgramSpeculator
 
 pytestmark = pytest.mark.ch08
 
@@ -15,55 +22,196 @@ pytestmark = pytest.mark.ch08
 # -- Task 8.1 ----------------------------------------------------------------------
 
 
-def rollback(table, num_computed_tokens, num_draft_tokens, num_accepted_tokens):
-    c, k, j = num_computed_tokens, num_draft_tokens, num_accepted_tokens
-    if not 0 <= j <= k:
-        raise ValueError(f"num_accepted_tokens must be in 0..{k}, got {j}")
-    stale = [table.slot(p) for p in range(c + 1 + j, c + 1 + k)]
-    table.num_tokens = c + 1 + j
-    return c + 1 + j, stale
+class MySpeculator(NgramSpeculator):
+    """A learner's model solution: the drafts' slots reserved without keys, and the rollback."""
+
+    def schedule_drafts(self, scheduler, out, budget):
+        for i, seq in enumerate(out.seqs):
+            if budget == 0 or out.num_new_tokens[i] != 1 or seq.num_uncomputed_tokens != 1 or seq.pending_forks:
+                continue
+            drafts = self.drafts(seq, budget)
+            while drafts and not scheduler.allocator.can_allocate(seq.block_table.num_new_blocks(len(drafts))):
+                drafts.pop()
+            if drafts:
+                self.reserve(out, i, seq, drafts)
+                budget -= len(drafts)
+        return budget
+
+    def drafts(self, seq, budget):
+        room = seq.sampling_params.max_tokens - seq.num_output_tokens - 1
+        return self.proposer.propose(seq.token_ids, min(budget, room)) if room > 0 else []
+
+    def reserve(self, out, i, seq, drafts):
+        out.spec_token_ids[seq.seq_id] = drafts
+        out.num_new_tokens[i] += len(drafts)
+        out.slot_mappings[i] = torch.cat([out.slot_mappings[i], seq.block_table.append_tokens(len(drafts))])
+
+    def rollback(self, table, num_computed_tokens, num_draft_tokens, num_accepted_tokens):
+        if not 0 <= num_accepted_tokens <= num_draft_tokens:
+            raise ValueError(f"num_accepted_tokens must be in 0..{num_draft_tokens}, got {num_accepted_tokens}")
+        table.num_tokens = num_computed_tokens + 1 + num_accepted_tokens
+        return table.num_tokens
 
 
-def rolls_back_from_the_count_before_the_step(table, num_computed_tokens, num_draft_tokens, num_accepted_tokens):
-    c, k, j = num_computed_tokens, num_draft_tokens, num_accepted_tokens
-    if not 0 <= j <= k:
-        raise ValueError("bad j")
-    new = c - (k - j)  # "minus the rejected drafts", from the count before the step: past the prompt
-    stale = [table.slot(p) for p in range(c + 1 + j, c + 1 + k)]
-    table.num_tokens = c + 1 + j
-    return new, stale
+class ForgetsTheBonusToken(MySpeculator):
+    def rollback(self, table, c, k, j):
+        table.num_tokens = c + j  # "the accepted drafts", without the sampled token the step computed
+        return c + j
 
 
-def frees_the_rejected_blocks(table, num_computed_tokens, num_draft_tokens, num_accepted_tokens):
-    new, stale = rollback(table, num_computed_tokens, num_draft_tokens, num_accepted_tokens)
-    B = table.block_size
-    while len(table.blocks) * B - B >= table.num_tokens:  # a block holding only rejected drafts goes back
-        table.allocator.free(table.blocks.pop(), table.seq_id)
-    return new, stale
+class CountsTheNewToken(MySpeculator):
+    def rollback(self, table, c, k, j):
+        table.num_tokens = c + 2 + j  # the token sampled now counted as computed: its K/V is not there
+        return c + 2 + j
 
 
-def forgets_the_bonus_token(table, num_computed_tokens, num_draft_tokens, num_accepted_tokens):
-    c, k, j = num_computed_tokens, num_draft_tokens, num_accepted_tokens
-    if not 0 <= j <= k:
-        raise ValueError("bad j")
-    stale = [table.slot(p) for p in range(c + j, c + 1 + k)]
-    table.num_tokens = c + j
-    return c + j, stale
+class RollsBackPastThePrompt(MySpeculator):
+    def rollback(self, table, c, k, j):
+        table.num_tokens = c - (k - j)  # "minus the rejected drafts", from the count before the step
+        return c - (k - j)
 
 
-def slots_after_moving_the_count(table, num_computed_tokens, num_draft_tokens, num_accepted_tokens):
-    c, k, j = num_computed_tokens, num_draft_tokens, num_accepted_tokens
-    if not 0 <= j <= k:
-        raise ValueError("bad j")
-    table.num_tokens = c + 1 + j
-    stale = [p for p in range(c + 1 + j, c + 1 + k)]  # positions, not slots
-    return c + 1 + j, stale
+class FreesTheRejectedBlocks(MySpeculator):
+    def rollback(self, table, c, k, j):
+        new = super().rollback(table, c, k, j)
+        while len(table.blocks) * table.block_size - table.block_size >= table.num_tokens:
+            table.allocator.free(table.blocks.pop(), table.seq_id)  # a block of rejected drafts only goes back
+        return new
 
 
-def no_check_of_accepted(table, num_computed_tokens, num_draft_tokens, num_accepted_tokens):
-    c, j = num_computed_tokens, min(num_accepted_tokens, num_draft_tokens)  # clamps instead of refusing
-    table.num_tokens = c + 1 + j
-    return c + 1 + j, []
+class LeavesTheTableLong(MySpeculator):
+    def rollback(self, table, c, k, j):
+        return c + 1 + j  # the counter moves, the table still counts the rejected drafts
+
+
+class KeysTheDrafts(MySpeculator):
+    def reserve(self, out, i, seq, drafts):
+        super().reserve(out, i, seq, drafts)
+        if hasattr(seq.block_table.allocator, "cache_full_blocks"):  # "the blocks the drafts fill are full now"
+            seq.block_table.allocator.cache_full_blocks(seq.block_table, seq.token_ids + drafts,
+                                                        seq.block_table.num_tokens, seq.cache_salt)
+
+
+class PutsTheDraftSlotsFirst(MySpeculator):
+    def reserve(self, out, i, seq, drafts):
+        slots = seq.block_table.append_tokens(len(drafts))
+        out.spec_token_ids[seq.seq_id] = drafts
+        out.num_new_tokens[i] += len(drafts)
+        out.slot_mappings[i] = torch.cat([slots, out.slot_mappings[i]])  # the sampled token's slot must come first
+
+
+class DraftsPastMaxTokens(MySpeculator):
+    def drafts(self, seq, budget):
+        room = seq.sampling_params.max_tokens - seq.num_output_tokens  # forgets the token sampled after them
+        return self.proposer.propose(seq.token_ids, min(budget, room)) if room > 0 else []
+
+
+class DraftsDuringPrefill(MySpeculator):
+    def schedule_drafts(self, scheduler, out, budget):
+        for i, seq in enumerate(out.seqs):
+            drafts = self.drafts(seq, budget) if budget else []  # a prefill chunk's last token is no decode
+            while drafts and not scheduler.allocator.can_allocate(seq.block_table.num_new_blocks(len(drafts))):
+                drafts.pop()
+            if drafts:
+                self.reserve(out, i, seq, drafts)
+                budget -= len(drafts)
+        return budget
+
+
+class IgnoresTheBudget(MySpeculator):
+    def schedule_drafts(self, scheduler, out, budget):
+        super().schedule_drafts(scheduler, out, 10**6)  # drafts as if the step's token budget were endless
+        return budget
+
+
+class PreemptsForDrafts(MySpeculator):
+    def schedule_drafts(self, scheduler, out, budget):
+        for i, seq in enumerate(out.seqs):
+            if budget == 0 or out.num_new_tokens[i] != 1 or seq.num_uncomputed_tokens != 1:
+                continue
+            drafts = self.drafts(seq, budget)  # no check of the free blocks: append_tokens may run out
+            if drafts:
+                self.reserve(out, i, seq, drafts)
+                budget -= len(drafts)
+        return budget
+
+
+class NotASpeculator:
+    def __init__(self, config):
+        raise NotImplementedError("Task 8.1 is not implemented yet.")
+
+
+WRONG_SPECULATORS = {  # class -> (the public case it fails on, a phrase of its FAIL message, its SPEC_HINTS entry)
+    ForgetsTheBonusToken: (0, "one too few", "bonus"),
+    CountsTheNewToken: (0, "one too many", "one_too_many"),
+    RollsBackPastThePrompt: (0, "rolls back past the", "past_prompt"),
+    FreesTheRejectedBlocks: (0, "was given back", "freed"),
+    LeavesTheTableLong: (0, "rejected drafts are still counted", "table"),
+    KeysTheDrafts: (1, "not verified", "keys"),  # only with prefix caching on: case 1
+    PutsTheDraftSlotsFirst: (0, "read K/V that is not the verified tokens'", "tokens"),
+    DraftsPastMaxTokens: (0, "drafted", "draft_count"),
+    DraftsDuringPrefill: (0, "prefill chunk", "draft_where"),
+    IgnoresTheBudget: (0, "budget", "budget"),
+}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The package speculator's transcript of each public case, run once for the whole module."""
+    return [reference_transcript("ch08.speculator", [case]) for case in instructor.SPECULATOR_CASES]
+
+
+def verdict(speculator, index, want):
+    """The check's verdict on public case ``index`` alone (the reference run once, in ``want``)."""
+    cases = [instructor.SPECULATOR_CASES[index]]
+    return ch08.check_speculator.verdict(cases, ch08.check_speculator.transcript(cases, (speculator,)), want[index], 1)
+
+
+def test_a_model_solution_passes_and_the_line_says_what_was_compared(capsys):
+    result = ch08.check_speculator(MySpeculator)
+    assert result.status == PASS, result
+    assert "tokens equal plain decoding" in capsys.readouterr().out
+
+
+def test_the_reference_gives_plain_decodings_tokens_and_the_cases_exercise_every_rule(reference):
+    """The judge compares with plain decoding's output (the package's speculative run equals it), and the public
+    cases hold drafts accepted in full, in part and not at all, and prefix-cache keys only where caching is on."""
+    from minipaged.block_manager import BlockAllocator
+    from minipaged.checks.engine_run import run_engine
+    from minipaged.prefix_cache import PrefixCachingAllocator
+
+    seen = [want["observations"][0] for want in reference]
+    for case, obs in zip(instructor.SPECULATOR_CASES, seen):
+        run = {"config": case["config"], "requests": case["requests"]}
+        plain = run_engine(run, allocator=PrefixCachingAllocator if case["prefix_caching"] else BlockAllocator)
+        assert obs["tokens"] == plain["tokens"]
+    verifications = [(len(d), step["accepted"][r]) for obs in seen for step in obs["steps"]
+                     for r, d in step["drafts"].items()]
+    assert any(j == 0 for _, j in verifications) and any(j == k for k, j in verifications)
+    assert any(0 < j < k for k, j in verifications)
+    keys = [[k for step in obs["steps"] for s in step["seqs"].values() for k in s["keys"] if k] for obs in seen]
+    assert not keys[0] and keys[1]
+
+
+@pytest.mark.parametrize("wrong", list(WRONG_SPECULATORS), ids=lambda c: c.__name__)
+def test_a_wrong_speculator_fails_naming_the_step_and_the_mistake(wrong, reference):
+    index, phrase, hint = WRONG_SPECULATORS[wrong]
+    result = verdict(wrong, index, reference)
+    assert result.status == FAIL, result
+    assert "step " in result.message, result.message
+    assert phrase in result.message, result.message
+    assert result.hint == ch08.SPEC_HINTS[hint], (result.message, result.hint)
+
+
+def test_the_fail_line_prints_the_hint_for_that_failure(capsys):
+    result = ch08.check_speculator(FreesTheRejectedBlocks)
+    assert f"hint: {ch08.SPEC_HINTS['freed']}" in capsys.readouterr().out and result.status == FAIL
+
+
+def test_a_speculator_that_raises_fails_with_the_error(reference):
+    result = verdict(PreemptsForDrafts, 0, reference)
+    assert result.status == FAIL and "OutOfBlocks" in result.message and "called with" in result.message, result
+    assert verdict(NotASpeculator, 0, reference).status == TODO
 
 
 # -- Task 8.2 ----------------------------------------------------------------------
@@ -150,19 +298,12 @@ def forks_every_child(tables, parents, tokens, data):  # the same memory, but a 
 
 
 def todo(*args):
-    raise NotImplementedError("Task 8.1 is not implemented yet.")
+    raise NotImplementedError("Task 8.2 is not implemented yet.")
 
 
 @pytest.mark.parametrize(
     "check, answer, status",
     [
-        (ch08.check_rollback, rollback, PASS),
-        (ch08.check_rollback, rolls_back_from_the_count_before_the_step, FAIL),
-        (ch08.check_rollback, frees_the_rejected_blocks, FAIL),
-        (ch08.check_rollback, forgets_the_bonus_token, FAIL),
-        (ch08.check_rollback, slots_after_moving_the_count, FAIL),
-        (ch08.check_rollback, no_check_of_accepted, FAIL),
-        (ch08.check_rollback, todo, TODO),
         (ch08.check_beam_step, beam_step, PASS),
         (ch08.check_beam_step, forgets_the_copy, FAIL),
         (ch08.check_beam_step, copies_after_writing, FAIL),
@@ -179,8 +320,6 @@ def test_check_status(check, answer, status, capsys):
 
 
 def test_failures_name_the_mistake(capsys):
-    assert "past the prompt" in ch08.check_rollback(rolls_back_from_the_count_before_the_step).message
-    assert "frees nothing" in ch08.check_rollback(frees_the_rejected_blocks).message
     assert "before the new token is written" in ch08.check_beam_step(forgets_the_copy).message
     assert "before the new token is written" in ch08.check_beam_step(copies_after_writing).message
     assert "released" in ch08.check_beam_step(releases_the_parent_a_child_carries_on_in).message

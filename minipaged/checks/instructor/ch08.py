@@ -2,44 +2,45 @@
 
 from __future__ import annotations
 
+import random
+
 from minipaged.checks.instructor import Side
+from minipaged.speculative import NgramSpeculator
+
+# Task 8.1: the package's own speculator is the reference; its tokens equal plain decoding's (tests/test_08_checks.py).
+SPEC_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
-def rollback(table, num_computed_tokens, num_draft_tokens, num_accepted_tokens):
-    c, k, j = num_computed_tokens, num_draft_tokens, num_accepted_tokens
-    if not 0 <= j <= k:
-        raise ValueError(f"num_accepted_tokens must be in 0..{k}, got {j}")
-    if table.num_tokens != c + 1 + k:
-        raise ValueError(f"the table holds {table.num_tokens} tokens, expected c + 1 + k = {c + 1 + k}")
-    stale = [table.slot(p) for p in range(c + 1 + j, c + 1 + k)]
-    table.num_tokens = c + 1 + j
-    return c + 1 + j, stale
+def speculator_workload(rng: random.Random, num_requests: int = 5) -> list[dict]:
+    """Requests whose prompts repeat a short motif (so ngram drafts are found), half of them behind a shared prefix.
+
+    The first request arrives at step 0, the others a few steps apart, so that a later one can hit the
+    blocks an earlier one filled (prefix caching) and drafts meet prefills in the same step.
+    """
+    shared = [rng.randrange(64) for _ in range(rng.randrange(5, 9))]
+    requests, arrive = [], 0
+    for i in range(num_requests):
+        motif = [rng.randrange(64) for _ in range(rng.randrange(2, 5))]
+        body = (motif * 8)[: rng.randrange(6, 13)]
+        prompt = (shared if i % 2 else []) + body
+        requests.append({"id": f"r{i}", "prompt": prompt, "max_tokens": rng.randrange(10, 19), "arrive": arrive,
+                         "abort": None, "n": 1, "cache_salt": None})
+        arrive += rng.randrange(1, 4)
+    return requests
 
 
-def _rollback(prompt_len, c, k, j, B) -> dict:
-    return {"prompt_len": prompt_len, "computed": c, "drafts": k, "accepted": j, "block_size": B}
+def _speculator_case(seed: int, prefix_caching: bool, num_blocks: int = 14) -> dict:
+    """One engine run: blocks of 4, a budget that drafts can exhaust, a pool tight enough that drafts get cut."""
+    requests = speculator_workload(random.Random(seed))
+    return {"config": {"num_blocks": num_blocks, "block_size": 4, "max_num_seqs": 4, "max_num_batched_tokens": 10},
+            "requests": requests, "speculative_config": dict(SPEC_CONFIG), "prefix_caching": prefix_caching}
 
 
-# (prompt_len, computed before the step, drafts k, accepted j, block_size): each case is one verification step.
-ROLLBACK_CASES = [
-    _rollback(6, 6, 4, 0, 4),  # right after the prompt, every draft rejected: the prompt's K/V must stay computed
-    _rollback(6, 6, 4, 2, 4),
-    _rollback(6, 9, 4, 4, 4),  # everything accepted: nothing is stale
-    _rollback(5, 7, 3, 1, 4),  # the drafts spilled into a third block, which the next step writes into
-    _rollback(3, 3, 5, 0, 2),  # small blocks: the rejected drafts fill two whole blocks
-    _rollback(8, 11, 4, 3, 8),
-    {"bad": True},
-]
+SPECULATOR_CASES = [_speculator_case(0, False), _speculator_case(0, True)]
 
 
-def _hidden_rollback(rng):
-    cases = []
-    for _ in range(5):
-        B = rng.choice([2, 4, 8])
-        prompt_len = rng.randrange(1, 12)
-        k = rng.randrange(1, 6)
-        cases.append(_rollback(prompt_len, prompt_len + rng.randrange(0, 6), k, rng.randrange(0, k + 1), B))
-    return cases
+def _hidden_speculator(rng):
+    return [_speculator_case(rng.randrange(1, 10**6), prefix_caching) for prefix_caching in (False, True)]
 
 
 def beam_step(tables, parents, tokens, data):
@@ -83,6 +84,6 @@ def _hidden_beams(rng):
 
 
 SIDES = {
-    "rollback": Side(lambda: ROLLBACK_CASES, _hidden_rollback, lambda: (rollback,)),
+    "speculator": Side(lambda: SPECULATOR_CASES, _hidden_speculator, lambda: (NgramSpeculator,)),
     "beam_step": Side(lambda: BEAM_CASES, _hidden_beams, lambda: (beam_step,)),
 }
