@@ -256,7 +256,7 @@ ALLOCATOR_MUTANTS = {
                              "check num_blocks <= num_free before taking the first block"),
     ReturnsHeldBlock: ("call 14, free(1), put block 1 back in free_block_ids, but it still has 1 holder",
                        "free drops ONE reference"),
-    SharedNotDecremented: ("call 14, free(1), left block 1 with refcount 2, expected 1", "only when its refcount"),
+    SharedNotDecremented: ("call 14, free(1), left block 1 with refcount 2, expected 1", "exactly one reference"),
     NewestFirst: ("call 1, allocate('A'), returned 5, expected 0", "LEFT of free_block_ids (popleft)"),
     BypassesTheHooks: ("(chapter 06's shape): call 19, allocate_many(4), raised OutOfBlocks",
                        "ask self.num_free (never len(free_block_ids))"),

@@ -246,8 +246,9 @@ def _state_failure(where: str, got: dict, want: dict, before: dict) -> CheckFail
     for block, (g, w) in enumerate(zip(got["refcounts"], want["refcounts"])):
         if g != w:
             was = before["refcounts"][block]
-            return CheckFailed(f"{where} left block {block} with refcount {g}, expected {w} (it was {was})",
-                               HINTS["2.1"][1])
+            hint = ("free drops exactly one reference per call (one per id in a list), whether or not others still "
+                    "hold the block" if g > w and was > w else HINTS["2.1"][1])
+            return CheckFailed(f"{where} left block {block} with refcount {g}, expected {w} (it was {was})", hint)
     hint = "a block whose refcount reaches 0 joins the RIGHT end of free_block_ids (_put_free_block), once"
     return CheckFailed(f"{where} left free_block_ids {got['free']}, expected {want['free']}", hint)
 
