@@ -9,7 +9,7 @@ instead of polling its internals. An event is delivered only once the whole
 operation that caused it is complete (a table's growth, release or fork, a
 scheduling pass): a subscriber always sees consistent state, may call back
 into the allocator, and cannot break the operation by raising (see
-:meth:`BlockAllocator.subscribe`).
+:meth:`AllocatorBase.subscribe`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class BlockError(ValueError):
 class ReentrantCallError(RuntimeError):
     """A call that may not run now: an event subscriber calling back in to change state mid-operation.
 
-    While an engine steps (:attr:`BlockAllocator.subscriber_guard` is set), a subscriber may read
+    While an engine steps (:attr:`AllocatorBase.subscriber_guard` is set), a subscriber may read
     everything and call ``Engine.abort`` (which waits for the step's end); a call that would change
     the pool, a table, the scheduler or the engine raises this, before changing anything.
     """
@@ -59,17 +59,18 @@ class BlockEvent:
     info: dict = field(default_factory=dict)
 
 
-class BlockAllocator:
-    """A pool of ``num_blocks`` blocks of ``block_size`` token slots, with reference counts.
+class AllocatorBase:
+    """What every block allocator carries and no chapter builds: the pool's size, checked, and its event bus.
 
-    Free blocks wait in a deque: allocate pops from the left, a freed block
-    joins on the right, so both are O(1) and no search ever happens.
-    Reference counts exist from the start because a forked sequence shares
-    its parent's blocks (chapter 06).
+    :class:`BlockAllocator` (and exercise 02's allocator) subclass it and own the free blocks and
+    the reference counts; a subclass provides :attr:`num_free`, from which :attr:`num_used` and
+    :meth:`can_allocate` follow. The rest is event delivery: :meth:`subscribe`, :meth:`emit`,
+    :meth:`hold_events`, and the guard against a subscriber that calls back in mid-step
+    (:attr:`subscriber_guard`, :meth:`check_not_from_subscriber`).
 
-    This class owns the refcounts, the checks and the events. Which free block comes
-    next is two small hooks, :meth:`_take_free_block` and :meth:`_put_free_block`
-    (and :attr:`num_free`): chapter 06's prefix cache overrides only those.
+    Args:
+        num_blocks: blocks in the pool.
+        block_size: token slots per block.
     """
 
     # Event plumbing, which a rolled-back step leaves as it is (see minipaged.rollback).
@@ -78,12 +79,7 @@ class BlockAllocator:
 
     def __init__(self, num_blocks: int, block_size: int):
         # Python ints in a deque plus a refcount list: ~50 bytes a block. Refuse a pool that could never fit.
-        num_blocks, block_size = check_allocator_args(num_blocks, block_size, BOOKKEEPING_BYTES_PER_BLOCK)
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
-        self._refcounts = [0] * num_blocks
-        self._ever_allocated = bytearray(num_blocks)  # tells a double free from an id never handed out
+        self.num_blocks, self.block_size = check_allocator_args(num_blocks, block_size, BOOKKEEPING_BYTES_PER_BLOCK)
         self._subscribers: list = []
         self._held_events: list[BlockEvent] | None = None  # events of the operation in progress (see hold_events)
         self.subscriber_errors: deque[tuple[BlockEvent, object, Exception]] = deque(maxlen=SUBSCRIBER_ERRORS_KEPT)
@@ -104,122 +100,12 @@ class BlockAllocator:
                                      "which waits for the step's end")  # fmt: skip
 
     @property
-    def num_free(self) -> int:
-        return len(self.free_block_ids)
-
-    @property
     def num_used(self) -> int:
         return self.num_blocks - self.num_free
 
     def can_allocate(self, num_blocks: int) -> bool:
         """Whether ``num_blocks`` blocks are free right now."""
         return check_int(num_blocks, "num_blocks") <= self.num_free
-
-    def allocate(self, seq_id=None) -> int:
-        """Take one free block for ``seq_id`` (refcount 1), or raise OutOfBlocks."""
-        self.check_not_from_subscriber(f"{type(self).__name__}.allocate")
-        if not self.num_free:
-            raise OutOfBlocks(f"no free block: all {self.num_blocks} blocks are in use")
-        with self.hold_events():  # a subclass's events of taking the block (an eviction) come after it is held
-            block_id = self._take_free_block(seq_id)
-            self._refcounts[block_id] = 1
-            self._ever_allocated[block_id] = 1
-            self.emit("allocate", block_id, seq_id)
-        return block_id
-
-    def _take_free_block(self, seq_id) -> int:
-        """Pop the next free block (one is free: :meth:`allocate` checked). Chapter 06 overrides it.
-
-        Args:
-            seq_id: the sequence that takes it, for the events a subclass emits.
-        """
-        return self.free_block_ids.popleft()
-
-    def _put_free_block(self, block_id: int) -> dict:
-        """Queue a block whose refcount reached 0; returns extra info for its "free" event. Chapter 06 overrides it.
-
-        Args:
-            block_id: the block, just freed.
-        """
-        self.free_block_ids.append(block_id)
-        return {}
-
-    def allocate_many(self, num_blocks: int, seq_id=None) -> list[int]:
-        """Take ``num_blocks`` free blocks for ``seq_id``, all or none (OutOfBlocks takes nothing)."""
-        # Check first, so a request that cannot be met takes nothing (no half-grown sequence).
-        n = check_int(num_blocks, "num_blocks")
-        if n > self.num_free:
-            raise OutOfBlocks(f"need {n} blocks but only {self.num_free} of {self.num_blocks} are free")
-        with self.hold_events():
-            return [self.allocate(seq_id) for _ in range(n)]
-
-    def _check_block_id(self, block_id, action: str) -> int:
-        return check_block_id(block_id, action, self.num_blocks)
-
-    def _check_allocated(self, block_id, action: str) -> int:
-        block_id = self._check_block_id(block_id, action)
-        if self._refcounts[block_id] == 0:
-            if not self._ever_allocated[block_id]:
-                what = "never allocated"
-            else:
-                what = "double free" if action == "free" else "not allocated"
-            raise BlockError(f"cannot {action} block {block_id}: it is free ({what})")
-        return block_id
-
-    def incref(self, block_id: int, seq_id=None) -> None:
-        """One more holder of ``block_id`` (a forked sequence sharing it)."""
-        self.check_not_from_subscriber("BlockAllocator.incref")
-        block_id = self._check_allocated(block_id, "incref")
-        self._refcounts[block_id] += 1
-        self.emit("incref", block_id, seq_id, refcount=self._refcounts[block_id])
-
-    def free(self, block_id: int, seq_id=None) -> None:
-        """Drop one reference; the block returns to the pool when nobody holds it."""
-        self.check_not_from_subscriber(f"{type(self).__name__}.free")
-        block_id = self._check_allocated(block_id, "free")
-        self._refcounts[block_id] -= 1
-        if self._refcounts[block_id] == 0:
-            self.emit("free", block_id, seq_id, **self._put_free_block(block_id))
-        else:
-            self.emit("decref", block_id, seq_id, refcount=self._refcounts[block_id])
-
-    def free_sequence(self, block_ids: list[int], seq_id=None) -> None:
-        """Drop one reference on each of a sequence's blocks, in table order.
-
-        Args:
-            block_ids: the sequence's blocks, logical block 0 first.
-            seq_id: the sequence, for the events.
-
-        Chapter 06's prefix cache overrides the order (tail first); here the order is not
-        observable beyond the free queue.
-
-        Raises (before any block is freed, so an error frees nothing):
-            TypeError: ``block_ids`` is not a list or tuple of ints.
-            IndexError: an id outside the pool.
-            BlockError: an id that is free, or that appears more often than it has references.
-        """
-        block_ids = self._check_free_sequence(block_ids)
-        with self.hold_events():
-            for block_id in block_ids:
-                self.free(block_id, seq_id)
-
-    def _check_free_sequence(self, block_ids) -> list[int]:
-        """``block_ids`` as ints, once every one is known to be freeable as often as it appears."""
-        check_instance(block_ids, "block_ids", (list, tuple), "a list of block ids")
-        ids = [self._check_allocated(b, "free") for b in block_ids]
-        for block_id, times in Counter(ids).items():
-            if times > self._refcounts[block_id]:
-                raise BlockError(f"cannot free block {block_id} {times} times: it has {self._refcounts[block_id]} "
-                                 "reference(s) (block_ids holds it more than once)")
-        return ids
-
-    def refcount(self, block_id: int) -> int:
-        """How many sequences hold ``block_id`` (0: it is free)."""
-        return self._refcounts[self._check_block_id(block_id, "read the refcount of")]
-
-    @property
-    def refcounts(self) -> list[int]:
-        return list(self._refcounts)
 
     def subscribe(self, callback):
         """Call ``callback(event)`` on every event; returns a function that unsubscribes.
@@ -287,7 +173,7 @@ class BlockAllocator:
                         self.subscriber_errors.append((event, callback, exc))
                         self.num_subscriber_errors += 1
                         warnings.warn(f"event subscriber {callback!r} raised {exc!r} on a {event.kind!r} event; it "
-                                      "was skipped (see BlockAllocator.subscriber_errors)", RuntimeWarning,
+                                      "was skipped (see AllocatorBase.subscriber_errors)", RuntimeWarning,
                                       stacklevel=2)  # fmt: skip
                     except BaseException as exc:  # KeyboardInterrupt and the like: after every callback has the event
                         interrupt = interrupt or exc
@@ -295,6 +181,137 @@ class BlockAllocator:
             self._delivering = delivering
         if interrupt is not None:
             raise interrupt
+
+class BlockAllocator(AllocatorBase):
+    """A pool of ``num_blocks`` blocks of ``block_size`` token slots, with reference counts.
+
+    Free blocks wait in a deque: allocate pops from the left, a freed block
+    joins on the right, so both are O(1) and no search ever happens.
+    Reference counts exist from the start because a forked sequence shares
+    its parent's blocks (chapter 06).
+
+    This class owns the refcounts and the checks; the events are :class:`AllocatorBase`'s.
+    Which free block comes next is two small hooks, :meth:`_take_free_block` and
+    :meth:`_put_free_block` (and :attr:`num_free`): chapter 06's prefix cache overrides only those.
+
+    Args:
+        num_blocks: blocks in the pool.
+        block_size: token slots per block.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int):
+        super().__init__(num_blocks, block_size)
+        self.free_block_ids: deque[int] = deque(range(self.num_blocks))
+        self._refcounts = [0] * self.num_blocks
+        self._ever_allocated = bytearray(self.num_blocks)  # tells a double free from an id never handed out
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_block_ids)
+
+    def allocate(self, seq_id=None) -> int:
+        """Take one free block for ``seq_id`` (refcount 1), or raise OutOfBlocks."""
+        self.check_not_from_subscriber(f"{type(self).__name__}.allocate")
+        if not self.num_free:
+            raise OutOfBlocks(f"no free block: all {self.num_blocks} blocks are in use")
+        with self.hold_events():  # a subclass's events of taking the block (an eviction) come after it is held
+            block_id = self._take_free_block(seq_id)
+            self._refcounts[block_id] = 1
+            self._ever_allocated[block_id] = 1
+            self.emit("allocate", block_id, seq_id)
+        return block_id
+
+    def _take_free_block(self, seq_id) -> int:
+        """Pop the next free block (one is free: :meth:`allocate` checked). Chapter 06 overrides it.
+
+        Args:
+            seq_id: the sequence that takes it, for the events a subclass emits.
+        """
+        return self.free_block_ids.popleft()
+
+    def _put_free_block(self, block_id: int) -> dict:
+        """Queue a block whose refcount reached 0; returns extra info for its "free" event. Chapter 06 overrides it.
+
+        Args:
+            block_id: the block, just freed.
+        """
+        self.free_block_ids.append(block_id)
+        return {}
+
+    def allocate_many(self, num_blocks: int, seq_id=None) -> list[int]:
+        """Take ``num_blocks`` free blocks for ``seq_id``, all or none (OutOfBlocks takes nothing)."""
+        # Check first, so a request that cannot be met takes nothing (no half-grown sequence).
+        n = check_int(num_blocks, "num_blocks")
+        if n > self.num_free:
+            raise OutOfBlocks(f"need {n} blocks but only {self.num_free} of {self.num_blocks} are free")
+        with self.hold_events():
+            return [self.allocate(seq_id) for _ in range(n)]
+
+    def _check_block_id(self, block_id, action: str) -> int:
+        return check_block_id(block_id, action, self.num_blocks)
+
+    def _check_allocated(self, block_id, action: str) -> int:
+        block_id = self._check_block_id(block_id, action)
+        if self._refcounts[block_id] == 0:
+            never = not self._ever_allocated[block_id]
+            what = "never allocated" if never else "double free" if action == "free" else "not allocated"
+            raise BlockError(f"cannot {action} block {block_id}: it is free ({what})")
+        return block_id
+
+    def incref(self, block_id: int, seq_id=None) -> None:
+        """One more holder of ``block_id`` (a forked sequence sharing it)."""
+        self.check_not_from_subscriber("BlockAllocator.incref")
+        block_id = self._check_allocated(block_id, "incref")
+        self._refcounts[block_id] += 1
+        self.emit("incref", block_id, seq_id, refcount=self._refcounts[block_id])
+
+    def free(self, block_id: int, seq_id=None) -> None:
+        """Drop one reference; the block returns to the pool when nobody holds it."""
+        self.check_not_from_subscriber(f"{type(self).__name__}.free")
+        block_id = self._check_allocated(block_id, "free")
+        self._refcounts[block_id] -= 1
+        if self._refcounts[block_id] == 0:
+            self.emit("free", block_id, seq_id, **self._put_free_block(block_id))
+        else:
+            self.emit("decref", block_id, seq_id, refcount=self._refcounts[block_id])
+
+    def free_sequence(self, block_ids: list[int], seq_id=None) -> None:
+        """Drop one reference on each of a sequence's blocks, in table order.
+
+        Args:
+            block_ids: the sequence's blocks, logical block 0 first.
+            seq_id: the sequence, for the events.
+
+        Chapter 06's prefix cache overrides the order (tail first); here the order is not
+        observable beyond the free queue.
+
+        Raises (before any block is freed, so an error frees nothing):
+            TypeError: ``block_ids`` is not a list or tuple of ints.
+            IndexError: an id outside the pool.
+            BlockError: an id that is free, or that appears more often than it has references.
+        """
+        block_ids = self._check_free_sequence(block_ids)
+        with self.hold_events():
+            for block_id in block_ids:
+                self.free(block_id, seq_id)
+
+    def _check_free_sequence(self, block_ids) -> list[int]:
+        """``block_ids`` as ints, once every one is known to be freeable as often as it appears."""
+        check_instance(block_ids, "block_ids", (list, tuple), "a list of block ids")
+        ids = [self._check_allocated(b, "free") for b in block_ids]
+        for block_id, times in Counter(ids).items():
+            if times > self._refcounts[block_id]:
+                raise BlockError(f"cannot free block {block_id} {times} times: it has {self._refcounts[block_id]} "
+                                 "reference(s) (block_ids holds it more than once)")
+        return ids
+
+    def refcount(self, block_id: int) -> int:
+        """How many sequences hold ``block_id`` (0: it is free)."""
+        return self._refcounts[self._check_block_id(block_id, "read the refcount of")]
+
+    @property
+    def refcounts(self) -> list[int]:
+        return list(self._refcounts)
 
     def __repr__(self) -> str:
         return f"BlockAllocator(num_blocks={self.num_blocks}, block_size={self.block_size}, free={self.num_free})"
@@ -312,13 +329,14 @@ class BlockTable:
     (:meth:`minipaged.cache.PagedKVCache.copy_blocks`) before the new tokens are written.
 
     Args:
-        allocator: the :class:`BlockAllocator` whose pool the table's blocks come from.
+        allocator: the :class:`AllocatorBase` (a :class:`BlockAllocator`, say) whose pool the table's blocks
+            come from.
         seq_id: the sequence, for the events.
     """
 
-    def __init__(self, allocator: BlockAllocator, seq_id=None):
-        if not isinstance(allocator, BlockAllocator):
-            raise TypeError(f"allocator must be a BlockAllocator, got {type(allocator).__name__} {allocator!r:.60}")
+    def __init__(self, allocator: AllocatorBase, seq_id=None):
+        if not isinstance(allocator, AllocatorBase):
+            raise TypeError(f"allocator must be an AllocatorBase, got {type(allocator).__name__} {allocator!r:.60}")
         self.allocator = allocator
         self.seq_id = seq_id
         self.blocks: list[int] = []

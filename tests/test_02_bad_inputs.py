@@ -94,5 +94,5 @@ def test_fork_after_a_block_was_freed_behind_the_tables_back_leaks_no_reference(
 
 @pytest.mark.parametrize("allocator", ["x", None, 4])
 def test_a_block_table_needs_an_allocator(allocator):
-    with pytest.raises(TypeError, match="allocator must be a BlockAllocator"):  # was: AttributeError at first append
+    with pytest.raises(TypeError, match="allocator must be an AllocatorBase"):  # was: AttributeError at first append
         BlockTable(allocator)
