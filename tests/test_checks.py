@@ -77,7 +77,7 @@ def test_a_crash_shows_the_arguments_the_learners_code_was_called_with(capsys):
         return inner(torch.zeros(2, 3), list(range(100)), b)
 
     def inner(t, long, b):
-        return long[b * 10]  # IndexError: b is 16 in the first case
+        return [long[b * 10] for _ in range(1)]  # IndexError: b is 16 in the first case (in a comprehension)
 
     result = ch01.check_new_blocks(outer)
     assert result.status == FAIL

@@ -270,7 +270,8 @@ def _where(exc: BaseException) -> str:
     """Where in the learner's code ``exc`` was raised: the innermost such frame and the arguments it had then."""
     tb, found = exc.__traceback__, None
     while tb is not None:
-        if _is_learners(tb.tb_frame.f_code.co_filename):
+        code = tb.tb_frame.f_code
+        if _is_learners(code.co_filename) and not code.co_name.startswith("<"):  # not a comprehension's frame
             found = tb
         tb = tb.tb_next
     if found is None:
