@@ -97,7 +97,7 @@ def _label(c) -> str:
             f"{c['num_heads']} heads on {c['num_kv_heads']} KV heads")
 
 
-@check("ch04.window_decode_kernel", hint=HINTS["4.1"][0], timeout=120, label=_label,
+@check("ch04.window_decode_kernel", hint=HINTS["4.1"][0], label=_label,
        summary="{n} batches (MHA and GQA, windows starting mid-block, freed blocks before the window)")
 def check_window_decode_kernel(case, decode, kernel):
     """``decode(q, k_cache, v_cache, block_tables, seq_lens, window) -> out`` launches the learner's ``kernel``.
