@@ -198,8 +198,9 @@ def _run(case, cls, own: tuple[str, ...], borrow_admit: bool) -> dict:
 
 def _label(case) -> str:
     c = case["config"]
+    off = "" if c.get("chunked_prefill", True) else ", chunked_prefill off"
     return (f"{case['name']} ({len(case['requests'])} requests, {c['num_blocks']} blocks of {c['block_size']}, "
-            f"budget {c['max_num_batched_tokens']}{', chunked_prefill off' if not c.get('chunked_prefill', True) else ''})")
+            f"budget {c['max_num_batched_tokens']}{off})")
 
 
 @check("ch05.schedule_running", hint=HINTS["5.1"][0], label=_label,
@@ -346,7 +347,8 @@ def _diagnose_admission(config, got, want) -> tuple[str, str]:
         if row and row[2] > row[3] and n is not None and n <= row[3] - row[1] < row[2] - row[1]:
             return (f"{base}: {jumped[0]} was preempted, and its first chunk of {n} tokens leaves out the "
                     f"{row[2] - row[3]} it generated, which need recomputing too", FAILURE_HINTS["recompute"])
-        return f"{base}: {jumped[0]} did not fit (its first chunk's blocks, a seat, the watermark)", FAILURE_HINTS["admit"]
+        return (f"{base}: {jumped[0]} did not fit (its first chunk's blocks, a seat, the watermark)",
+                FAILURE_HINTS["admit"])
     return f"{base}: {[s for s in right if s not in mine][0]} fitted", FAILURE_HINTS["admit"]
 
 
