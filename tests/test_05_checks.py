@@ -135,6 +135,13 @@ class UsesThePackagesChunk(Model):  # delegates the chunk size to the base class
         return self._chunk(seq, budget, start)
 
 
+class CallsSuper(Scheduler):  # the package's admission behind the learner's name
+    chunk, youngest, order, _schedule_running = Model.chunk, Model.youngest, Model.order, Model._schedule_running
+
+    def _admit(self, out, budget):
+        return super()._admit(out, budget)
+
+
 class AsksThePolicy(Model):  # delegates the victim to the waiting queue
     def youngest(self, seq):
         return self.waiting.victim(self.running)
@@ -154,6 +161,7 @@ MUTANTS = {
     "recomputes only the prompt": (RecomputesThePromptOnly, ch05.check_scheduler, "need recomputing", "recompute"),
     "jumps the queue": (JumpsTheQueue, ch05.check_scheduler, "jumped the queue", "fcfs"),
     "calls the package's _chunk": (UsesThePackagesChunk, ch05.check_scheduler, "switched off", "own"),
+    "calls the package's _admit through super()": (CallsSuper, ch05.check_scheduler, "switched off", "own"),
     "asks the policy for the victim": (AsksThePolicy, ch05.check_schedule_running, "switched off", "own"),
 }
 

@@ -16,10 +16,12 @@ The references and the workloads are on the instructor's side (``minipaged.check
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 from minipaged.checks import CheckFailed, _where, check
 from minipaged.checks.engine_run import first_divergence, first_token_divergence, run_engine
+from minipaged.scheduler import Scheduler
 
 # The package modules this exercise rebuilds: the grader flags a learner's cell that imports, subclasses or
 # calls them (a flag for the instructor, not a verdict). The solution subclasses Scheduler for its plumbing.
@@ -77,6 +79,8 @@ FAILURE_HINTS = {
     "own": "this exercise is the scheduling step itself: size the chunks and pick the victims in your own code",
 }
 
+# The package's own halves of the step, as they are before a probe switches them off for the learner's code.
+PACKAGE_STEP = {name: Scheduler.__dict__[name] for name in ("_schedule_running", "_admit", "_chunk")}
 _OWN = {"ch05.schedule_running": ("_schedule_running",), "ch05.scheduler": ("_schedule_running", "_admit")}
 
 
@@ -86,18 +90,14 @@ class _NotYours(RuntimeError):
 
 def _package_caller(*methods) -> bool:
     """Whether the caller of the function that asks is one of the package's ``Scheduler`` ``methods``."""
-    from minipaged.scheduler import Scheduler
-
-    return sys._getframe(2).f_code in {getattr(Scheduler, m).__code__ for m in methods}
+    return sys._getframe(2).f_code in {PACKAGE_STEP[m].__code__ for m in methods}
 
 
 def _refused_chunk(self, seq, budget, start=None):
     """The base class's ``_chunk``, for the package's own methods only (check 5.1 borrows its admission)."""
-    from minipaged.scheduler import Scheduler
-
     if not _package_caller("_admit", "_schedule_running"):
         raise _NotYours("the package's Scheduler._chunk is switched off in this check: size the chunk yourself")
-    return Scheduler._chunk(self, seq, budget, start)
+    return PACKAGE_STEP["_chunk"](self, seq, budget, start)
 
 
 def _refused_victim(running):
@@ -107,6 +107,25 @@ def _refused_victim(running):
     if not _package_caller("_schedule_running"):
         raise _NotYours("the waiting queue's victim() is switched off in this check: pick the youngest yourself")
     return FCFSQueue.victim(running)
+
+
+def _refuse(name: str):
+    def refused(self, *args, **kwargs):
+        raise _NotYours(f"the package's Scheduler.{name} is switched off in this check: write your own")
+
+    return refused
+
+
+@contextlib.contextmanager
+def _package_step_off(names: tuple[str, ...]):
+    """While it lasts, ``Scheduler.<name>`` raises for each of ``names`` (a learner's ``super()`` call reaches it)."""
+    for name in names:
+        setattr(Scheduler, name, _refuse(name))
+    try:
+        yield
+    finally:
+        for name in names:
+            setattr(Scheduler, name, PACKAGE_STEP[name])
 
 
 def _state(scheduler) -> dict:
@@ -124,7 +143,6 @@ def _recording(cls, record: list, borrow_admit: bool):
     recorded with the sequence it made room for. Returns ``(scheduler class, block table class)``.
     """
     from minipaged.block_manager import BlockTable
-    from minipaged.scheduler import Scheduler
 
     asker, victims = [None], []
 
@@ -134,10 +152,10 @@ def _recording(cls, record: list, borrow_admit: bool):
             return super().num_new_blocks(num_tokens)
 
     body = {}
-    if cls._chunk is Scheduler._chunk:  # a learner's own helper of that name is theirs to call
+    if cls._chunk is PACKAGE_STEP["_chunk"]:  # a learner's own helper of that name is theirs to call
         body["_chunk"] = _refused_chunk
     if borrow_admit:
-        body["_admit"] = Scheduler._admit
+        body["_admit"] = PACKAGE_STEP["_admit"]
 
     def __init__(self, *args, **kwargs):
         cls.__init__(self, *args, **kwargs)
@@ -163,8 +181,6 @@ def _recording(cls, record: list, borrow_admit: bool):
 
 def _run(case, cls, own: tuple[str, ...], borrow_admit: bool) -> dict:
     """Run ``case`` on the engine with scheduler ``cls``; its schedule, tokens and latencies as plain data."""
-    from minipaged.scheduler import Scheduler
-
     if not isinstance(cls, type) or not issubclass(cls, Scheduler):
         return {"not_a_scheduler": type(cls).__name__ if not isinstance(cls, type) else cls.__name__}
     record, engines, times = [], [], []
@@ -173,12 +189,13 @@ def _run(case, cls, own: tuple[str, ...], borrow_admit: bool) -> dict:
         engines[:] = [engine]
         times.append(out.time)
 
-    result = {"own": [name for name in own if getattr(cls, name) is not getattr(Scheduler, name)], "raised": None}
+    result = {"own": [name for name in own if getattr(cls, name) is not PACKAGE_STEP[name]], "raised": None}
     if len(result["own"]) < len(own):  # the package's own methods: nothing of the learner's to run
         return result
     try:
         scheduler, table = _recording(cls, record, borrow_admit)
-        run = run_engine(case, observe=observe, scheduler=scheduler, block_table=table)
+        with _package_step_off(own):
+            run = run_engine(case, observe=observe, scheduler=scheduler, block_table=table)
     except NotImplementedError:
         raise
     except Exception as exc:  # the step it happened in is named by the judge

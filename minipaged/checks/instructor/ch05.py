@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import random
 
+from minipaged.checks.ch05 import PACKAGE_STEP
 from minipaged.checks.engine_run import VOCAB_SIZE
 from minipaged.checks.instructor import Side
+from minipaged.scheduler import Scheduler
 
 
 def _request(rng: random.Random, i: int, arrive: int, prompt_len: int, max_tokens: int) -> dict:
@@ -73,17 +75,17 @@ def hidden_cases(rng: random.Random) -> list[dict]:
     return cases
 
 
+class PackageScheduler(Scheduler):
+    """The package's scheduler, its two halves restated so that the probe runs them as a learner's."""
+
+    def _schedule_running(self, out, budget):
+        return PACKAGE_STEP["_schedule_running"](self, out, budget)
+
+    def _admit(self, out, budget):
+        return PACKAGE_STEP["_admit"](self, out, budget)
+
+
 def reference():
-    """The package's scheduler, its two methods restated so that the probe counts them as written."""
-    from minipaged.scheduler import Scheduler
-
-    class PackageScheduler(Scheduler):
-        def _schedule_running(self, out, budget):
-            return Scheduler._schedule_running(self, out, budget)
-
-        def _admit(self, out, budget):
-            return Scheduler._admit(self, out, budget)
-
     return (PackageScheduler,)
 
 
