@@ -9,6 +9,7 @@ failure, not the check's default.
 from functools import partial
 
 import pytest
+import torch
 
 from minipaged.checks import FAIL, PASS, TODO, ch05, expected
 from minipaged.checks.engine_run import check_model
@@ -18,6 +19,15 @@ from minipaged.scheduler import EngineConfig, Scheduler
 from minipaged.sequence import SamplingParams
 
 pytestmark = pytest.mark.ch05
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The check model's matmuls are tiny: threads only add contention."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 class Model(Scheduler):
@@ -238,3 +248,26 @@ def test_the_model_scheduler_equals_the_package_with_prefix_caching_and_samples(
         runs.append((steps, {k: s.output_token_ids for k, s in engine.seqs.items()}, stats.hits, stats.queries))
     assert runs[0] == runs[1]
     assert runs[0][2] > 0
+
+
+def test_the_workloads_exercise_every_rule_and_the_reference_passes_its_hidden_cases():
+    """Public workloads preempt (a requester itself, and on an arrival tie), chunk, and wait whole; hidden ones run."""
+    import random
+
+    from minipaged.checks import find, plain, reference_transcript
+    from minipaged.checks.instructor import ch05 as side_module
+
+    side, check = side_module.SIDES["scheduler"], find("ch05.scheduler")
+    steps = [s for obs in reference_transcript("ch05.scheduler", side.public())["observations"] for s in obs["steps"]]
+    victims = [v for s in steps for v in s["victims"]]
+    arrival = {row[0]: row[1] for s in steps for row in s["before"]["running"]}
+    assert any(victim == asker for victim, asker in victims), "no sequence preempts itself"
+    assert any(victim != asker for victim, asker in victims), "no sequence preempts another"
+    assert any(sum(arrival[v] == arrival[u] for u in arrival) > 1 for v, _ in victims), "no victim has a tie"
+    assert any(n < row[3] - row[2] for s in steps for seq_id, n in s["plan"] for row in s["before"]["running"]
+               if row[0] == seq_id), "no running sequence computes a chunk"
+    hidden = side.hidden(random.Random(7))
+    assert hidden == side.hidden(random.Random(7)) != side.hidden(random.Random(8)) and plain(hidden) == hidden
+    want = reference_transcript("ch05.scheduler", hidden)
+    assert all(obs["raised"] is None and obs["finished"] for obs in want["observations"])
+    assert check.verdict(hidden, check.transcript(hidden, (Model,)), want, 0).passed
