@@ -110,6 +110,8 @@ def _refused_victim(running):
 
 
 def _refuse(name: str):
+    """A stand-in for the package's ``Scheduler.<name>`` that raises, named in its message."""
+
     def refused(self, *args, **kwargs):
         raise _NotYours(f"the package's Scheduler.{name} is switched off in this check: write your own")
 
