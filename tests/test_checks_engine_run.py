@@ -62,3 +62,23 @@ def test_divergences_name_the_first_step_and_token():
         first_token_divergence({"r0": [1], "r1": [4, 5, 7]}, {"r0": [1], "r1": [4, 5, 8]})
     with pytest.raises(CheckFailed, match="sequence r0 generated 1 tokens, expected 2"):
         first_token_divergence({"r0": [1]}, {"r0": [1, 2]})
+
+
+def test_a_learners_backend_runs_under_its_own_name_and_leaves_the_registry_as_it_was():
+    from dataclasses import replace
+
+    from minipaged.attention import backend_names, get_backend
+    from minipaged.checks.engine_run import CHECK_BACKEND
+
+    before = backend_names()
+    calls = []
+
+    def decode(*args, **kwargs):
+        calls.append("decode")
+        return torch_backend.decode(*args, **kwargs)
+
+    torch_backend = get_backend("torch")
+    mine = replace(torch_backend, name="torch", decode=decode)  # named like the package's: it must not replace it
+    c = case(1, abort_prob=0.0)
+    assert run_engine(c, backend=mine)["tokens"] == run_engine(c)["tokens"] and calls
+    assert backend_names() == before and CHECK_BACKEND not in before and get_backend("torch") is torch_backend

@@ -23,6 +23,7 @@ A case is plain data::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 from functools import cache
 
@@ -75,6 +76,32 @@ def seeded_requests(rng: random.Random, num_requests: int, prompt_len: tuple[int
     return requests
 
 
+@contextlib.contextmanager
+def engine_with(model, config: dict, backend=None, **seams):
+    """An :class:`~minipaged.engine.Engine` on ``model`` with ``config``'s fields, ``backend`` and ``seams`` in it.
+
+    Inside the block a copy of ``backend`` is registered as :data:`CHECK_BACKEND` (under a name of its
+    own, so that no registered backend is replaced); it is unregistered when the block ends.
+
+    Args:
+        model: the model to serve.
+        config: :class:`~minipaged.scheduler.EngineConfig` fields.
+        backend: an :class:`~minipaged.attention.AttentionBackend`, or None for the config's own.
+        **seams: the engine's seams (``allocator``, ``block_table``, ``scheduler``, ``speculator``).
+    """
+    from minipaged import attention
+    from minipaged.engine import Engine
+    from minipaged.scheduler import EngineConfig
+
+    if backend is not None:
+        attention.register_backend(CHECK_BACKEND, dataclasses.replace(backend, name=CHECK_BACKEND), replace=True)
+        config = dict(config, backend=CHECK_BACKEND)
+    try:
+        yield Engine(model, EngineConfig(**config), **seams)
+    finally:
+        attention._REGISTRY.pop(CHECK_BACKEND, None)  # the registry as it was (it has no public unregister)
+
+
 def run_engine(case: dict, *, observe=None, backend=None, **seams) -> dict:
     """Serve ``case``'s requests on :func:`check_model`, greedily, and record what happened as plain data.
 
@@ -91,19 +118,12 @@ def run_engine(case: dict, *, observe=None, backend=None, **seams) -> dict:
         ``{"tokens": {str(seq_id): [generated ids]}, "steps": [observations], "finished": bool}``;
         ``finished`` is False when the run was cut off after :data:`MAX_STEPS` steps.
     """
-    from minipaged.attention import register_backend
-    from minipaged.engine import Engine
-    from minipaged.scheduler import EngineConfig
     from minipaged.sequence import SamplingParams
 
-    config = dict(case["config"], keep_finished=True)
-    if backend is not None:
-        register_backend(CHECK_BACKEND, backend, replace=True)
-        config["backend"] = CHECK_BACKEND
-    engine = Engine(check_model(), EngineConfig(**config), **seams)
     requests = sorted(case["requests"], key=lambda r: r["arrive"])
     steps, step = [], 0
-    with torch.no_grad(), one_thread():
+    config = dict(case["config"], keep_finished=True)
+    with engine_with(check_model(), config, backend, **seams) as engine, torch.no_grad(), one_thread():
         while (requests or engine.has_unfinished()) and step < MAX_STEPS:
             for r in case["requests"]:
                 samples = engine.requests.get(r["id"], [])
@@ -118,8 +138,9 @@ def run_engine(case: dict, *, observe=None, backend=None, **seams) -> dict:
                 if observe is not None:
                     steps.append(observe(engine, out))
             step += 1
+        finished = not (requests or engine.has_unfinished())
     tokens = {str(seq_id): list(seq.output_token_ids) for seq_id, seq in engine.seqs.items()}
-    return {"tokens": tokens, "steps": steps, "finished": not (requests or engine.has_unfinished())}
+    return {"tokens": tokens, "steps": steps, "finished": finished}
 
 
 @contextlib.contextmanager
