@@ -9,7 +9,6 @@ failure, not the check's default.
 from functools import partial
 
 import pytest
-import torch
 
 from minipaged.checks import FAIL, PASS, TODO, ch05, expected
 from minipaged.checks.engine_run import check_model
@@ -19,15 +18,6 @@ from minipaged.scheduler import EngineConfig, Scheduler
 from minipaged.sequence import SamplingParams
 
 pytestmark = pytest.mark.ch05
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The check model's matmuls are tiny: threads only add contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class Model(Scheduler):

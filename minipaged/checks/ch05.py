@@ -120,7 +120,14 @@ def _refuse(name: str):
 
 @contextlib.contextmanager
 def _package_step_off(names: tuple[str, ...]):
-    """While it lasts, ``Scheduler.<name>`` raises for each of ``names`` (a learner's ``super()`` call reaches it)."""
+    """While it lasts, ``Scheduler.<name>`` raises for each of ``names`` (a learner's ``super()`` call reaches it).
+
+    It also runs torch on one thread: the check model's matmuls are tiny, and threads only add contention.
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     for name in names:
         setattr(Scheduler, name, _refuse(name))
     try:
@@ -128,6 +135,7 @@ def _package_step_off(names: tuple[str, ...]):
     finally:
         for name in names:
             setattr(Scheduler, name, PACKAGE_STEP[name])
+        torch.set_num_threads(threads)
 
 
 def _state(scheduler) -> dict:
