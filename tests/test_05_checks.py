@@ -1,82 +1,263 @@
-"""Exercise 05's checks by mutation: the reference PASSes, every known wrong answer FAILs."""
+"""Exercise 05's checks by mutation: the model scheduler PASSes, every known wrong one FAILs at its first bad step.
+
+Each wrong scheduler is a classic mistake, a subclass of the model solution (:class:`Model`, the
+solution notebook's ``MyScheduler``) that changes one thing. Each must FAIL with a message that names
+the first step where the engine's schedule parts from the package's, and print the hint for that
+failure, not the check's default.
+"""
+
+from functools import partial
 
 import pytest
 
-from minipaged.checks import FAIL, PASS, ch05
-from minipaged.scheduler import can_admit
+from minipaged.checks import FAIL, PASS, TODO, ch05, expected
+from minipaged.checks.engine_run import check_model
+from minipaged.engine import Engine
+from minipaged.prefix_cache import PrefixCachingAllocator
+from minipaged.scheduler import EngineConfig, Scheduler
+from minipaged.sequence import SamplingParams
 
 pytestmark = pytest.mark.ch05
 
 
-def chunk(n, c, budget, free, wm, b):
-    held = -(-c // b)
-    return max(0, min(n - c, budget, (held + max(free - wm, 0)) * b - c))
+class Model(Scheduler):
+    """The model solution of Tasks 5.1 and 5.2 (the solution notebook's MyScheduler)."""
 
+    def chunk(self, seq, budget, start):
+        left = seq.num_tokens - start
+        n = min(left, budget)
+        return 0 if n < left and not self.config.chunked_prefill else n
 
-CHUNK_MUTANTS = {
-    "ignores the held block": lambda n, c, t, f, w, b: max(0, min(n - c, t, max(f - w, 0) * b)),
-    "no watermark": lambda n, c, t, f, w, b: max(0, min(n - c, t, (-(-c // b) + f) * b - c)),
-    "all or nothing": lambda n, c, t, f, w, b: min(n - c, t) if chunk(n, c, t, f, w, b) == min(n - c, t) else 0,
-    "negative usable blocks": lambda n, c, t, f, w, b: max(0, min(n - c, t, (-(-c // b) + f - w) * b - c)),
-    "float blocks": lambda n, c, t, f, w, b: max(0, min(n - c, t, int(-(-c / b) // 1 + max(f - w, 0)) * b - c)),
-}
+    def youngest(self, seq):
+        return max(reversed(self.running), key=lambda s: s.arrival_time)
 
+    def order(self):
+        return [s for s in self.running if not s.is_prefill] + [s for s in self.running if s.is_prefill]
 
-def victims(running, requester, needed, free):
-    order = sorted(enumerate(running), key=lambda item: (item[1][1], item[0]), reverse=True)
-    out = []
-    for _, (seq_id, _, blocks) in order:
-        if free >= needed:
-            break
-        if seq_id != requester:
-            out.append(seq_id)
-            free += blocks
-    return out + [requester] if free < needed else out
+    def _schedule_running(self, out, budget):
+        for seq in self.order():
+            if seq not in self.running:
+                continue
+            n = self.chunk(seq, budget, seq.num_computed_tokens)
+            if n == 0:
+                continue
+            while not self.allocator.can_allocate(seq.block_table.num_new_blocks(n)):
+                victim = self.youngest(seq)
+                if victim in out.seqs:
+                    budget += out.take_back(victim)
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.add(seq, n, seq.block_table.append_tokens(n))
+                budget -= n
+        return budget
 
+    def first_chunk(self, seq, budget, start):
+        return self.chunk(seq, budget, start)
 
-def _greedy(order_key, spare_requester=True, count_free=True, stop=True):
-    def pick(running, requester, needed, free):
-        free = free if count_free else 0
-        out = []
-        for _, (seq_id, _, blocks) in sorted(enumerate(running), key=order_key, reverse=True):
-            if stop and free >= needed:
+    def _admit(self, out, budget):
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            match = self.match_prefix(seq)
+            start = len(match.block_ids) * self.config.block_size if match else 0
+            n = self.first_chunk(seq, budget, start)
+            if n == 0 or not self.fits(seq, start + n, match):
                 break
-            if seq_id != requester or not spare_requester:
-                out.append(seq_id)
-                free += blocks
-        return out + [requester] if free < needed and spare_requester else out
-    return pick
+            self.waiting.popleft()
+            self._start(seq, match, start, out)
+            out.add(seq, n, seq.block_table.append_tokens(n))
+            self._cache_blocks(seq, start + n)
+            budget -= n
 
 
-def _sorts_in_place(running, requester, needed, free):
-    running.sort(key=lambda r: r[1])
-    return victims(running, requester, needed, free)
+class PreemptsTheOldest(Model):
+    def youngest(self, seq):
+        return min(self.running, key=lambda s: s.arrival_time)
 
 
-VICTIM_MUTANTS = {
-    "oldest first": _greedy(lambda item: -item[1][1] + item[0] * 0),
-    "tie to the earlier": _greedy(lambda item: (item[1][1], -item[0])),
-    "requester not spared": _greedy(lambda item: (item[1][1], item[0]), spare_requester=False),
-    "ignores free blocks": _greedy(lambda item: (item[1][1], item[0]), count_free=False),
-    "never stops": _greedy(lambda item: (item[1][1], item[0]), stop=False),
-    "sorts the list in place": _sorts_in_place,
+class TieToTheEarlier(Model):  # max() keeps the first of equal arrivals: the earlier admitted
+    def youngest(self, seq):
+        return max(self.running, key=lambda s: s.arrival_time)
+
+
+class SparesTheRequester(Model):  # never preempts the sequence that asks: an older one pays instead
+    def youngest(self, seq):
+        others = [s for s in self.running if s is not seq]
+        return max(reversed(others), key=lambda s: s.arrival_time) if others else seq
+
+
+class PrefillsFirst(Model):  # prefill chunks before decodes (vLLM V0's prefill priority)
+    def order(self):
+        return [s for s in self.running if s.is_prefill] + [s for s in self.running if not s.is_prefill]
+
+
+class SpendsNothing(Model):  # never takes the running sequences' tokens out of the budget
+    def _schedule_running(self, out, budget):
+        super()._schedule_running(out, budget)
+        return budget
+
+
+class NeverChunks(Model):  # a prefill that does not fit the budget waits whole, chunked_prefill or not
+    def chunk(self, seq, budget, start):
+        return seq.num_tokens - start if seq.num_tokens - start <= budget else 0
+
+
+class ChunksAnyway(Model):  # ignores chunked_prefill=False
+    def chunk(self, seq, budget, start):
+        return min(seq.num_tokens - start, budget)
+
+
+class ChunkIsTheBudget(Model):  # forgets that a sequence has only so many tokens left
+    def chunk(self, seq, budget, start):
+        return budget
+
+
+class RecomputesThePromptOnly(Model):  # a readmitted victim recomputes its prompt, not what it generated
+    def first_chunk(self, seq, budget, start):
+        return min(seq.num_prompt_tokens - start, budget)
+
+
+class JumpsTheQueue(Model):  # skips a head that does not fit and admits a later one: not FCFS
+    def _admit(self, out, budget):
+        for seq in list(self.waiting):
+            n = self.chunk(seq, budget, 0)
+            if budget <= 0 or n == 0 or not self.fits(seq, n):
+                continue
+            self.waiting.remove(seq)
+            self._start(seq, None, 0, out)
+            out.add(seq, n, seq.block_table.append_tokens(n))
+            budget -= n
+
+
+class UsesThePackagesChunk(Model):  # delegates the chunk size to the base class
+    def chunk(self, seq, budget, start):
+        return self._chunk(seq, budget, start)
+
+
+class CallsSuper(Scheduler):  # the package's admission behind the learner's name
+    chunk, youngest, order, _schedule_running = Model.chunk, Model.youngest, Model.order, Model._schedule_running
+
+    def _admit(self, out, budget):
+        return super()._admit(out, budget)
+
+
+class AsksThePolicy(Model):  # delegates the victim to the waiting queue
+    def youngest(self, seq):
+        return self.waiting.victim(self.running)
+
+
+# name -> (the wrong scheduler, the check that must FAIL, the words its message must hold, the hint it must print)
+MUTANTS = {
+    "preempts the oldest": (PreemptsTheOldest, ch05.check_schedule_running, "the youngest running", "youngest"),
+    "a tie goes to the earlier admitted": (TieToTheEarlier, ch05.check_schedule_running, "at the same time", "tie"),
+    "never preempts the requester": (SparesTheRequester, ch05.check_schedule_running, "needed the block itself",
+                                     "itself"),
+    "prefill chunks before decodes": (PrefillsFirst, ch05.check_schedule_running, "decod", "decodes_first"),
+    "the budget is not spent": (SpendsNothing, ch05.check_schedule_running, "over the budget", "budget"),
+    "never chunks a long prefill": (NeverChunks, ch05.check_schedule_running, "computes a chunk", "chunk"),
+    "chunks with chunked_prefill off": (ChunksAnyway, ch05.check_scheduler, "chunked_prefill off", "no_chunking"),
+    "a chunk of the whole budget": (ChunkIsTheBudget, ch05.check_schedule_running, "left to compute", "too_many"),
+    "recomputes only the prompt": (RecomputesThePromptOnly, ch05.check_scheduler, "need recomputing", "recompute"),
+    "jumps the queue": (JumpsTheQueue, ch05.check_scheduler, "jumped the queue", "fcfs"),
+    "calls the package's _chunk": (UsesThePackagesChunk, ch05.check_scheduler, "switched off", "own"),
+    "calls the package's _admit through super()": (CallsSuper, ch05.check_scheduler, "switched off", "own"),
+    "asks the policy for the victim": (AsksThePolicy, ch05.check_schedule_running, "switched off", "own"),
 }
 
 
-@pytest.mark.parametrize(
-    "check, reference, mutants",
-    [(ch05.check_prefill_chunk, chunk, CHUNK_MUTANTS), (ch05.check_pick_victims, victims, VICTIM_MUTANTS)],
-    ids=["prefill_chunk", "pick_victims"],
-)
-def test_reference_passes_and_mutants_fail(check, reference, mutants):
-    assert check(reference).status == PASS
-    for name, mutant in mutants.items():
-        assert check(mutant).status == FAIL, name
+@pytest.mark.parametrize("check", [ch05.check_schedule_running, ch05.check_scheduler], ids=lambda c: c.name)
+def test_the_model_scheduler_passes(check, capsys):
+    assert check(Model).status == PASS
+    capsys.readouterr()
 
 
-def test_the_chapters_can_admit_does_not_answer_task_5_1():
-    assert ch05.check_prefill_chunk(can_admit).status == FAIL
+@pytest.fixture(scope="module")
+def public():
+    """Each check's public cases and the reference's transcript on them, computed once for the mutants."""
+    return {check.name: expected(check.name) for check in (ch05.check_schedule_running, ch05.check_scheduler)}
 
 
-def test_sparing_the_requester_is_named():
-    assert "the requester goes only after" in ch05.check_pick_victims(VICTIM_MUTANTS["requester not spared"]).message
+def judged(check, cls, public):
+    """``check(cls)``'s verdict on the public cases, against the reference transcript computed once."""
+    cases, want = public[check.name]
+    return check.verdict(cases, check.transcript(cases, (cls,)), want, len(cases))
+
+
+@pytest.mark.parametrize("name", MUTANTS)
+def test_each_known_wrong_scheduler_fails_at_its_first_bad_step_with_its_own_hint(name, public):
+    cls, check, words, hint = MUTANTS[name]
+    result = judged(check, cls, public)
+    assert result.status == FAIL, name
+    assert "step " in result.message and words in result.message, result.message
+    assert result.hint == ch05.FAILURE_HINTS[hint], (result.message, result.hint)
+
+
+def test_the_packages_own_scheduler_is_not_an_answer(public):
+    for check in (ch05.check_schedule_running, ch05.check_scheduler):
+        result = judged(check, Scheduler, public)
+        assert result.status == FAIL and "does not define _schedule_running" in result.message
+        assert result.hint == ch05.FAILURE_HINTS["own"]
+
+
+def test_an_unfinished_task_reads_not_implemented_and_a_crash_names_its_step_and_arguments(public):
+    class Unfinished(Model):
+        def _admit(self, out, budget):
+            raise NotImplementedError("Task 5.2 is not implemented yet")
+
+    class Crashes(Model):
+        def chunk(self, seq, budget, start):
+            if seq.num_preemptions:
+                raise KeyError("oops")
+            return super().chunk(seq, budget, start)
+
+    assert judged(ch05.check_schedule_running, Unfinished, public).status == PASS  # 5.1 borrows the admission
+    assert judged(ch05.check_scheduler, Unfinished, public).status == TODO
+    result = judged(ch05.check_scheduler, Crashes, public)
+    assert result.status == FAIL and result.message.count("step ") == 1, result.message
+    assert "KeyError" in result.message and "in chunk" in result.message and "budget=" in result.message
+    for thing in (3, Model.__init__, EngineConfig):
+        assert judged(ch05.check_scheduler, thing, public).status == FAIL
+
+
+def test_the_model_scheduler_equals_the_package_with_prefix_caching_and_samples():
+    """Outside the check's envelope, for the capstone: a prefix cache, n = 2, the same tokens and hits."""
+    prompt = list(range(1, 23))
+    runs = []
+    for cls in (Scheduler, Model):
+        engine = Engine(check_model(), EngineConfig(num_blocks=14, block_size=4, max_num_batched_tokens=16,
+                                                    keep_finished=True),
+                        allocator=partial(PrefixCachingAllocator), scheduler=cls)
+        for i in range(4):
+            engine.add_request(prompt[: 12 + 3 * i], SamplingParams(max_tokens=6, n=1 + i % 2, ignore_eos=True))
+        steps = []
+        while engine.has_unfinished():
+            out = engine.step()
+            steps.append((out.scheduled, out.preempted, out.admitted))
+        stats = engine.cache.allocator.stats()
+        runs.append((steps, {k: s.output_token_ids for k, s in engine.seqs.items()}, stats.hits, stats.queries))
+    assert runs[0] == runs[1]
+    assert runs[0][2] > 0
+
+
+def test_the_workloads_exercise_every_rule_and_the_reference_passes_its_hidden_cases():
+    """Public workloads preempt (a requester itself, and on an arrival tie), chunk, and wait whole; hidden ones run."""
+    import random
+
+    from minipaged.checks import find, plain, reference_transcript
+    from minipaged.checks.instructor import ch05 as side_module
+
+    side, check = side_module.SIDES["scheduler"], find("ch05.scheduler")
+    steps = [s for obs in reference_transcript("ch05.scheduler", side.public())["observations"] for s in obs["steps"]]
+    victims = [v for s in steps for v in s["victims"]]
+    arrival = {row[0]: row[1] for s in steps for row in s["before"]["running"]}
+    assert any(victim == asker for victim, asker in victims), "no sequence preempts itself"
+    assert any(victim != asker for victim, asker in victims), "no sequence preempts another"
+    assert any(sum(arrival[v] == arrival[u] for u in arrival) > 1 for v, _ in victims), "no victim has a tie"
+    assert any(n < row[3] - row[2] for s in steps for seq_id, n in s["plan"] for row in s["before"]["running"]
+               if row[0] == seq_id), "no running sequence computes a chunk"
+    hidden = side.hidden(random.Random(7))
+    assert hidden == side.hidden(random.Random(7)) != side.hidden(random.Random(8)) and plain(hidden) == hidden
+    want = reference_transcript("ch05.scheduler", hidden)
+    assert all(obs["raised"] is None and obs["finished"] for obs in want["observations"])
+    assert check.verdict(hidden, check.transcript(hidden, (Model,)), want, 0).passed

@@ -328,7 +328,7 @@ def test_the_readme_grading_command_runs(tmp_path):
     done = subprocess.run([sys.executable, *args[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stderr
     table = done.stdout.splitlines()
-    assert table[0].split() == ["learner", "ch05.prefill_chunk", "ch05.pick_victims", "passed"]
+    assert table[0].split() == ["learner", "ch05.schedule_running", "ch05.scheduler", "passed"]
     assert table[1].split() == ["ada", "PASS", "PASS", "2/2"] and table[2].split() == ["bo", "TODO", "TODO", "0/2"]
     assert "FLAG" in done.stdout  # ada handed in the model solution itself
     assert (tmp_path / "gradebook.csv").exists() and (tmp_path / "gradebook.json").exists()

@@ -1,84 +1,402 @@
-"""Checks for exercise 05: the scheduler's decisions in the situations chapter 05 does not spell out.
+"""Checks for exercise 05: the learner's scheduling step, inside the real engine.
 
-Chapter 05 shows the yes/no admission of a whole chunk and the choice of one
-victim. The exercise asks for the *size* of a prefill chunk when the token
-budget, the pool and the watermark all limit it, for a sequence that may already
-hold a partly filled block; and for the whole list of victims when the sequence
-that needs blocks must not be preempted for itself unless nothing else frees
-enough. The references are on the instructor's side (``minipaged.checks.instructor.ch05``).
+The learner writes a :class:`~minipaged.scheduler.Scheduler` subclass with their own
+``_schedule_running`` (Task 5.1: running sequences first, decodes before prefill chunks, the token
+budget, chunked prefill, preempting the youngest) and ``_admit`` (Task 5.2: first come, first served
+admission of the waiting queue's head). The probes run :func:`~minipaged.checks.engine_run.run_engine`
+with ``scheduler=`` the learner's class, on a workload whose pool is small enough to preempt, and
+record every step's plan as the scheduler made it: the state it started from, which sequences
+computed how many tokens, who was preempted, who was admitted. Then the tokens and every request's
+TTFT and TPOT (the engine's virtual clock). The judge compares them with the package's own scheduler
+on the same workload and names the first step where they part, and which rule that step broke.
+
+Envelope: recompute preemption, no prefix caching, one sample per request, no speculation, FCFS.
+The references and the workloads are on the instructor's side (``minipaged.checks.instructor.ch05``).
 """
 
 from __future__ import annotations
 
-from minipaged.accounting import ceil_div
-from minipaged.checks import CheckFailed, check, expect_equal
+import contextlib
+import sys
+
+from minipaged.checks import CheckFailed, _where, check
+from minipaged.checks.engine_run import first_divergence, first_token_divergence, run_engine
+from minipaged.scheduler import Scheduler
 
 # The package modules this exercise rebuilds: the grader flags a learner's cell that imports, subclasses or
-# calls them (a flag for the instructor, not a verdict).
+# calls them (a flag for the instructor, not a verdict). The solution subclasses Scheduler for its plumbing.
 REBUILDS = ("minipaged.scheduler", "minipaged.request_queue")
 
 HINTS = {
     "5.1": [
-        "three limits at once: the tokens left to prefill, the step's token budget, and the slots the pool can "
-        "give without eating the watermark; a partly filled block the sequence already holds has free slots too",
-        "slots available = (blocks already held + usable free blocks) · block_size − num_computed_tokens, where "
-        "usable free blocks = num_free_blocks − watermark_blocks, never below 0",
-        "the chunk is the smallest of the three limits, and never negative; blocks held = ceil(num_computed / B)",
+        "running sequences first, decodes before prefill chunks, all out of one token budget; when the pool cannot "
+        "give a chunk its blocks, the youngest running sequence is preempted, which may be the one asking",
+        "go through self.running decodes first (admission order within each kind); a chunk is the tokens the "
+        "sequence has left to compute, cut to the budget left (and 0 if chunked_prefill is off and it would be cut)",
+        "while the pool cannot give the chunk's new blocks (self.allocator.can_allocate), preempt the running "
+        "sequence with the latest arrival_time (a tie: the later in self.running); a victim planned earlier in "
+        "the step gives its tokens back (out.take_back); once the asker itself went, move on to the next",
     ],
     "5.2": [
-        "recompute preemption frees a victim's blocks; youngest first (largest arrival_time, ties to the later "
-        "one in the list), and never the requester while someone else can go",
-        "sort the others youngest first and take victims until num_free_blocks plus what they hold covers "
-        "num_blocks_needed",
-        "if all the others together are not enough, the requester preempts itself as well: append it last",
+        "first come, first served: only the head of the waiting queue may start, and if it does not fit, nobody "
+        "behind it does",
+        "the head's first chunk is every token it has left to compute, cut to the budget left, as for a running one "
+        "(a preempted sequence lost its K/V: its prompt and its generated tokens); self.fits says whether its "
+        "blocks, a seat and the watermark are there",
+        "admitting is popleft, then self._start, then planning its chunk as for a running sequence (and keying its "
+        "blocks with self._cache_blocks, which does nothing without prefix caching); stop at the first head that "
+        "does not fit or when the budget is spent",
     ],
 }
 
+# The hint for each kind of failure the judge names (printed instead of the check's default).
+FAILURE_HINTS = {
+    "youngest": "the victim is the youngest running sequence, the one with the latest arrival_time, so that the "
+                "oldest request always makes progress",
+    "tie": "two running sequences arrived at the same time: on a tie the later admitted (later in self.running) is "
+           "the younger, and goes first",
+    "itself": "the sequence that needs a block may itself be the youngest: then it preempts itself and waits, and no "
+              "older sequence is touched; move on to the next running sequence",
+    "needless": "preempt only while the pool cannot give the blocks the chunk needs (self.allocator.can_allocate "
+                "with the table's num_new_blocks), and stop as soon as it can",
+    "take_back": "a victim planned earlier in the step is preempted with its chunk: take the chunk back out of the "
+                 "plan (out.take_back), and its tokens go back to the budget",
+    "decodes_first": "plan the running decodes before any prefill chunk: a decode is one token a user is waiting "
+                     "for, a prefill chunk takes what the budget leaves",
+    "budget": "every planned token counts against max_num_batched_tokens, a decode's too; a sequence gets at most "
+              "what the budget has left",
+    "chunk": "with chunked_prefill on, a prompt longer than the budget left runs the part that fits now (a chunk) "
+             "and the rest in later steps",
+    "no_chunking": "with chunked_prefill off, a prefill that does not fit the budget left waits whole (0 tokens) "
+                   "instead of running a chunk",
+    "too_many": "a sequence computes at most the tokens it has left: num_tokens - num_computed_tokens (a decode: 1)",
+    "recompute": "a preempted sequence lost its K/V: when it is admitted again it recomputes all its tokens, its "
+                 "prompt and the ones it generated (num_computed_tokens is 0)",
+    "fcfs": "first come, first served: when the head of the waiting queue does not fit, nobody behind it is admitted "
+            "in this step",
+    "admit": "admit the head of the waiting queue whenever its first chunk fits (self.fits) and the budget is not "
+             "spent, then the next head, and so on",
+    "own": "this exercise is the scheduling step itself: size the chunks and pick the victims in your own code",
+}
 
-@check("ch05.prefill_chunk", hint=HINTS["5.1"][0], label=lambda c: f"prefill_chunk({', '.join(map(repr, c))})",
-       summary="{n} cases: budget, pool, watermark and a partly filled block as the limit")
-def check_prefill_chunk(case, fn):
-    """``case`` = (num_tokens, num_computed_tokens, token_budget, num_free_blocks, watermark_blocks, block_size)."""
-    return fn(*case)
-
-
-@check_prefill_chunk.judge
-def _judge_chunk(case, got, want):
-    if type(got) is not int:
-        raise CheckFailed(f"returned {got!r}; return a number of tokens (an int)")
-    n, c, budget, free, wm, b = case
-    if got != want and got == max(0, min(n - c, budget, max(free - wm, 0) * b)):
-        raise CheckFailed(f"returned {got}, expected {want}: the sequence already holds {ceil_div(c, b)} block(s) "
-                          f"with {ceil_div(c, b) * b - c} free slot(s)")
-    if got != want and got == 0 and want:
-        raise CheckFailed(f"returned 0, expected {want}: a chunk may be shorter than the rest of the prompt; take "
-                          "as many tokens as fit")
-    expect_equal(got, want)
-
-
-def _victims_label(case) -> str:
-    running, requester, needed, free = case
-    return (f"pick_victims({[tuple(r) for r in running]}, requester={requester!r}, num_blocks_needed={needed}, "
-            f"num_free_blocks={free})")
-
-
-@check("ch05.pick_victims", hint=HINTS["5.2"][0], label=_victims_label,
-       summary="{n} cases: youngest first, ties, the requester spared, free blocks counted")
-def check_pick_victims(case, fn):
-    """``case`` = (running as [seq_id, arrival_time, num_blocks] rows, requester, num_blocks_needed, num_free)."""
-    running, requester, needed, free = case
-    given = [tuple(r) for r in running]
-    got = fn(given, requester, needed, free)
-    return {"victims": got, "input_unchanged": given == [tuple(r) for r in running]}
+# The package's own halves of the step, as they are before a probe switches them off for the learner's code.
+PACKAGE_STEP = {name: Scheduler.__dict__[name] for name in ("_schedule_running", "_admit", "_chunk")}
+_OWN = {"ch05.schedule_running": ("_schedule_running",), "ch05.scheduler": ("_schedule_running", "_admit")}
 
 
-@check_pick_victims.judge
-def _judge_victims(case, got, want):
-    if type(got) is not dict or got.get("input_unchanged") is not True:
-        raise CheckFailed("changed the list it was given; only pick, don't remove or sort in place")
-    mine, right = got.get("victims"), want["victims"]
-    requester = case[1]
-    if type(mine) is list and requester in mine and requester not in right:
-        raise CheckFailed(f"returned {mine}, expected {right}: the requester goes only after every other sequence, "
-                          "and only if they free too little")
-    expect_equal(mine, right)
+class _NotYours(RuntimeError):
+    """The learner's code called the package's piece that the exercise asks them to write."""
+
+
+def _package_caller(*methods) -> bool:
+    """Whether the caller of the function that asks is one of the package's ``Scheduler`` ``methods``."""
+    return sys._getframe(2).f_code in {PACKAGE_STEP[m].__code__ for m in methods}
+
+
+def _refused_chunk(self, seq, budget, start=None):
+    """The base class's ``_chunk``, for the package's own methods only (check 5.1 borrows its admission)."""
+    if not _package_caller("_admit", "_schedule_running"):
+        raise _NotYours("the package's Scheduler._chunk is switched off in this check: size the chunk yourself")
+    return PACKAGE_STEP["_chunk"](self, seq, budget, start)
+
+
+def _refused_victim(running):
+    """The waiting queue's ``victim``, for the package's own ``_schedule_running`` only."""
+    from minipaged.request_queue import FCFSQueue
+
+    if not _package_caller("_schedule_running"):
+        raise _NotYours("the waiting queue's victim() is switched off in this check: pick the youngest yourself")
+    return FCFSQueue.victim(running)
+
+
+def _refuse(name: str):
+    """A stand-in for the package's ``Scheduler.<name>`` that raises, named in its message."""
+
+    def refused(self, *args, **kwargs):
+        raise _NotYours(f"the package's Scheduler.{name} is switched off in this check: write your own")
+
+    return refused
+
+
+@contextlib.contextmanager
+def _package_step_off(names: tuple[str, ...]):
+    """While it lasts, ``Scheduler.<name>`` raises for each of ``names`` (a learner's ``super()`` call reaches it).
+
+    It also runs torch on one thread: the check model's matmuls are tiny, and threads only add contention.
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    for name in names:
+        setattr(Scheduler, name, _refuse(name))
+    try:
+        yield
+    finally:
+        for name in names:
+            setattr(Scheduler, name, PACKAGE_STEP[name])
+        torch.set_num_threads(threads)
+
+
+def _state(scheduler) -> dict:
+    """What a step starts from: the running sequences in admission order, the waiting queue, the free blocks."""
+    running = [[str(s.seq_id), s.arrival_time, s.num_computed_tokens, s.num_tokens, s.num_prompt_tokens]
+               for s in scheduler.running]
+    waiting = [[str(s.seq_id), s.num_computed_tokens, s.num_tokens, s.num_prompt_tokens] for s in scheduler.waiting]
+    return {"running": running, "waiting": waiting, "free": scheduler.allocator.num_free}
+
+
+def _recording(cls, record: list, borrow_admit: bool):
+    """``cls`` with every ``schedule()`` recorded into ``record``; the package's ``_chunk`` and ``victim`` refused.
+
+    Also a block table class that notes which sequence last asked for blocks, so that each preemption is
+    recorded with the sequence it made room for. Returns ``(scheduler class, block table class)``.
+    """
+    from minipaged.block_manager import BlockTable
+
+    asker, victims = [None], []
+
+    class AskingTable(BlockTable):
+        def num_new_blocks(self, num_tokens):
+            asker[0] = str(self.seq_id)
+            return super().num_new_blocks(num_tokens)
+
+    body = {}
+    if cls._chunk is PACKAGE_STEP["_chunk"]:  # a learner's own helper of that name is theirs to call
+        body["_chunk"] = _refused_chunk
+    if borrow_admit:
+        body["_admit"] = PACKAGE_STEP["_admit"]
+
+    def __init__(self, *args, **kwargs):
+        cls.__init__(self, *args, **kwargs)
+        self.waiting.victim = _refused_victim
+
+    def _preempt(self, seq, out):
+        victims.append([str(seq.seq_id), asker[0]])
+        return cls._preempt(self, seq, out)
+
+    def schedule(self):
+        before = _state(self)
+        victims.clear()
+        out = cls.schedule(self)
+        record.append({"before": before,
+                       "plan": [[str(s.seq_id), n] for s, n in zip(out.seqs, out.num_new_tokens)],
+                       "preempted": [str(s.seq_id) for s in out.preempted], "victims": list(victims),
+                       "admitted": [str(s.seq_id) for s in out.admitted]})
+        return out
+
+    methods = {**body, "__init__": __init__, "schedule": schedule, "_preempt": _preempt}
+    return type(cls.__name__, (cls,), methods), AskingTable
+
+
+def _run(case, cls, own: tuple[str, ...], borrow_admit: bool) -> dict:
+    """Run ``case`` on the engine with scheduler ``cls``; its schedule, tokens and latencies as plain data."""
+    if not isinstance(cls, type) or not issubclass(cls, Scheduler):
+        return {"not_a_scheduler": type(cls).__name__ if not isinstance(cls, type) else cls.__name__}
+    record, engines, times = [], [], []
+
+    def observe(engine, out):
+        engines[:] = [engine]
+        times.append(out.time)
+
+    result = {"own": [name for name in own if getattr(cls, name) is not PACKAGE_STEP[name]], "raised": None}
+    if len(result["own"]) < len(own):  # the package's own methods: nothing of the learner's to run
+        return result
+    try:
+        scheduler, table = _recording(cls, record, borrow_admit)
+        with _package_step_off(own):
+            run = run_engine(case, observe=observe, scheduler=scheduler, block_table=table)
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # the step it happened in is named by the judge
+        result["raised"] = {"step": len(record) - (len(record) > len(times)),
+                            "message": f"{type(exc).__name__}: {exc}{_where(exc)}"}
+        run = {"tokens": {}, "finished": False}
+    for obs, time in zip(record, times):
+        obs["time"] = time
+    result.update(steps=record, tokens=run["tokens"], finished=run["finished"])
+    seqs = engines[0].seqs.values() if engines and result["raised"] is None else []
+    result["latency"] = {str(s.seq_id): [s.first_token_time - s.arrival_time,
+                                         (s.finish_time - s.first_token_time) / (s.num_output_tokens - 1)
+                                         if s.num_output_tokens > 1 else None]
+                         for s in seqs if s.finish_time is not None}
+    return result
+
+
+def _label(case) -> str:
+    c = case["config"]
+    off = "" if c.get("chunked_prefill", True) else ", chunked_prefill off"
+    return (f"{case['name']} ({len(case['requests'])} requests, {c['num_blocks']} blocks of {c['block_size']}, "
+            f"budget {c['max_num_batched_tokens']}{off})")
+
+
+@check("ch05.schedule_running", hint=HINTS["5.1"][0], label=_label,
+       summary=lambda cases, seen: f"{sum(len(s['steps']) for s in seen)} steps on {len(cases)} workloads: the "
+                                   "running sequences' plans and victims equal the package's (its admission)")
+def check_schedule_running(case, cls):
+    """Task 5.1: ``cls``'s ``_schedule_running`` with the package's ``_admit``, on the engine, step by step."""
+    return _run(case, cls, _OWN["ch05.schedule_running"], borrow_admit=True)
+
+
+@check("ch05.scheduler", hint=HINTS["5.2"][0], label=_label,
+       summary=lambda cases, seen: f"{sum(len(s['steps']) for s in seen)} steps on {len(cases)} workloads: plans, "
+                                   "victims, admissions, tokens, TTFT and TPOT equal the package's")
+def check_scheduler(case, cls):
+    """Task 5.2: ``cls`` whole (``_schedule_running`` and ``_admit``) on the engine, step by step."""
+    return _run(case, cls, _OWN["ch05.scheduler"], borrow_admit=False)
+
+
+@check_schedule_running.judge
+def _judge_running(case, got, want):
+    _judge(case, got, want, _OWN["ch05.schedule_running"])
+
+
+@check_scheduler.judge
+def _judge_scheduler(case, got, want):
+    _judge(case, got, want, _OWN["ch05.scheduler"])
+
+
+def _judge(case, got, want, own: tuple[str, ...]) -> None:
+    if "not_a_scheduler" in got:
+        raise CheckFailed(f"got {got['not_a_scheduler']}, not a class: pass your Scheduler subclass itself "
+                          "(MyScheduler, not MyScheduler())" if got["not_a_scheduler"] in ("type", "") else
+                          f"{got['not_a_scheduler']} is not a subclass of minipaged.scheduler.Scheduler")
+    missing = [name for name in own if name not in got["own"]]
+    if missing:
+        raise CheckFailed(f"your class does not define {' and '.join(missing)}: it runs the package's; write your own",
+                          FAILURE_HINTS["own"])
+    steps, right = got["steps"], want["steps"]
+    describe = lambda step, g, w: _diagnose(case, step, steps[step], right[step])  # noqa: E731
+    mine, theirs = [_decisions(s) for s in steps], [_decisions(s) for s in right]
+    raised = got["raised"]
+    if raised is not None:  # the steps it planned (the last one perhaps the plan the engine choked on) first
+        first_divergence(mine, theirs[: len(mine)], describe)
+        agreed = " (your plan for that step agreed with the package's)" if raised["step"] < len(steps) else ""
+        raise CheckFailed(f"step {raised['step']}: {raised['message']}{agreed}", _raised_hint(raised["message"]))
+    first_divergence(mine, theirs, describe)
+    if not got["finished"]:
+        raise CheckFailed("the run had not finished after the engine's step limit")
+    for step, (g, w) in enumerate(zip(steps, right)):
+        if g["time"] != w["time"]:
+            raise CheckFailed(f"step {step}: the engine's clock reads {g['time']!r} s, expected {w['time']!r} s "
+                              "(the plans agree)")
+    first_token_divergence(got["tokens"], want["tokens"])
+    for seq_id, (ttft, tpot) in want["latency"].items():
+        mine = got["latency"].get(seq_id)
+        if mine != [ttft, tpot]:
+            raise CheckFailed(f"request {seq_id}: (TTFT, TPOT) = {mine}, expected {[ttft, tpot]} (the engine's clock)")
+
+
+def _raised_hint(message: str) -> str:
+    return FAILURE_HINTS["own"] if "switched off in this check" in message else ""
+
+
+def _decisions(obs: dict) -> dict:
+    """What a step decided (the state it started from is context, not a decision)."""
+    return {"plan": dict(sorted(map(tuple, obs["plan"]))), "preempted": obs["preempted"], "admitted": obs["admitted"]}
+
+
+def _diagnose(case, step: int, got: dict, want: dict) -> tuple[str, str]:
+    """The message and hint for the first step where the learner's decisions differ from the reference's."""
+    config = case["config"]
+    budget = config["max_num_batched_tokens"]
+    got_plan, want_plan = dict(map(tuple, got["plan"])), dict(map(tuple, want["plan"]))
+    running = {row[0]: row for row in want["before"]["running"]}
+    if sum(got_plan.values()) > budget:
+        return (f"your plan {got['plan']} computes {sum(got_plan.values())} tokens, over the budget of {budget}",
+                FAILURE_HINTS["budget"])
+    for seq_id, n in got_plan.items():
+        row = running.get(seq_id)
+        left = row[3] - row[2] if row else None
+        if left is not None and n > left:
+            return (f"you planned {seq_id} for {n} tokens, but it has only {left} left to compute",
+                    FAILURE_HINTS["too_many"])
+    both = [s for s in got["preempted"] if s in got_plan]
+    if both:
+        return (f"{both[0]} is both preempted and in your plan {got['plan']}: a preempted sequence gives its tokens "
+                "back", FAILURE_HINTS["take_back"])
+    decodes = [s for s, row in running.items() if row[2] >= row[4] and row[3] - row[2] == 1]
+    skipped = [s for s in decodes if s in want_plan and s not in got_plan and s not in got["preempted"]]
+    if skipped:
+        return (f"{skipped[0]} was decoding (1 token) and is not in your plan {got['plan']}, expected "
+                f"{want['plan']}", FAILURE_HINTS["decodes_first"])
+    unchunked = [seq_id for seq_id, row in running.items() if config.get("chunked_prefill", True)
+                 and seq_id not in got_plan and seq_id not in got["preempted"]
+                 and row[3] - row[2] > max(1, budget - sum(got_plan.values()))
+                 and (seq_id in want_plan or seq_id in want["preempted"])]
+    if unchunked:
+        row = running[unchunked[0]]
+        return (f"{unchunked[0]} has {row[3] - row[2]} tokens left to compute and is not in your plan "
+                f"{got['plan']}; the package's computes a chunk of it (or preempts for one)", FAILURE_HINTS["chunk"])
+    if got["preempted"] != want["preempted"]:
+        return _diagnose_victims(step, got, want, running)
+    if got["admitted"] != want["admitted"]:
+        return _diagnose_admission(config, got, want)
+    return _diagnose_plan(config, got_plan, want_plan, running, want["before"])
+
+
+def _diagnose_victims(step, got, want, running) -> tuple[str, str]:
+    mine, right = got["preempted"], want["preempted"]
+    i = next(i for i in range(max(len(mine), len(right))) if mine[i: i + 1] != right[i: i + 1])
+    base = f"you preempted {mine}, expected {right}"
+    if i >= len(mine):
+        return (f"{base}: {right[i]} had to go, the pool had {want['before']['free']} free blocks for the chunks "
+                f"planned", FAILURE_HINTS["needless"])
+    if i >= len(right):
+        return f"{base}: the pool could give the blocks without preempting {mine[i]}", FAILURE_HINTS["needless"]
+    g, w = running.get(mine[i]), running.get(right[i])
+    if g is None or w is None:
+        return base, FAILURE_HINTS["youngest"]
+    if g[1] == w[1]:
+        return (f"{base}: {mine[i]} and {right[i]} arrived at the same time, and {right[i]} was admitted later",
+                FAILURE_HINTS["tie"])
+    if [right[i], right[i]] in want["victims"] and g[1] < w[1]:
+        return (f"{base}: {right[i]} is the youngest running sequence, and it needed the block itself; "
+                f"{mine[i]} arrived before it", FAILURE_HINTS["itself"])
+    return (f"{base}: {mine[i]} arrived at t={g[1]:.4f} s, before {right[i]} (t={w[1]:.4f} s), the youngest "
+            "running sequence", FAILURE_HINTS["youngest"])
+
+
+def _diagnose_admission(config, got, want) -> tuple[str, str]:
+    mine, right = got["admitted"], want["admitted"]
+    base = f"you admitted {mine}, expected {right}"
+    queue = {row[0]: row for row in want["before"]["waiting"]}
+    order = [row[0] for row in want["before"]["waiting"]]
+    jumped = [s for s in mine if s not in right]
+    if jumped:
+        ahead = [s for s in order[: order.index(jumped[0])] if s not in mine] if jumped[0] in order else []
+        if ahead:
+            return f"{base}: {jumped[0]} jumped the queue ahead of {ahead[0]}, which did not fit", FAILURE_HINTS["fcfs"]
+        row, n = queue.get(jumped[0]), dict(map(tuple, got["plan"])).get(jumped[0])
+        if row and not config.get("chunked_prefill", True) and n is not None and n < row[2] - row[1]:
+            return (f"{base}: {jumped[0]} has {row[2] - row[1]} tokens to compute, and you gave it a chunk of {n} "
+                    "with chunked_prefill off", FAILURE_HINTS["no_chunking"])
+        if row and row[2] > row[3] and n is not None and n <= row[3] - row[1] < row[2] - row[1]:
+            return (f"{base}: {jumped[0]} was preempted, and its first chunk of {n} tokens leaves out the "
+                    f"{row[2] - row[3]} it generated, which need recomputing too", FAILURE_HINTS["recompute"])
+        return (f"{base}: {jumped[0]} did not fit (its first chunk's blocks, a seat, the watermark)",
+                FAILURE_HINTS["admit"])
+    return f"{base}: {[s for s in right if s not in mine][0]} fitted", FAILURE_HINTS["admit"]
+
+
+def _diagnose_plan(config, got_plan, want_plan, running, before) -> tuple[str, str]:
+    decodes = [s for s, row in running.items() if row[2] >= row[4] and row[3] - row[2] == 1]
+    for seq_id in sorted(set(got_plan) | set(want_plan)):
+        n, m = got_plan.get(seq_id, 0), want_plan.get(seq_id, 0)
+        if n == m:
+            continue
+        row = running.get(seq_id)
+        what = f"{seq_id} computes {n} tokens in your plan, {m} in the package's"
+        if row is None:  # admitted in this step
+            return what, FAILURE_HINTS["recompute"] if n < m else FAILURE_HINTS["chunk"]
+        left = row[3] - row[2]
+        if not config.get("chunked_prefill", True) and 0 < n < left:
+            return f"{what}: chunked_prefill is off, and {left} tokens do not fit", FAILURE_HINTS["no_chunking"]
+        if n == 0 and 0 < m < left:
+            return f"{what}: {left} tokens are left and {m} fit the budget", FAILURE_HINTS["chunk"]
+        if n < m and row[2] == 0 and row[3] > row[4]:
+            return f"{what}: it was preempted, and all its {row[3]} tokens need recomputing", FAILURE_HINTS["recompute"]
+        if n > m and any(s in decodes for s in want_plan if got_plan.get(s, 0) < want_plan[s]):
+            return f"{what}: its chunk took budget the decodes needed", FAILURE_HINTS["decodes_first"]
+        return f"{what} ({left} left to compute, {before['free']} free blocks)", FAILURE_HINTS["budget"]
+    return f"your plan {sorted(got_plan.items())}, expected {sorted(want_plan.items())}", ""

@@ -1,80 +1,95 @@
-"""Exercise 05's references, public cases and hidden cases (the instructor's side of ``minipaged.checks.ch05``)."""
+"""Exercise 05's workloads, hidden workloads and reference (the instructor's side of ``minipaged.checks.ch05``).
+
+The reference is the package's own :class:`~minipaged.scheduler.Scheduler`. Every workload runs in the
+exercise's envelope (recompute preemption, no prefix caching, n = 1, no speculation, FCFS) on a pool
+small enough that sequences are preempted, some of them by themselves.
+"""
 
 from __future__ import annotations
 
+import random
+
+from minipaged.checks.ch05 import PACKAGE_STEP
+from minipaged.checks.engine_run import VOCAB_SIZE
 from minipaged.checks.instructor import Side
-
-# (num_tokens, num_computed_tokens, token_budget, num_free_blocks, watermark_blocks, block_size)
-CHUNK_CASES = [
-    [10, 0, 32, 10, 1, 4],  # the whole prompt fits
-    [10, 0, 6, 10, 1, 4],  # the token budget limits it
-    [40, 0, 64, 5, 1, 4],  # the pool limits it: 4 usable blocks, 16 tokens
-    [40, 6, 64, 2, 1, 4],  # holds 2 blocks with 2 free slots, plus 1 usable block
-    [40, 8, 64, 1, 1, 4],  # holds 2 full blocks, nothing usable: 0
-    [40, 7, 64, 1, 1, 4],  # nothing usable, but one free slot in the held block
-    [9, 9, 8, 5, 0, 4],  # nothing left to prefill
-    [30, 3, 100, 0, 2, 8],  # fewer free blocks than the watermark: only the held block's slots
-    [2**60 + 5, 2**60 + 1, 2**61, 3, 1, 16],  # 2**60-scale positions
-    [2**62, 0, 2**61 + 3, 2**57, 2, 16],
-]
+from minipaged.scheduler import Scheduler
 
 
-def prefill_chunk(num_tokens, num_computed, budget, num_free, watermark, block_size) -> int:
-    held = -(-num_computed // block_size)
-    room = (held + max(num_free - watermark, 0)) * block_size - num_computed
-    return max(0, min(num_tokens - num_computed, budget, room))
+def _request(rng: random.Random, i: int, arrive: int, prompt_len: int, max_tokens: int) -> dict:
+    return {"id": f"r{i}", "prompt": [rng.randrange(VOCAB_SIZE) for _ in range(prompt_len)], "max_tokens": max_tokens,
+            "arrive": arrive, "abort": None, "n": 1, "cache_salt": None}
 
 
-def _hidden_chunk(rng):
+def poisson_requests(rng: random.Random, num_requests: int, rate: float, prompt_len: tuple[int, int],
+                     max_tokens: tuple[int, int]) -> list[dict]:
+    """Requests arriving as a Poisson process of ``rate`` per engine step (several may share a step).
+
+    Args:
+        rng: the generator (the grader's seed, for hidden workloads).
+        num_requests: how many.
+        rate: mean arrivals per step.
+        prompt_len: the prompt lengths' range, both ends included.
+        max_tokens: the output lengths' range, both ends included.
+    """
+    t, requests = 0.0, []
+    for i in range(num_requests):
+        requests.append(_request(rng, i, int(t), rng.randint(*prompt_len), rng.randint(*max_tokens)))
+        t += rng.expovariate(rate)
+    return requests
+
+
+def _config(num_blocks, block_size, max_num_seqs, budget, watermark=0.0, chunked_prefill=True) -> dict:
+    return {"num_blocks": num_blocks, "block_size": block_size, "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": budget, "watermark": watermark, "chunked_prefill": chunked_prefill,
+            "preemption_mode": "recompute", "scheduling_policy": "fcfs"}
+
+
+def public_cases() -> list[dict]:
+    rng = random.Random(5)
+    chapter = [_request(rng, 0, 0, 6, 14), _request(rng, 1, 1, 5, 12), _request(rng, 2, 2, 4, 12)]
+    together = [_request(rng, i, 0, n, m) for i, (n, m) in enumerate([(9, 10), (20, 6), (3, 12), (7, 9)])]
+    together += [_request(rng, 4, 3, 14, 5), _request(rng, 5, 3, 2, 8)]
+    return [
+        {"name": "chapter 05's pool that runs out", "config": _config(8, 4, 4, 8), "requests": chapter},
+        {"name": "arrivals in the same step, a prompt longer than the budget", "config": _config(10, 4, 4, 12),
+         "requests": together},
+        {"name": "Poisson arrivals, seed 0", "config": _config(10, 4, 5, 16, watermark=0.1),
+         "requests": poisson_requests(random.Random(0), 8, 0.8, (2, 18), (2, 10))},
+        {"name": "Poisson arrivals, seed 1, chunked prefill off",
+         "config": _config(12, 4, 4, 12, chunked_prefill=False),
+         "requests": poisson_requests(random.Random(1), 9, 1.0, (4, 9), (2, 3))},
+        {"name": "more decodes than the budget", "config": _config(16, 4, 6, 4),
+         "requests": [_request(rng, i, i // 3, 2 + i % 4, 4 + i) for i in range(6)]},
+    ]
+
+
+def hidden_cases(rng: random.Random) -> list[dict]:
     cases = []
-    for _ in range(10):
-        b = rng.choice([1, 4, 8, 16])
-        scale = rng.choice([1, 2**58])
-        computed = rng.randrange(0, 50) * scale + rng.randrange(0, b)
-        cases.append([computed + rng.randrange(0, 80), computed, rng.randrange(1, 64), rng.randrange(0, 8),
-                      rng.randrange(0, 3), b])
+    for chunked in (True, False):
+        budget = rng.choice([8, 12, 16])
+        config = _config(rng.randint(9, 14), 4, rng.randint(3, 5), budget, rng.choice([0.0, 0.1]), chunked)
+        lengths = ((2, 24), (2, 14)) if chunked else ((2, budget // 2), (2, budget // 2))  # off: a recompute fits
+        cases.append({"name": f"Poisson arrivals, a hidden seed{'' if chunked else ', chunked prefill off'}",
+                      "config": config,
+                      "requests": poisson_requests(rng, rng.randint(7, 10), rng.uniform(0.4, 1.0), *lengths)})
     return cases
 
 
-# (running as (seq_id, arrival_time, num_blocks), requester, num_blocks_needed, num_free_blocks)
-VICTIM_CASES = [
-    [[["a", 0.0, 3], ["b", 1.0, 2], ["c", 2.0, 1]], "a", 1, 0],  # the youngest
-    [[["a", 0.0, 3], ["b", 1.0, 2], ["c", 2.0, 1]], "a", 3, 0],  # two victims, youngest first
-    [[["a", 0.0, 3], ["b", 1.0, 2], ["c", 2.0, 1]], "c", 1, 0],  # the requester is the youngest: skip it
-    [[["a", 0.0, 3], ["b", 1.0, 2], ["c", 2.0, 1]], "a", 2, 1],  # free blocks count too
-    [[["a", 0.0, 3], ["b", 1.0, 2]], "a", 1, 1],  # enough free already: nobody
-    [[["a", 1.0, 1], ["b", 1.0, 1], ["c", 0.0, 1]], "c", 1, 0],  # a tie: the later in the list
-    [[["a", 0.0, 1], ["b", 1.0, 1]], "b", 5, 0],  # not enough even with everyone: the requester goes too
-    [[["x", 3.0, 2]], "x", 1, 0],  # alone: preempts itself
-    [[["a", 5.0, 1], ["b", 0.0, 4], ["c", 9.0, 1], ["d", 2.0, 2]], "d", 3, 1],  # arrival order differs from list
-]
+class PackageScheduler(Scheduler):
+    """The package's scheduler, its two halves restated so that the probe runs them as a learner's."""
+
+    def _schedule_running(self, out, budget):
+        return PACKAGE_STEP["_schedule_running"](self, out, budget)
+
+    def _admit(self, out, budget):
+        return PACKAGE_STEP["_admit"](self, out, budget)
 
 
-def pick_victims(running, requester, num_blocks_needed, num_free_blocks) -> list[str]:
-    order = sorted(range(len(running)), key=lambda i: (running[i][1], i), reverse=True)
-    victims, free = [], num_free_blocks
-    for i in order:
-        if free >= num_blocks_needed:
-            break
-        seq_id, _, blocks = running[i]
-        if seq_id != requester:
-            victims.append(seq_id)
-            free += blocks
-    if free < num_blocks_needed:
-        victims.append(requester)
-    return victims
-
-
-def _hidden_victims(rng):
-    cases = []
-    for _ in range(8):
-        names = rng.sample("pqrstuvw", rng.randrange(1, 6))
-        running = [[name, float(rng.randrange(0, 4)), rng.randrange(1, 5)] for name in names]
-        cases.append([running, rng.choice(names), rng.randrange(1, 9), rng.randrange(0, 3)])
-    return cases
+def reference():
+    return (PackageScheduler,)
 
 
 SIDES = {
-    "prefill_chunk": Side(lambda: CHUNK_CASES, _hidden_chunk, lambda: (prefill_chunk,)),
-    "pick_victims": Side(lambda: VICTIM_CASES, _hidden_victims, lambda: (pick_victims,)),
+    "schedule_running": Side(public_cases, hidden_cases, reference),
+    "scheduler": Side(public_cases, hidden_cases, reference),
 }
