@@ -104,3 +104,18 @@ def test_a_cache_that_never_matches_fails_where_a_preempted_sequence_comes_back(
     result = verdict(PREEMPTION, CHECK.transcript([PREEMPTION], (NeverMatches, table, backend, scheduler)))
     # The package's re-prefill of a preempted sequence hits its own cached blocks; this one recomputes them.
     assert result.status == FAIL and ": step " in result.message and "your engine ran" in result.message
+
+
+def test_the_hidden_preemption_cases_are_plain_data_the_reference_passes():
+    import random
+
+    from minipaged.checks import plain
+    from minipaged.checks.instructor.ch09 import SIDES
+
+    side = SIDES["your_engine"]
+    for seed in range(3):
+        hidden = side.hidden(random.Random(seed))
+        assert hidden == side.hidden(random.Random(seed)) and plain(hidden) == hidden
+        want = CHECK.transcript(hidden, reference())
+        assert want["end"] == {"kind": "done"} and CHECK.verdict(hidden, want, want, 0).passed
+        assert any(step["preempted"] for step in want["observations"][0]["steps"]), "a hidden case must preempt"

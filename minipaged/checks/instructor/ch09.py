@@ -7,9 +7,9 @@ import random
 from minipaged.checks.engine_run import seeded_requests
 from minipaged.checks.instructor import Side
 
-# Blocks of 4 in a 14-block pool, 4 seats and a 16-token budget: long prompts are chunked, and growing
+# Blocks of 4 in a 10-block pool, 4 seats and a 16-token budget: long prompts are chunked, and growing
 # sequences preempt the youngest running one; some requests are aborted on the way.
-POOL = {"num_blocks": 14, "block_size": 4, "max_num_seqs": 4, "max_num_batched_tokens": 16}
+POOL = {"num_blocks": 10, "block_size": 4, "max_num_seqs": 4, "max_num_batched_tokens": 16}
 
 
 def _preemption(seed: int) -> dict:
