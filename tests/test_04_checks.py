@@ -122,14 +122,14 @@ def test_the_model_solution_passes(capsys):
     ("no_rescale", "sequence 1 (37 tokens = 3 tiles of 16, the last holding 5), query head 0",
      "multiply l and acc by alpha"),
     ("no_rescale_l", "sequence 1 (37 tokens", "rescale both by alpha"),
-    ("inverted_rescale", "sequence 0 (5 tokens = 1 tile of 16, the last holding 5), query head 0",
+    ("inverted_rescale", "sequence 0 (5 tokens = 1 tile of 16 holding 5), query head 0",
      "alpha = exp(m - m_new) <= 1"),
     ("tail_read", "sequence 0 (5 tokens", "pass the tile's valid mask to the loads"),
     ("tail_score", "sequence 0 (5 tokens", "set the scores of the positions past the end to -inf"),
-    ("empty_split", "num_splits=3: sequence 0 (5 tokens = 1 tile of 16, the last holding 5), query head 0",
+    ("empty_split", "num_splits=3: sequence 0 (5 tokens = 1 tile of 16 holding 5), query head 0",
      "a split past the end must skip the loop"),
-    ("gqa_interleaved", "4 query heads on 2 KV heads, TILE=16, num_splits=1: sequence 0 (5 tokens = 1 tile of 16, "
-     "the last holding 5), query head 1 (of KV head 0): it attended with KV head 1", "row r of its q tile is query head"),
+    ("gqa_interleaved", "4 query heads on 2 KV heads, TILE=16, num_splits=1: sequence 0 (5 tokens = 1 tile of 16 "
+     "holding 5), query head 1 (of KV head 0): it attended with KV head 1", "row r of its q tile is query head"),
     ("no_division", "sequence 0 (5 tokens", "store acc / l_i[:, None], once"),
     ("divide_in_loop", "sequence 1 (37 tokens", "divide by l only after the last tile"),
     ("no_scale", "sequence 0 (5 tokens", "the softmax is over q·k / sqrt(head_dim)"),

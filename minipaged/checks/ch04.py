@@ -70,8 +70,8 @@ MISTAKES = {
                   "pass the tile's valid mask to the loads (load_tile's mask): a masked lane reads nothing and "
                   "gives 0; valid = tokens < the end of the range"),
     "tail_score": ("the empty slots of the last, partial tile were counted, each with score 0",
-                   "set the scores of the positions past the end to -inf with tl.where(valid[None, :], scores, "
-                   "float('-inf')), so that exp gives them weight 0"),
+                   "set the scores of the positions past the end to -inf (tl.where on the tile's valid mask), so "
+                   "that exp gives them weight 0"),
     "empty_split": ("NaN: a split that owns no tile of this sequence still ran the loop on a tile where every "
                     "token is masked; m stays -inf and exp(-inf - (-inf)) is NaN",
                     "a split's range ends at min(start + tiles_per_split * TILE, seq_len): a split past the end "
@@ -215,7 +215,8 @@ def _where(case, seq: int, head: int) -> str:
     n, tile, group = case["seq_lens"][seq], case["tile"], case["num_heads"] // case["num_kv_heads"]
     tiles = math.ceil(n / tile)
     last = n - (tiles - 1) * tile
-    shape = f"{tiles} tile{'s' if tiles > 1 else ''} of {tile}" + (f", the last holding {last}" if last < tile else "")
+    shape = (f"1 tile of {tile} holding {n}" if tiles == 1 else f"{tiles} tiles of {tile}"
+             + (f", the last holding {last}" if last < tile else ""))
     return f"sequence {seq} ({n} tokens = {shape}), query head {head} (of KV head {head // group})"
 
 
