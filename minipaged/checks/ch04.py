@@ -151,7 +151,9 @@ def _launch(decode, *args, **kwargs):
 
 @check("ch04.decode_kernel", hint=HINTS["4.1"][0], label=_label, summary=_summary)
 def check_decode_kernel(case, decode, kernel):
-    """``decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, num_splits=1, tile=16)`` launches ``kernel``.
+    """The learner's launcher ``decode`` (which launches ``kernel``) on one case.
+
+    ``decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, num_splits=1, tile=16) -> out``.
 
     ``case`` is ``{"kind": "kernel", "seq_lens", "block_size", "num_heads", "num_kv_heads", "tile",
     "num_splits", "seed"}`` (a decode batch; the observation is the output) or ``{"kind": "engine",
