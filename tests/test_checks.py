@@ -71,6 +71,43 @@ def test_crash_in_learner_code_is_summarised_not_dumped(capsys):
     assert "your code raised NameError" in out and "in crashes, line" in out and "Traceback" not in out
 
 
+def test_a_crash_shows_the_arguments_the_learners_code_was_called_with(capsys):
+    def outer(n, k, b):
+        return inner(torch.zeros(2, 3), list(range(100)), b)
+
+    def inner(t, long, b):
+        return long[b * 10]  # IndexError: b is 16 in the first case
+
+    result = ch01.check_new_blocks(outer)
+    assert result.status == FAIL
+    # The innermost frame of the learner's code, with its arguments: a tensor by shape, a long value cut short.
+    assert "(in inner, line" in result.message
+    assert "called with t=tensor(shape=[2, 3], dtype=float32), long=[0, 1, 2," in result.message
+    assert "..., b=16)" in result.message and len(result.message) < 400
+
+
+def test_a_judge_gives_the_hint_for_its_own_failure():
+    from minipaged.checks import Check
+
+    def probe(case, fn):
+        return fn(case)
+
+    def judge(case, got, want):
+        if got == want + 1:
+            raise CheckFailed(f"off by one: {got}", hint="count from zero")
+        expect_equal(got, want)
+
+    c = Check("ch01.demo", probe, "the default hint", lambda case: f"case {case}", "{n} cases")
+    c.judge(judge)
+    want = c.transcript([1, 2], (lambda x: x,))
+    off = c.verdict([1, 2], c.transcript([1, 2], (lambda x: x + 1,)), want, 2)
+    assert off.status == FAIL and off.hint == "count from zero" and "off by one: 2" in off.message
+    other = c.verdict([1, 2], c.transcript([1, 2], (lambda x: -x,)), want, 2)
+    assert other.status == FAIL and other.hint == "the default hint"
+    hidden = c.verdict([1, 2], c.transcript([1, 2], (lambda x: x + 1,)), want, 0)  # both cases hidden
+    assert hidden.hint == "count from zero" and "off by one" not in hidden.message
+
+
 def test_an_infinite_loop_times_out_inside_the_notebook_too(monkeypatch, capsys):
     monkeypatch.setenv(checks.TIMEOUT_ENV, "0.5")
 

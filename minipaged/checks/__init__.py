@@ -25,9 +25,10 @@ its own process on the public cases. The grader (``python -m minipaged.checks gr
 probe in the learner's kernel, through :func:`probe_json`, on the public cases and on hidden ones
 drawn from a seed the kernel never sees, and judges the transcript in its own process.
 
-Every check runs under a time limit (:data:`DEFAULT_TIMEOUT` seconds unless the check or
-:data:`TIMEOUT_ENV` says otherwise): an infinite loop in the learner's code fails the check with
-"timed out after N s".
+Every check runs under one time limit, the same for the learner and the grader (:data:`DEFAULT_TIMEOUT`
+seconds unless :data:`TIMEOUT_ENV` says otherwise): an infinite loop in the learner's code fails the
+check with "timed out after N s". When the learner's code raises, the FAIL line names the exception and
+the innermost frame of the learner's code, with the arguments it was called with.
 
 Per-chapter checks live in ``minipaged.checks.chNN`` and are written with :func:`check`. A chapter
 module may also define ``HINTS``, ``{"N.M": [first, second, ...]}``: staged hints that :func:`hint`
@@ -43,8 +44,8 @@ import json
 import math
 import os
 import signal
+import sysconfig
 import threading
-import traceback
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -62,7 +63,16 @@ _ICONS = {PASS: "✅", FAIL: "❌", TODO: "⏳"}
 
 
 class CheckFailed(AssertionError):
-    """A learner's answer disagrees with the reference."""
+    """A learner's answer disagrees with the reference.
+
+    Args:
+        message: what went wrong, naming the first case, step, token or block where it did.
+        hint: the hint for *this* failure, printed under the FAIL line in place of the check's default.
+    """
+
+    def __init__(self, message: str = "", hint: str = ""):
+        super().__init__(message)
+        self.hint = hint
 
 
 class NotPlainData(TypeError):
@@ -221,19 +231,46 @@ def _time_limit(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
-def _timeout(own: float | None) -> float:
+def _timeout() -> float:
+    """The one per-check limit: :data:`TIMEOUT_ENV` if set, else :data:`DEFAULT_TIMEOUT`."""
     env = os.environ.get(TIMEOUT_ENV)
-    if env:
-        return float(env)
-    return DEFAULT_TIMEOUT if own is None else own
+    return float(env) if env else DEFAULT_TIMEOUT
+
+
+_LIBRARY_DIRS = tuple({sysconfig.get_path(key) for key in ("stdlib", "platstdlib", "purelib", "platlib")})
+MAX_ARGUMENT_CHARS = 80  # of each argument a FAIL line shows
+
+
+def _is_learners(filename: str) -> bool:
+    """Whether a traceback frame is the learner's code: not this package, the standard library or an installed one."""
+    return not filename.startswith((_PACKAGE_DIR, *_LIBRARY_DIRS)) and not filename.startswith("<frozen")
+
+
+def _shown(value) -> str:
+    """``value`` as a FAIL line shows an argument: a tensor by its shape and dtype, anything else by a short repr."""
+    torch = _torch()
+    if torch is not None and isinstance(value, torch.Tensor):
+        return f"tensor(shape={list(value.shape)}, dtype={str(value.dtype).removeprefix('torch.')})"
+    try:
+        text = repr(value)
+    except Exception:  # a learner's __repr__ that raises
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= MAX_ARGUMENT_CHARS else text[: MAX_ARGUMENT_CHARS - 3] + "..."
 
 
 def _where(exc: BaseException) -> str:
-    """The innermost frame of the learner's code (a notebook cell), if any."""
-    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        if not frame.filename.startswith(_PACKAGE_DIR):
-            return f" (in {frame.name}, line {frame.lineno})"
-    return ""
+    """Where in the learner's code ``exc`` was raised: the innermost such frame and the arguments it had then."""
+    tb, found = exc.__traceback__, None
+    while tb is not None:
+        if _is_learners(tb.tb_frame.f_code.co_filename):
+            found = tb
+        tb = tb.tb_next
+    if found is None:
+        return ""
+    code, values = found.tb_frame.f_code, found.tb_frame.f_locals
+    names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+    args = ", ".join(f"{n}={_shown(values[n])}" for n in names if n != "self" and n in values)
+    return f" (in {code.co_name}, line {found.tb_lineno}{', called with ' + args if args else ''})"
 
 
 # ---------------------------------------------------------------------------
@@ -247,8 +284,8 @@ class Check:
     Calling it, ``check_x(*answers)``, runs the public cases in this process and prints one status line.
     """
 
-    def __init__(self, name: str, probe, hint: str, timeout: float | None, label, summary):
-        self.name, self.probe, self.hint, self.timeout = name, probe, hint, timeout
+    def __init__(self, name: str, probe, hint: str, label, summary):
+        self.name, self.probe, self.hint = name, probe, hint
         self.label, self.summary = label, summary
         self._judge = _judge_equal
         self.__name__ = probe.__name__
@@ -317,8 +354,8 @@ class Check:
             except CheckFailed as exc:
                 if hidden:
                     return CheckResult(self.name, FAIL, f"{label}: a wrong answer (a hidden case's expected value "
-                                       "is not shown; test your code on cases like it)", self.hint)
-                return CheckResult(self.name, FAIL, f"{label}: {exc}", self.hint)
+                                       "is not shown; test your code on cases like it)", exc.hint or self.hint)
+                return CheckResult(self.name, FAIL, f"{label}: {exc}", exc.hint or self.hint)
         extra = f", {len(cases) - public} hidden" if len(cases) > public else ""
         if callable(self.summary):
             return CheckResult(self.name, PASS, self.summary(cases[:public], observed[:public]) + extra)
@@ -327,7 +364,7 @@ class Check:
     def __call__(self, *answers) -> CheckResult:
         cases, want = expected(self.name)
         try:
-            with _time_limit(_timeout(self.timeout)):
+            with _time_limit(_timeout()):
                 got = self.transcript(cases, answers)
         except CheckTimeout as exc:
             result = CheckResult(self.name, FAIL, f"{exc}: is there an infinite loop?", self.hint)
@@ -357,7 +394,7 @@ def transcript_problem(record, name: str) -> str:
     return ""
 
 
-def check(name: str, hint: str = "", timeout: float | None = None, label=None, summary="{n} cases"):
+def check(name: str, hint: str = "", label=None, summary="{n} cases"):
     """Turn a probe ``fn(case, *answers) -> observation`` into a :class:`Check` named ``name``.
 
     The probe calls the learner's code on one case (plain data) and returns what it saw; anything the
@@ -367,15 +404,13 @@ def check(name: str, hint: str = "", timeout: float | None = None, label=None, s
     Args:
         name: the check's id, ``chNN.what``; the grader's gradebook column.
         hint: printed under a FAIL line.
-        timeout: seconds the learner's code may run over all cases (default :data:`DEFAULT_TIMEOUT`;
-            :data:`TIMEOUT_ENV` overrides it); past it the check FAILs with "timed out after N s".
         label: ``label(case) -> str``, how a FAIL names the case (only its inputs: it is shown for hidden ones).
         summary: the PASS line's text, where ``{n}`` is the number of public cases; or
             ``summary(cases, observations) -> str`` on the public cases and the learner's (judged) observations.
     """
 
     def decorate(fn) -> Check:
-        return Check(name, fn, hint, timeout, label or (lambda case: f"case {case!r}"), summary)
+        return Check(name, fn, hint, label or (lambda case: f"case {case!r}"), summary)
 
     return decorate
 

@@ -612,7 +612,7 @@ async def execute(nb, exercise: Exercise, cwd: Path, env: dict, limits: Limits, 
                 continue
             for call in check_cell.calls:
                 check = call.check
-                limit = min(limits.check or check.timeout or DEFAULT_TIMEOUT, left)
+                limit = min(limits.check or DEFAULT_TIMEOUT, left)
                 cases, public, want = await asyncio.to_thread(refs.get, check)
                 run = await kernel.run(_probe_code(call, marker, cases), limit)
                 if run.status in ("timeout", "killed"):
