@@ -2,7 +2,9 @@
 
 One kernel with a ``MODE`` switch holds the model solution (``"right"``) and the mistakes. Each mistake
 runs only on the public decode batches (the engine case costs more and catches none of them first);
-the engine case gets its own mistake, a scale that only holds for the batches' head_dim.
+the engine case gets its own mistake, a scale that only holds for the batches' head_dim. Two mistakes
+give the right numbers with the wrong work (a program per query head, no ``tl.dot``): the check
+counts the interpreter's loads and dots.
 """
 
 import minipaged  # noqa: F401, I001 (first: Triton's interpreter when there is no GPU)
@@ -19,7 +21,7 @@ from minipaged.checks.engine_run import run_engine
 pytestmark = pytest.mark.ch04
 
 MODES = ["right", "no_rescale", "no_rescale_l", "inverted_rescale", "tail_read", "tail_score", "empty_split",
-         "gqa_interleaved", "no_division", "divide_in_loop", "no_scale", "scale_for_16"]
+         "gqa_interleaved", "no_division", "divide_in_loop", "no_scale", "scale_for_16", "per_query_head", "no_dot"]
 
 
 @triton.jit
@@ -39,6 +41,10 @@ def _kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, pm_ptr, pl_ptr, pacc_p
     dims, offs, rows = tl.arange(0, HEAD_DIM), tl.arange(0, TILE), tl.arange(0, GROUP_PAD)
     row_ok = rows < GROUP
     heads = kv_head + rows * tl.num_programs(1) if MODE == 7 else kv_head * GROUP + rows
+    if MODE == 12:  # one program per query head (the grid's second axis is num_heads): one real row
+        row_ok = rows < 1
+        heads = kv_head + rows
+        kv_head = kv_head // GROUP
     q_off = seq * s_qs + heads[:, None] * s_qh + dims[None, :]
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0).to(tl.float32)
     seq_len = tl.load(sl_ptr + seq)
@@ -57,14 +63,17 @@ def _kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, pm_ptr, pl_ptr, pacc_p
         valid = tokens < tl.minimum(end, seq_len)
         read = tokens >= 0 if MODE == 4 else valid
         k, v = _load_tile(k_ptr, v_ptr, bt_ptr + seq * s_bt, tokens, read, kv_head, dims, s_kb, s_kt, s_kh, BLOCK_SIZE)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        if MODE == 13:
+            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
+        else:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         if MODE != 5:
             scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp(m_new - m_i) if MODE == 3 else tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * (1.0 if MODE == 1 or MODE == 2 else alpha) + tl.sum(p, axis=1)
-        pv = tl.dot(p, v, input_precision="ieee")
+        pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1) if MODE == 13 else tl.dot(p, v, input_precision="ieee")
         if MODE == 9:
             pv = pv / l_i[:, None]
         acc = acc * (1.0 if MODE == 1 else alpha[:, None]) + pv
@@ -89,7 +98,8 @@ def launcher(mode):
         part_m = torch.empty(num_seqs, num_heads, num_splits)
         part_l, part_acc = torch.empty_like(part_m), torch.empty(num_seqs, num_heads, num_splits, head_dim)
         group = num_heads // num_kv_heads
-        _kernel[(num_seqs, num_kv_heads, num_splits)](
+        programs = num_heads if mode == "per_query_head" else num_kv_heads
+        _kernel[(num_seqs, programs, num_splits)](
             q, k_cache, v_cache, block_tables, seq_lens, out, part_m, part_l, part_acc,
             head_dim**-0.5 if scale is None else scale, q.stride(0), q.stride(1), *k_cache.stride()[:3],
             block_tables.stride(0), GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
@@ -118,31 +128,39 @@ def test_the_model_solution_passes(capsys):
     assert capsys.readouterr().out.startswith("✅ PASS   ch04.decode_kernel")
 
 
-@pytest.mark.parametrize("mode, where, hint", [
-    ("no_rescale", "sequence 1 (37 tokens = 3 tiles of 16, the last holding 5), query head 0",
+# Each mistake on the one public batch that shows it first (the MHA batch, unless it takes GQA or splits).
+MISTAKES = [
+    ("no_rescale", 0, "sequence 1 (37 tokens = 3 tiles of 16, the last holding 5), query head 0",
      "multiply l and acc by alpha"),
-    ("no_rescale_l", "sequence 1 (37 tokens", "rescale both by alpha"),
-    ("inverted_rescale", "sequence 0 (5 tokens = 1 tile of 16 holding 5), query head 0",
+    ("no_rescale_l", 0, "sequence 1 (37 tokens", "rescale both by alpha"),
+    ("inverted_rescale", 0, "sequence 0 (5 tokens = 1 tile of 16 holding 5), query head 0",
      "alpha = exp(m - m_new) <= 1"),
-    ("tail_read", "sequence 0 (5 tokens", "pass the tile's valid mask to the loads"),
-    ("tail_score", "sequence 0 (5 tokens", "set the scores of the positions past the end to -inf"),
-    ("empty_split", "num_splits=3: sequence 0 (5 tokens = 1 tile of 16 holding 5), query head 0",
+    ("tail_read", 0, "sequence 0 (5 tokens", "pass the tile's valid mask to the loads"),
+    ("tail_score", 0, "sequence 0 (5 tokens", "set the scores of the positions past the end to -inf"),
+    ("empty_split", 2, "num_splits=3: sequence 0 (5 tokens = 1 tile of 16 holding 5), query head 0",
      "a split past the end must skip the loop"),
-    ("gqa_interleaved", "4 query heads on 2 KV heads, TILE=16, num_splits=1: sequence 0 (5 tokens = 1 tile of 16 "
+    ("gqa_interleaved", 1, "4 query heads on 2 KV heads, TILE=16, num_splits=1: sequence 0 (5 tokens = 1 tile of 16 "
      "holding 5), query head 1 (of KV head 0): it attended with KV head 1", "row r of its q tile is query head"),
-    ("no_division", "sequence 0 (5 tokens", "store acc / l_i[:, None], once"),
-    ("divide_in_loop", "sequence 1 (37 tokens", "divide by l only after the last tile"),
-    ("no_scale", "sequence 0 (5 tokens", "the softmax is over q·k / sqrt(head_dim)"),
-])
+    ("no_division", 0, "sequence 0 (5 tokens", "store acc / l_i[:, None], once"),
+    ("divide_in_loop", 0, "sequence 1 (37 tokens", "divide by l only after the last tile"),
+    ("no_scale", 0, "sequence 0 (5 tokens", "the softmax is over q·k / sqrt(head_dim)"),
+    ("per_query_head", 1, "4 query heads on 2 KV heads, TILE=16, num_splits=1: right numbers, but your kernel read "
+     "every K row 2 times, once per query head", "each K/V tile is loaded once for all of them"),
+    ("no_dot", 0, "2 query heads on 2 KV heads, TILE=16, num_splits=1: right numbers, but tl.dot ran 0 times for 14 "
+     "tile steps", "one tl.dot of its [GROUP_PAD, HEAD_DIM] queries"),
+]
+
+
+@pytest.mark.parametrize("mode, batch, where, hint", MISTAKES, ids=[m[0] for m in MISTAKES])
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the NaN mistakes, in NumPy
-def test_mistake_fails_where_and_why(mode, where, hint):
-    result = verdict(mode, KERNEL_CASES)
+def test_mistake_fails_where_and_why(mode, batch, where, hint):
+    result = verdict(mode, KERNEL_CASES[batch : batch + 1])
     assert result.status == FAIL, result
     assert where in result.message and hint in result.hint, result
 
 
 def test_the_engine_case_catches_a_scale_fixed_for_the_batches_head_dim():
-    assert verdict("scale_for_16", KERNEL_CASES).status == PASS  # head_dim 16: 16 ** -0.5 is right there
+    assert verdict("scale_for_16", KERNEL_CASES[:1]).status == PASS  # head_dim 16: 16 ** -0.5 is right there
     result = verdict("scale_for_16", ENGINE_CASES)
     assert result.status == FAIL and "generated token" in result.message and "head_dim 8" in result.hint, result
 

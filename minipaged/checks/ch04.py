@@ -7,7 +7,10 @@ merged by the exercise's launcher). The check runs it on two kinds of case:
 
 - ``"kernel"``: a decode batch from :func:`minipaged.testing.make_paged_case` (a pool that holds NaN
   wherever no sequence wrote), against a float64 reference. A wrong row is replayed on the host with
-  each classic mistake (:func:`emulate`), so the FAIL names the sequence, the query head and the mistake;
+  each classic mistake (:func:`emulate`), so the FAIL names the sequence, the query head and the mistake.
+  In the interpreter the probe also counts the K/V bytes the kernel loads and its ``tl.dot`` calls
+  (:mod:`minipaged.kernels.traffic`): each valid row must be read once per KV head, not once per
+  query head, and both of a tile's products must be ``tl.dot``s;
 - ``"engine"``: :func:`~minipaged.checks.engine_run.run_engine` serves a few requests on the check's
   model with the learner's kernel as the decode attention (prefill and the cache writes stay the
   package's torch path); the greedy tokens must be the reference's, token for token.
@@ -27,8 +30,10 @@ import math
 
 import torch
 
+from minipaged._triton import interpreted
 from minipaged.checks import CheckFailed, as_tensor, check
 from minipaged.checks.engine_run import CHECK_BACKEND, first_token_divergence, run_engine
+from minipaged.kernels.traffic import count_dots, count_loads
 from minipaged.testing import make_paged_case
 
 # The package modules this exercise rebuilds: the grader flags a learner's cell that imports, subclasses or
@@ -156,7 +161,8 @@ def check_decode_kernel(case, decode, kernel):
     ``decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, num_splits=1, tile=16) -> out``.
 
     ``case`` is ``{"kind": "kernel", "seq_lens", "block_size", "num_heads", "num_kv_heads", "tile",
-    "num_splits", "seed"}`` (a decode batch; the observation is the output) or ``{"kind": "engine",
+    "num_splits", "seed"}`` (a decode batch; the observation is the output, and in the interpreter the
+    bytes it loaded from each cache and its ``tl.dot`` calls) or ``{"kind": "engine",
     "config", "requests", "tile", "num_splits"}`` (the observation is the run's tokens, and how many
     times the engine called ``decode``).
     """
@@ -166,8 +172,14 @@ def check_decode_kernel(case, decode, kernel):
     options = {"num_splits": case["num_splits"], "tile": case["tile"]}
     if case["kind"] == "kernel":
         paged = paged_case(case)
-        out = _launch(decode, *paged.decode_args, **options)
-        return out if isinstance(out, torch.Tensor) else repr(out)[:200]
+        if not interpreted():  # compiled for a GPU: the loads and dots cannot be counted
+            out = _launch(decode, *paged.decode_args, **options)
+            return {"out": out if isinstance(out, torch.Tensor) else repr(out)[:200], "k_bytes": None,
+                    "v_bytes": None, "dots": None}
+        with count_loads(k_cache=paged.k_cache, v_cache=paged.v_cache) as loaded, count_dots() as dots:
+            out = _launch(decode, *paged.decode_args, **options)
+        return {"out": out if isinstance(out, torch.Tensor) else repr(out)[:200], "k_bytes": loaded["k_cache"],
+                "v_bytes": loaded["v_cache"], "dots": dots["dots"]}
     from minipaged.attention import AttentionBackend, get_backend
 
     calls = []
@@ -187,17 +199,46 @@ def _judge(case, got, want):
     if case["kind"] == "engine":
         _judge_engine(got, want)
         return
-    out, expected = as_tensor(got), as_tensor(want)
+    out, expected = as_tensor(got["out"]), as_tensor(want["out"])
     if out is None:
-        raise CheckFailed(f"decode returned {got}, expected a torch.Tensor")
+        raise CheckFailed(f"decode returned {got['out']}, expected a torch.Tensor")
     if out.shape != expected.shape or out.dtype != expected.dtype:
         raise CheckFailed(f"decode returned a {out.dtype} tensor of shape {list(out.shape)}, expected "
                           f"{expected.dtype} {list(expected.shape)} (q's shape and dtype)")  # fmt: skip
     bad = ~torch.isclose(out.double(), expected.double(), **TOL).all(dim=2)  # [num_seqs, num_heads]
-    if not bad.any():
-        return
-    seq, head = (int(i) for i in bad.nonzero()[0])
-    raise CheckFailed(*_diagnose(case, out, seq, head))
+    if bad.any():
+        seq, head = (int(i) for i in bad.nonzero()[0])
+        raise CheckFailed(*_diagnose(case, out, seq, head))
+    if got["dots"] is not None:
+        _judge_work(case, got)
+
+
+def _judge_work(case, got) -> None:
+    """Right numbers, measured work: each K/V row read once per KV head, the group's products by ``tl.dot``."""
+    group = case["num_heads"] // case["num_kv_heads"]
+    row = HEAD_DIM * 4  # one fp32 row of one KV head
+    once = sum(case["seq_lens"]) * case["num_kv_heads"] * row
+    for name in ("k", "v"):
+        loaded = got[f"{name}_bytes"]
+        if loaded == once:
+            continue
+        if group > 1 and loaded == group * once:
+            raise CheckFailed(
+                f"right numbers, but your kernel read every {name.upper()} row {group} times, once per query head "
+                f"({loaded} bytes of {name}_cache, {once} when each row is read once per KV head)",
+                "one program per (sequence, KV head) serves its whole group: load the GROUP queries as the rows of "
+                "one q tile, so that each K/V tile is loaded once for all of them")
+        raise CheckFailed(
+            f"right numbers, but your kernel loaded {loaded} bytes of {name}_cache where reading each valid "
+            f"position's row once per KV head is {once} bytes: it reads rows twice, or slots past the end",
+            "mask the loads with the tile's valid positions, and give each split its own tiles, none twice")
+    steps = sum(math.ceil(n / case["tile"]) for n in case["seq_lens"]) * case["num_kv_heads"]
+    if got["dots"] < 2 * steps:
+        raise CheckFailed(
+            f"right numbers, but tl.dot ran {got['dots']} times for {steps} tile steps of all programs; "
+            "q·Kᵀ and p·V are each one matrix product of the group per tile",
+            "the group's scores are one tl.dot of its [GROUP_PAD, HEAD_DIM] queries with the tile's K transposed; "
+            "its p·V is another, [GROUP_PAD, TILE] by [TILE, HEAD_DIM]")
 
 
 def _judge_engine(got, want):
