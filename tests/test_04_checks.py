@@ -17,6 +17,7 @@ import triton.language as tl
 from minipaged.checks import FAIL, PASS, TODO, ch04, reference_transcript
 from minipaged.checks.instructor import ch04 as side
 from minipaged.checks.engine_run import run_engine
+from minipaged.kernels.traffic import count_dots
 
 pytestmark = pytest.mark.ch04
 
@@ -196,3 +197,15 @@ def test_a_launcher_that_raises_shows_its_inputs():
 
     result = ch04.check_decode_kernel(decode, _kernel)
     assert result.status == FAIL and "ValueError: no grid" in result.message and "num_splits=1" in result.message
+
+
+def test_count_dots_counts_each_tl_dot_and_needs_the_interpreter(monkeypatch):
+    case = KERNEL_CASES[0]
+    with count_dots() as dots:
+        launcher("right")(*ch04.paged_case(case).decode_args, num_splits=1, tile=case["tile"])
+    steps = sum(-(-n // case["tile"]) for n in case["seq_lens"]) * case["num_kv_heads"]
+    assert dots["dots"] == 2 * steps  # q·Kᵀ and p·V, once per tile step of every program
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="interpreter"):
+        with count_dots():
+            pass
