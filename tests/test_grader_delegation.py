@@ -158,3 +158,14 @@ def test_a_delegating_learner_is_flagged_and_keeps_its_verdicts(tmp_path, capsys
     assert delegate == hidden  # the same code, flagged or not, gets the same verdicts and messages
     assert delegate["ch02.chunk_slots"]["status"] == "NOT IMPLEMENTED YET" and status == 1
     assert {delegate[name]["status"] for name in ("ch02.allocate_many", "ch02.free_many")} <= {"PASS", "FAIL"}
+
+
+def test_a_reveals_imports_are_skipped_and_not_given_to_the_learner():
+    exercise = grader.load_exercise(ROOT / "solutions" / "04_triton_kernel.ipynb")
+    nb = nbformat.read(exercise.path, as_version=4)
+    reveal = [c for c in nb.cells if "solution-only" in c.metadata.get("tags", []) and c.cell_type == "code"]
+    assert reveal and "minipaged.kernels" in reveal[0].source  # the reveal shows the package's kernel ...
+    assert not [name for name in exercise.given if name.startswith("minipaged.kernels")]  # ... without allowing it
+    source = "from minipaged.kernels import paged_attention as pa\nkernel = pa._paged_decode_kernel\n"
+    assert grader.delegations(one_cell(source), exercise) == [
+        "cell t uses minipaged.kernels (from-import paged_attention as pa, attribute pa._paged_decode_kernel)"]
