@@ -2,30 +2,23 @@
 
 from __future__ import annotations
 
-import torch
-
-from minipaged.attention import contiguous_attention
 from minipaged.checks.engine_run import seeded_requests
 from minipaged.checks.instructor import Side
 
 
 def decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, num_splits=1, tile=16):
-    """Each new token over its whole context, gathered through its table, in float64.
+    """The package's decode kernel, launched with the exercise's tile and split count (see ``launch_decode``)."""
+    from minipaged.kernels.paged_attention import launch_decode
 
-    ``num_splits`` and ``tile`` are the learner's launcher's knobs; the reference needs neither.
-    """
-    block_size = k_cache.shape[1]
-    rows = []
-    for i, n in enumerate(seq_lens.tolist()):
-        pos = torch.arange(n, device=q.device)
-        blocks = block_tables[i].long()[pos // block_size]
-        k, v = k_cache[blocks, pos % block_size], v_cache[blocks, pos % block_size]
-        rows.append(contiguous_attention(q[i : i + 1].double(), k.double(), v.double(), scale=scale))
-    return torch.cat(rows).to(q.dtype)
+    scale = q.shape[2] ** -0.5 if scale is None else scale
+    return launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, tile)
 
 
-def kernel():
-    """The reference needs no kernel: ``decode`` computes the answer itself."""
+def reference():
+    """The answers the probe gets on the reference side: the launcher and the package's kernel."""
+    from minipaged.kernels.paged_attention import _paged_decode_kernel
+
+    return decode, _paged_decode_kernel
 
 
 def _kernel_case(seq_lens, block_size, heads, num_splits, seed, tile=16):
@@ -63,4 +56,4 @@ def _hidden(rng):
     return [kernel_case, _engine_case(requests, num_splits=rng.choice([1, 2]))]
 
 
-SIDES = {"decode_kernel": Side(lambda: CASES, _hidden, lambda: (decode, kernel))}
+SIDES = {"decode_kernel": Side(lambda: CASES, _hidden, reference)}
