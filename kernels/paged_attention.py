@@ -315,15 +315,31 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     scale = check_scale(scale, head_dim)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_seqs == 0:
-        return out
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_splits is None:
         parallelism = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else CPU_PARALLELISM
         if max_len is None:
             max_len = block_tables.shape[1] * block_size
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_len, parallelism)
+    return launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits)
 
+
+def launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, tile=KV_TILE):
+    """Launch the decode kernel (and the merge) on inputs :func:`paged_decode_attention` has checked.
+
+    Exercise 04's reference calls it directly, with the exercise's tile and its check model's head_dim 8
+    (which only the interpreter's ``tl.dot`` takes).
+
+    Args:
+        q, k_cache, v_cache, block_tables, seq_lens: as :func:`paged_decode_attention`'s, at least one sequence.
+        scale: the softmax scale, a float.
+        num_splits: programs per (sequence, KV head), 1 to ``MAX_SPLITS``.
+        tile: tokens per loop step, a power of two >= 16 on a GPU.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
     group = num_heads // num_kv_heads
     seq_lens = seq_lens.contiguous()
     if num_splits == 1:
@@ -343,7 +359,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
-        TILE=KV_TILE,
+        TILE=tile,
         NUM_SPLITS=num_splits,
         DOT_FP32=interpreted() or q.dtype == torch.float32,
     )
@@ -366,4 +382,4 @@ def decode_bytes(q, k_cache, block_tables, seq_lens) -> int:
     return kv + 2 * q.numel() * q.element_size() + block_tables.numel() * block_tables.element_size()
 
 
-__all__ = ["paged_decode_attention", "choose_num_splits", "decode_bytes", "HEAD_DIMS"]
+__all__ = ["paged_decode_attention", "launch_decode", "choose_num_splits", "decode_bytes", "HEAD_DIMS"]

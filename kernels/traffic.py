@@ -6,7 +6,8 @@ same, exactly. Every ``tl.load`` of an interpreted kernel ends in the interprete
 wraps that call for the duration of a ``with`` block and adds up, per tensor, the bytes
 of the unmasked lanes whose address falls inside the tensor's storage. A masked lane
 reads no memory, so it is not counted. Chapter 04 uses it to confirm the K/V traffic
-it derives from the launch grid and the tile loop.
+it derives from the launch grid and the tile loop. :func:`count_dots` counts the
+``tl.dot`` calls the same way (exercise 04's check: the group's products are matrix products).
 """
 
 from __future__ import annotations
@@ -35,8 +36,7 @@ def count_loads(**tensors):
             the interpreter's loads cannot be observed.
         TypeError: a value is not a tensor.
     """
-    if not interpreted():
-        raise RuntimeError("count_loads needs Triton's interpreter (TRITON_INTERPRET=1): compiled loads are hidden")
+    _require_interpreter("count_loads")
     from triton.runtime import interpreter
 
     ranges = {}
@@ -62,4 +62,37 @@ def count_loads(**tensors):
         del builder.create_masked_load
 
 
-__all__ = ["count_loads"]
+@contextmanager
+def count_dots():
+    """Count the ``tl.dot`` calls of interpreted kernels while the block runs.
+
+    Yields:
+        ``{"dots": calls}``, updated as kernels run and final when the block exits.
+
+    Raises:
+        RuntimeError: Triton is compiling for a GPU (``TRITON_INTERPRET`` is off).
+    """
+    _require_interpreter("count_dots")
+    from triton.runtime import interpreter
+
+    counts = {"dots": 0}
+    builder = interpreter.interpreter_builder
+    dot = builder.create_dot
+
+    def counting_dot(*args):
+        counts["dots"] += 1
+        return dot(*args)
+
+    builder.create_dot = counting_dot  # an instance attribute shadows the class's method
+    try:
+        yield counts
+    finally:
+        del builder.create_dot
+
+
+def _require_interpreter(what: str) -> None:
+    if not interpreted():
+        raise RuntimeError(f"{what} needs Triton's interpreter (TRITON_INTERPRET=1): compiled kernels are hidden")
+
+
+__all__ = ["count_dots", "count_loads"]

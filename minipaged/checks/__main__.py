@@ -279,9 +279,8 @@ def load_exercise(solution_path: Path) -> Exercise:
     if not check_cells:
         raise GradeError(f"{solution_path}: no code cell calls a chNN.check_* function")
     rebuilds = tuple(getattr(importlib.import_module(f"minipaged.checks.ch{solution_path.name[:2]}"), "REBUILDS", ()))
-    # What the learner's version has too: a reveal (solution-only) may import the package's own pieces to show them.
-    given = frozenset(name for cell in nb.cells if cell.cell_type == "code"
-                      and "solution-only" not in cell.metadata.get("tags", ()) for name in _imported(cell.source))
+    given = frozenset(name for cell in nb.cells if cell.cell_type == "code" and not _solution_only(cell)
+                      for name in _imported(cell.source))  # a reveal's imports are not the learner's to use
     return Exercise(solution_path, check_cells, previous, questions, framing, shapes, rebuilds, given)
 
 
@@ -355,6 +354,11 @@ def copied_solutions(nb, exercise: Exercise) -> list[str]:
             if twin is not None:
                 flags.append(f"cell {cell.get('id')} is the model solution's cell {twin} with identifiers renamed")
     return flags
+
+
+def _solution_only(cell) -> bool:
+    """A cell the exercise generator drops (a solution's reveal): never a learner's, never what they are given."""
+    return "solution-only" in cell.get("metadata", {}).get("tags", [])
 
 
 def _imported(source: str) -> list[str]:
@@ -443,8 +447,9 @@ def delegations(nb, exercise: Exercise) -> list[str]:
 
     The learner's cells are those :func:`copied_solutions` reads (every code cell but the check cells), in
     order, so an import in one cell is known in the next. What the solution's own cells import is allowed
-    (chapter 02's ``OutOfBlocks``); a cell that does not parse is skipped. Static analysis: a flag for a
-    person to look at, which a determined learner can evade, never a verdict.
+    (chapter 02's ``OutOfBlocks``), except its ``solution-only`` cells' (a reveal that shows the package's
+    version), which are skipped as the generator drops them; a cell that does not parse is skipped. Static
+    analysis: a flag for a person to look at, which a determined learner can evade, never a verdict.
     """
     if not exercise.rebuilds:
         return []
@@ -452,8 +457,7 @@ def delegations(nb, exercise: Exercise) -> list[str]:
     bindings = {"minipaged": "minipaged", "importlib": "importlib", "__import__": "builtins.__import__"}
     flags = []
     for cell in nb.cells:
-        # A solution's reveal (tagged solution-only, never in a handout) shows the package's version on purpose.
-        if cell.cell_type != "code" or cell.get("id") in check_ids or "solution-only" in cell.metadata.get("tags", ()):
+        if cell.cell_type != "code" or cell.get("id") in check_ids or _solution_only(cell):
             continue
         tree = _tree(cell.source)
         if tree is None:

@@ -2,42 +2,58 @@
 
 from __future__ import annotations
 
-import torch
-
-from minipaged.attention import contiguous_attention
+from minipaged.checks.engine_run import seeded_requests
 from minipaged.checks.instructor import Side
 
 
-def decode(q, k_cache, v_cache, block_tables, seq_lens, window):
-    """Each new token over the last ``window`` positions of its sequence, gathered through its table, in float64."""
-    block_size = k_cache.shape[1]
-    rows = []
-    for i, n in enumerate(seq_lens.tolist()):
-        pos = torch.arange(max(n - window, 0), n, device=q.device)
-        blocks = block_tables[i].long()[pos // block_size]
-        k, v = k_cache[blocks, pos % block_size], v_cache[blocks, pos % block_size]
-        rows.append(contiguous_attention(q[i : i + 1].double(), k.double(), v.double()))
-    return torch.cat(rows).to(q.dtype)
+def decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, num_splits=1, tile=16):
+    """The package's decode kernel, launched with the exercise's tile and split count (see ``launch_decode``)."""
+    from minipaged.kernels.paged_attention import launch_decode
+
+    scale = q.shape[2] ** -0.5 if scale is None else scale
+    return launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, tile)
 
 
-def kernel():
-    """The reference needs no kernel: ``decode`` computes the answer itself."""
+def reference():
+    """The answers the probe gets on the reference side: the launcher and the package's kernel."""
+    from minipaged.kernels.paged_attention import _paged_decode_kernel
+
+    return decode, _paged_decode_kernel
 
 
-def _case(seq_lens, window, block_size, heads):
-    return {"seq_lens": seq_lens, "window": window, "block_size": block_size, "num_heads": heads[0],
-            "num_kv_heads": heads[1]}
+def _kernel_case(seq_lens, block_size, heads, num_splits, seed, tile=16):
+    return {"kind": "kernel", "seq_lens": seq_lens, "block_size": block_size, "num_heads": heads[0],
+            "num_kv_heads": heads[1], "tile": tile, "num_splits": num_splits, "seed": seed}
 
 
-# Each batch runs with MHA, then with a GQA group of 2: windows that start mid-block (block 0 of the long
-# sequences is skipped), a window longer than the sequence, one that starts on a boundary.
-CASES = [_case(seq_lens, window, block_size, heads) for seq_lens, window, block_size in
-         [([5, 19, 9], 6, 4), ([1, 16, 23], 8, 8)] for heads in [(2, 2), (4, 2)]]
+def _request(rid, prompt, max_tokens, arrive=0):
+    return {"id": rid, "prompt": prompt, "max_tokens": max_tokens, "arrive": arrive, "abort": None, "n": 1,
+            "cache_salt": None}
+
+
+def _engine_case(requests, num_splits, block_size=4):
+    config = {"num_blocks": 48, "block_size": block_size, "max_num_seqs": 4, "max_num_batched_tokens": 128}
+    return {"kind": "engine", "config": config, "requests": requests, "tile": 16, "num_splits": num_splits}
+
+
+# Sequences of 5 (one partial tile), 37 (three tiles, the last partial), 32 (two whole tiles) and 1 token;
+# MHA, then a GQA group of 2; then a group of 3 with three splits (the 5-token sequence leaves two of them
+# empty). Last, the engine: prompts that cross a tile boundary while they decode, one request arriving late.
+CASES = [
+    _kernel_case([5, 37, 32, 1], 8, (2, 2), 1, seed=1),
+    _kernel_case([5, 37, 32, 1], 8, (4, 2), 1, seed=2),
+    _kernel_case([5, 37, 70], 4, (6, 2), 3, seed=3),
+    _engine_case([_request("a", list(range(3, 17)), 6), _request("b", list(range(20, 51)), 6),
+                  _request("c", [7, 1, 2], 5, arrive=2)], num_splits=1),
+]
 
 
 def _hidden(rng):
-    seq_lens = [rng.randrange(1, 30) for _ in range(3)]
-    return [_case(seq_lens, rng.randrange(2, 12), rng.choice([4, 8]), rng.choice([(2, 2), (4, 2)]))]
+    seq_lens = [rng.randrange(1, 60) for _ in range(3)]
+    heads = rng.choice([(2, 2), (4, 2), (6, 2), (4, 1)])
+    kernel_case = _kernel_case(seq_lens, rng.choice([4, 8]), heads, rng.choice([1, 2, 3]), seed=rng.randrange(2**16))
+    requests = seeded_requests(rng, 3, prompt_len=(3, 30), max_tokens=(3, 6), arrive_within=2)
+    return [kernel_case, _engine_case(requests, num_splits=rng.choice([1, 2]))]
 
 
-SIDES = {"window_decode_kernel": Side(lambda: CASES, _hidden, lambda: (decode, kernel))}
+SIDES = {"decode_kernel": Side(lambda: CASES, _hidden, reference)}
