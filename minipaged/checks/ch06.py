@@ -318,6 +318,8 @@ def _diagnose_shares(case, g: list, w: list) -> tuple[str, str] | None:
             return message, "last"
         if case["hash"] == "collide" and gn >= wn:
             return message, "verify"
+        if gn > wn and _request(case, seq).get("cache_salt"):
+            return message + " (a salted request)", "salt"
         return message, "drop" if gn > wn else "miss"
     return None
 
@@ -352,6 +354,8 @@ def _diagnose_tables(case, g: list, w: list, before) -> tuple[str, str] | None:
                 if gk is None:
                     return f"{where} has no key, the package's has {wk} (its tokens are all scheduled)", "late"
                 message = f"{where} has key {gk}, the package's {wk}"
+                if before is not None and [b, gk] in before["lru"]:
+                    return message + " (the key it had before it was evicted)", "drop"
                 return message, "salt" if i == 0 or salted else "parent"
     return None
 
@@ -428,8 +432,10 @@ def check_cow_table(case, cls):
 
 
 def _diagnose_appends(g: list, w: list, B: int) -> tuple[str, str] | None:
-    for (seq, n, gneed, gslots, last), (_, _, wneed, wslots, _) in zip(g, w):
+    for (seq, n, gneed, gslots, last), (_, _, wneed, wslots, wlast) in zip(g, w):
         what = f"request {seq}'s append_tokens({n})"
+        if last != wlast:
+            return f"before {what}, its last block is {last} [block, refcount], the package's {wlast}", "cow_decref"
         if last is not None:
             what += f" after block {last[0]} (refcount {last[1]})"
         if gneed != wneed:
@@ -450,8 +456,10 @@ def _diagnose_table(case, g: dict, w: dict, before, partial: bool = False) -> tu
         return problem
     if g["copies"] != w["copies"]:
         mine, right = g["copies"], w["copies"]
+        seq = next((a[0] for a, b in zip(mine, right) if a != b), (mine + right)[min(len(mine), len(right))][0])
         why = "cow_pair" if [[s, c[::-1]] for s, c in mine] == right else "cow_only"
-        return f"the copies recorded [sequence, (source, destination)] are {mine}, the package's {right}", why
+        return (f"request {seq} recorded the copies {[c for s, c in mine if s == seq]} (source, destination), "
+                f"the package's {[c for s, c in right if s == seq]}", why)
     if g["tables"] != w["tables"]:
         return f"the tables are {g['tables']}, the package's {w['tables']}", "cow_only"
     for b, (gr, wr) in enumerate(zip(g["refcounts"], w["refcounts"])):
