@@ -215,8 +215,8 @@ def test_the_kernels_entry_point_prints_one_parsable_transcript(capsys):
 
 CHECK_NAMES = ["ch01.blocks_that_fit", "ch01.new_blocks", "ch01.best_block_size", "ch02.allocate_many",
                "ch02.free_many", "ch02.chunk_slots", "ch03.chunk_attention", "ch04.window_decode_kernel",
-               "ch05.prefill_chunk", "ch05.pick_victims", "ch06.block_keys", "ch06.hit_tokens", "ch06.cow_append",
-               "ch06.lru", "ch07.kv_blocks", "ch07.block_size_measures", "ch07.block_size_choice", "ch08.rollback",
+               "ch05.prefill_chunk", "ch05.pick_victims", "ch06.block_keys", "ch06.prefix_cache", "ch06.cow_table",
+               "ch07.kv_blocks", "ch07.block_size_measures", "ch07.block_size_choice", "ch08.rollback",
                "ch08.beam_step"]
 
 
