@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from minipaged.block_manager import BlockTable
+from minipaged.block_manager import BlockAllocator, BlockTable
 from minipaged.checks import CheckFailed, check
 from minipaged.checks.engine_run import first_token_divergence, run_engine
 from minipaged.prefix_cache import sha256
@@ -252,10 +252,12 @@ def _cache_state(engine, log: dict) -> dict:
 @check("ch06.prefix_cache", hint=HINTS["6.4"][0], label=_engine_label,
        summary=lambda cases, seen: f"{len(cases)} engine runs ({sum(len(o['steps']) for o in seen)} steps, "
                                    f"{sum(o['steps'][-1]['stats']['hits'] for o in seen)} prompt tokens hit, "
-                                   "one with a hash that always collides): hits, keys, refcounts, free queues and "
-                                   "tokens equal the package's")
+                                   f"{sum(c['hash'] == 'collide' for c in cases)} with a hash that always collides): "
+                                   "hits, keys, refcounts, free queues and tokens equal the package's")
 def check_prefix_cache(case, cls):
     """``case`` = a ``run_engine`` case plus "name" and "hash" (``HASHES``); ``cls`` is the learner's allocator."""
+    if not (isinstance(cls, type) and issubclass(cls, BlockAllocator)):
+        return {"not a class": f"a {type(cls).__name__} {cls!r:.60}; pass your class, a subclass of BlockAllocator"}
     log = {"shares": []}
     allocator = partial(_probed_cache(cls, log), hash_fn=HASHES[case["hash"]])
     return _run(case, log, lambda engine, out: _cache_state(engine, log), allocator=allocator)
@@ -271,6 +273,8 @@ def _request(case, seq_id: str) -> dict:
 
 def _judge_run(case, got, want, diagnose) -> None:
     """The first step whose record differs (``diagnose(case, got, want, before)`` says how), then the tokens."""
+    if type(got) is dict and "not a class" in got:
+        raise CheckFailed(f"got {got['not a class']}")
     if type(got) is not dict or type(got.get("steps")) is not list:
         raise CheckFailed("the run's record is missing")
     before = None
@@ -427,6 +431,8 @@ def _table_state(engine, log: dict) -> dict:
                                    "blocks needed, slots, copies, refcounts and tokens equal the package's")
 def check_cow_table(case, cls):
     """``case`` = a ``run_engine`` case plus "name" and "hash"; ``cls`` is the learner's block table class."""
+    if not (isinstance(cls, type) and issubclass(cls, BlockTable)):
+        return {"not a class": f"a {type(cls).__name__} {cls!r:.60}; pass your class, a subclass of TableWithoutCow"}
     log = {"appends": [], "copies": []}
     return _run(case, log, lambda engine, out: _table_state(engine, log), block_table=_probed_table(cls, log))
 
