@@ -15,7 +15,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from minipaged.block_manager import OutOfBlocks
+from minipaged.block_manager import BlockTable, OutOfBlocks
 from minipaged.checks import FAIL, PASS, TODO, ch06
 from minipaged.checks.ch06 import WHY, TableWithoutCow
 from minipaged.prefix_cache import PrefixMatch, hash_block_tokens
@@ -265,6 +265,10 @@ class ChapterNoCow(TableWithoutCow):  # chapter 02's table as it is
     pass
 
 
+class ThePackagesTable(BlockTable):  # delegation: the package's copy-on-write, under the learner's name
+    pass
+
+
 class TodoTable(MyCowTable):
     def must_copy(self, num_tokens):
         raise NotImplementedError("Task 6.5 is not implemented yet.")
@@ -342,6 +346,11 @@ def test_cow_mistakes_fail_where_they_go_wrong(answer, words, why, capsys):
         assert word in result.message, (word, result.message)
     assert "step " in result.message and "request " in result.message
     assert result.hint == WHY[why], (why, result.message, result.hint)
+
+
+def test_the_checks_refuse_what_is_not_the_piece(capsys):
+    assert "inherits the package's copy-on-write" in ch06.check_cow_table(ThePackagesTable).message
+    assert "a subclass of BlockAllocator" in ch06.check_prefix_cache(block_keys).message
 
 
 def test_block_keys_failures_name_the_mistake(capsys):

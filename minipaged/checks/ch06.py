@@ -22,13 +22,13 @@ from __future__ import annotations
 from functools import partial
 
 from minipaged.block_manager import BlockAllocator, BlockTable
-from minipaged.checks import CheckFailed, check
+from minipaged.checks import CheckFailed, _where, check
 from minipaged.checks.engine_run import first_token_divergence, run_engine
 from minipaged.prefix_cache import sha256
 
 # The package modules this exercise rebuilds: the grader flags a learner's cell that imports, subclasses or
 # calls them beyond what the exercise gives (a flag for the instructor, not a verdict).
-REBUILDS = ("minipaged.prefix_cache", "minipaged.block_manager")
+REBUILDS = ("minipaged.prefix_cache",)  # the copy-on-write table: check_cow_table refuses BlockTable's own
 
 # Staged hints: the first names the idea (stubs carry it), later ones come closer to code on request,
 # `hint("6.2", 2)`. None of them is the solution.
@@ -212,8 +212,6 @@ def _run(case, log: dict, observe, **seams) -> dict:
     except NotImplementedError:
         raise
     except Exception as exc:
-        from minipaged.checks import _where
-
         return {"steps": steps, "raised": f"{type(exc).__name__}: {exc}{_where(exc)}", "partial": log}
 
 
@@ -433,6 +431,9 @@ def check_cow_table(case, cls):
     """``case`` = a ``run_engine`` case plus "name" and "hash"; ``cls`` is the learner's block table class."""
     if not (isinstance(cls, type) and issubclass(cls, BlockTable)):
         return {"not a class": f"a {type(cls).__name__} {cls!r:.60}; pass your class, a subclass of TableWithoutCow"}
+    if cls._shares_last_block is BlockTable._shares_last_block:
+        return {"not a class": f"{cls.__name__}, which inherits the package's copy-on-write (BlockTable's); build "
+                               "yours on TableWithoutCow"}
     log = {"appends": [], "copies": []}
     return _run(case, log, lambda engine, out: _table_state(engine, log), block_table=_probed_table(cls, log))
 
