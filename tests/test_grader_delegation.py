@@ -158,3 +158,11 @@ def test_a_delegating_learner_is_flagged_and_keeps_its_verdicts(tmp_path, capsys
     assert delegate == hidden  # the same code, flagged or not, gets the same verdicts and messages
     assert delegate["ch02.chunk_slots"]["status"] == "NOT IMPLEMENTED YET" and status == 1
     assert {delegate[name]["status"] for name in ("ch02.allocate_many", "ch02.free_many")} <= {"PASS", "FAIL"}
+
+
+def test_a_solution_only_cell_is_the_instructors_reveal_and_is_not_flagged(exercise06):
+    source = "import minipaged\nshow = minipaged.prefix_cache.PrefixCachingAllocator\n"
+    nb = one_cell(source)
+    assert grader.delegations(nb, exercise06) == [f"cell t uses {PC} (attribute {PC}.PrefixCachingAllocator)"]
+    nb.cells[0].metadata["tags"] = ["solution-only"]
+    assert grader.delegations(nb, exercise06) == []

@@ -450,7 +450,8 @@ def delegations(nb, exercise: Exercise) -> list[str]:
     bindings = {"minipaged": "minipaged", "importlib": "importlib", "__import__": "builtins.__import__"}
     flags = []
     for cell in nb.cells:
-        if cell.cell_type != "code" or cell.get("id") in check_ids:
+        # A solution's reveal (tagged solution-only, never in a handout) shows the package's version on purpose.
+        if cell.cell_type != "code" or cell.get("id") in check_ids or "solution-only" in cell.metadata.get("tags", ()):
             continue
         tree = _tree(cell.source)
         if tree is None:

@@ -28,7 +28,7 @@ from minipaged.prefix_cache import sha256
 
 # The package modules this exercise rebuilds: the grader flags a learner's cell that imports, subclasses or
 # calls them beyond what the exercise gives (a flag for the instructor, not a verdict).
-REBUILDS = ("minipaged.prefix_cache",)  # the copy-on-write table: check_cow_table refuses BlockTable's own
+REBUILDS = ("minipaged.prefix_cache",)  # the copy-on-write table: check_cow_table wants it on TableWithoutCow
 
 # Staged hints: the first names the idea (stubs carry it), later ones come closer to code on request,
 # `hint("6.2", 2)`. None of them is the solution.
@@ -431,7 +431,7 @@ def check_cow_table(case, cls):
     """``case`` = a ``run_engine`` case plus "name" and "hash"; ``cls`` is the learner's block table class."""
     if not (isinstance(cls, type) and issubclass(cls, BlockTable)):
         return {"not a class": f"a {type(cls).__name__} {cls!r:.60}; pass your class, a subclass of TableWithoutCow"}
-    if cls._shares_last_block is BlockTable._shares_last_block:
+    if not issubclass(cls, TableWithoutCow):
         return {"not a class": f"{cls.__name__}, which inherits the package's copy-on-write (BlockTable's); build "
                                "yours on TableWithoutCow"}
     log = {"appends": [], "copies": []}

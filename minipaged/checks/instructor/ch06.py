@@ -1,8 +1,8 @@
 """Exercise 06's references, public cases and hidden cases (the instructor's side of ``minipaged.checks.ch06``).
 
 The build checks' references are the package's own pieces, :class:`~minipaged.prefix_cache.PrefixCachingAllocator`
-for ``ch06.prefix_cache`` and :class:`~minipaged.block_manager.BlockTable` (copy-on-write included) for
-``ch06.cow_table``; their cases are ``run_engine`` workloads of block size 4 on the checks' tiny model.
+for ``ch06.prefix_cache`` and :class:`~minipaged.block_manager.BlockTable`'s copy-on-write (on ``TableWithoutCow``)
+for ``ch06.cow_table``; their cases are ``run_engine`` workloads of block size 4 on the checks' tiny model.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 
 from minipaged.block_manager import BlockTable
+from minipaged.checks.ch06 import TableWithoutCow
 from minipaged.checks.engine_run import VOCAB_SIZE
 from minipaged.checks.instructor import Side
 from minipaged.prefix_cache import PrefixCachingAllocator
@@ -133,8 +134,14 @@ def _hidden_cow(rng):
     return [fork_case(rng, "hidden", rng.randint(11, 24))]
 
 
+class PackageCowTable(TableWithoutCow):
+    """The reference table: chapter 02's table with the package's own copy-on-write put back."""
+
+    _shares_last_block = BlockTable._shares_last_block
+
+
 SIDES = {
     "block_keys": Side(_keys_cases, _hidden_keys, lambda: (block_keys,)),
     "prefix_cache": Side(_cache_cases, _hidden_cache, lambda: (PrefixCachingAllocator,)),
-    "cow_table": Side(_cow_cases, _hidden_cow, lambda: (BlockTable,)),
+    "cow_table": Side(_cow_cases, _hidden_cow, lambda: (PackageCowTable,)),
 }
