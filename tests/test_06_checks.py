@@ -8,6 +8,7 @@ a learner gets by copying what chapter 06 shows (a naive per-block hash, chapter
 teaches the idea without printing the answer, so those must FAIL too.
 """
 
+import functools
 from collections import OrderedDict
 from dataclasses import replace
 from pathlib import Path
@@ -15,12 +16,21 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from minipaged import checks
 from minipaged.block_manager import BlockTable, OutOfBlocks
 from minipaged.checks import FAIL, PASS, TODO, ch06
 from minipaged.checks.ch06 import WHY, TableWithoutCow
 from minipaged.prefix_cache import PrefixMatch, hash_block_tokens
 
 pytestmark = pytest.mark.ch06
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _reference_runs_once():
+    """Each check call runs the package's reference on the public cases; here once per check, not once per call."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(checks, "expected", functools.cache(checks.expected))
+        yield
 
 SOLUTION = Path(__file__).resolve().parent.parent / "solutions" / "06_prefix_sharing_cow.ipynb"
 CELLS = ("fb4b9e26", "e6c1a2b1", "e6c1a2b6")  # the imports, MyPrefixCache, MyCowTable
