@@ -17,7 +17,7 @@ import nbformat
 import pytest
 
 from minipaged import checks
-from minipaged.block_manager import BlockTable, OutOfBlocks
+from minipaged.block_manager import BlockAllocator, BlockTable, OutOfBlocks
 from minipaged.checks import FAIL, PASS, TODO, ch06
 from minipaged.checks.ch06 import WHY, TableWithoutCow
 from minipaged.prefix_cache import PrefixMatch, hash_block_tokens
@@ -396,3 +396,60 @@ def test_the_solution_runs_on_the_base_interface_only():
     with pytest.raises(OutOfBlocks):
         [pool.allocate() for _ in range(5)]
 
+
+
+class OtherAllocator(BlockAllocator):
+    """Exercise 02's contract written another way (a list, its own allocate and free), as a learner's may be.
+
+    It keeps its counts where the base class does (``_refcounts``): the package's table checks a fork with them.
+    """
+
+    def __init__(self, num_blocks, block_size):
+        super().__init__(num_blocks, block_size)
+        self.free_block_ids, self._counts = list(range(self.num_blocks)), self._refcounts
+
+    @property
+    def num_free(self):
+        return len(self.free_block_ids)
+
+    def _take_free_block(self, seq_id):
+        return self.free_block_ids.pop(0)
+
+    def _put_free_block(self, block_id):
+        self.free_block_ids.append(block_id)
+        return {}
+
+    def allocate(self, seq_id=None):
+        if not self.num_free:
+            raise OutOfBlocks("no free block")
+        block_id = self._take_free_block(seq_id)
+        self._counts[block_id] = 1
+        return block_id
+
+    def incref(self, block_id, seq_id=None):
+        self._counts[block_id] += 1
+
+    def free(self, block_id, seq_id=None):
+        self._counts[block_id] -= 1
+        if self._counts[block_id] == 0:
+            self._put_free_block(block_id)
+
+    def free_sequence(self, block_ids, seq_id=None):
+        for block_id in block_ids:
+            self.free(block_id, seq_id)
+
+    def refcount(self, block_id):
+        return self._counts[block_id]
+
+    @property
+    def refcounts(self):
+        return list(self._counts)
+
+
+def test_the_model_cache_runs_unchanged_on_another_allocator(capsys):
+    """The capstone's cut: the same class body on a learner's allocator (here OtherAllocator) passes the check."""
+    cells = {c.id: c for c in nbformat.read(SOLUTION, as_version=4).cells}
+    namespace = dict(_NS, BlockAllocator=OtherAllocator)
+    exec(compile(cells["e6c1a2b1"].source, "solution cell", "exec"), namespace)
+    assert namespace["MyPrefixCache"].__mro__[1] is OtherAllocator
+    assert ch06.check_prefix_cache(namespace["MyPrefixCache"]).status == PASS
