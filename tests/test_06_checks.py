@@ -323,7 +323,7 @@ CACHE_MISTAKES = [
     (ForgetsIncref, ["has refcount 0, the package's 1"], "incref"),
     (FreesHeadFirst, ["the LRU queue of free cached blocks"], "tail"),
     (KeepsKeyOnEviction, ["small pool", "before it was evicted"], "drop"),
-    (ChapterDeque, ["the LRU queue of free cached blocks"], "lru"),
+    (ChapterDeque, ["step 2: the LRU queue of free cached blocks [block, key] is []"], "keep"),
 ]
 
 

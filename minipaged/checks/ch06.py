@@ -95,6 +95,8 @@ WHY = {
             "block a sequence holds",
     "lru": "free cached blocks leave least recently used first (popitem(last=False)), and only once no keyless "
            "block is free",
+    "keep": "a freed block that holds a key keeps it and joins the LRU queue (the most recently used end); only an "
+            "eviction drops the key",
     "tail": "a finished sequence frees its blocks tail first, so its deepest block joins the LRU queue first and "
             "a shared prefix stays cached longest",
     "drop": "an evicted block loses its key everywhere (its entry and its place under the key), or a later hit "
@@ -380,7 +382,8 @@ def _diagnose_cache(case, g: dict, w: dict, before, partial: bool = False) -> tu
                 "allocate() could evict it", "held")
     if g["lru"] != w["lru"]:
         mine, right = [b for b, _ in g["lru"]], [b for b, _ in w["lru"]]
-        why = "tail" if sorted(mine) == sorted(right) and mine != right else "lru" if mine != right else "drop"
+        why = ("tail" if sorted(mine) == sorted(right) else "keep" if set(mine) < set(right) else "lru"
+               if mine != right else "drop")
         return f"the LRU queue of free cached blocks [block, key] is {g['lru']}, the package's {w['lru']}", why
     if g["keyless"] != w["keyless"]:
         return f"the keyless free blocks are {g['keyless']}, the package's {w['keyless']}", "queue"
