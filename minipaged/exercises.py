@@ -20,6 +20,12 @@ becomes::
         raise NotImplementedError("Task 1.1 is not implemented yet. Hint: a partly filled block is still a block")
 
 Markdown answers use ``<!-- BEGIN SOLUTION -->`` / ``<!-- END SOLUTION -->``.
+
+The capstone (:data:`CAPSTONE`) assembles the pieces of earlier exercises. Its cells tagged
+``piece:NN:Name`` are copies of the solution cell of exercise NN that defines ``Name``, kept in sync
+here (:func:`sync_capstone`): the tasks become the capstone's, with a hint naming where the code comes
+from, and a line that ends ``# in the capstone: LINE`` becomes ``LINE`` (a prefix cache's base class
+becomes the learner's own allocator).
 Cells tagged ``solution-only`` are dropped. Outputs are cleared, because the
 learner runs the notebook; the checks then print "not implemented yet".
 
@@ -63,6 +69,63 @@ _LEFT_OUT = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints",
 
 class MarkerError(ValueError):
     pass
+
+
+CAPSTONE = "09_your_engine.ipynb"
+CAPSTONE_TASK = "Task 9.1"
+_PIECE = re.compile(r"^piece:(?P<number>\d\d):(?P<name>\w+)$")
+_IN_CAPSTONE = re.compile(r"^(?P<indent>\s*).*?#\s*in the capstone:\s*(?P<line>.+?)\s*$")
+
+
+def capstone_piece(source: str, number: str) -> str:
+    """Solution cell ``source`` of exercise ``number`` as the capstone carries it.
+
+    Args:
+        source: the code cell's source.
+        number: the exercise it comes from, ``"02"``.
+    """
+    lines = []
+    for line in source.splitlines():
+        begin, swap = _BEGIN.match(line), _IN_CAPSTONE.match(line)
+        if begin:
+            origin = begin["task"] or "its task"
+            hint = f"your code from exercise {number}, {origin}"
+            line = f"{begin['indent']}### BEGIN SOLUTION ({CAPSTONE_TASK}) hint: {hint}"
+        elif swap:
+            line = swap["indent"] + swap["line"]
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _defines(source: str) -> set[str]:
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set()
+    return {node.name for node in tree.body if isinstance(node, (ast.ClassDef, ast.FunctionDef))} | {
+        t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)}
+
+
+def sync_capstone(capstone: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """``capstone`` with each ``piece:NN:Name`` cell's source copied from exercise NN's solution cell defining Name."""
+    nb = nbformat.from_dict(capstone)
+    for cell in nb.cells:
+        for tag in cell.get("metadata", {}).get("tags", []):
+            piece = _PIECE.match(tag)
+            if not piece:
+                continue
+            matches = sorted(SOLUTIONS.glob(f"{piece['number']}_*.ipynb"))
+            if not matches:
+                raise MarkerError(f"{CAPSTONE}: tag {tag}: no solution for exercise {piece['number']}")
+            sources = [c.source for c in nbformat.read(matches[0], as_version=4).cells
+                       if c.cell_type == "code" and piece["name"] in _defines(c.source)]
+            if len(sources) != 1:
+                raise MarkerError(f"{CAPSTONE}: tag {tag}: {len(sources)} cells of {matches[0].name} define "
+                                  f"{piece['name']} (one expected)")
+            cell.source = capstone_piece(sources[0], piece["number"])
+    return nb
 
 
 class ReleaseError(ValueError):
@@ -148,10 +211,18 @@ def expected_exercises() -> dict[Path, str]:
     return result
 
 
+def _capstone_stale() -> list[str]:
+    path = SOLUTIONS / CAPSTONE
+    if not path.exists():
+        return []
+    nb = nbformat.read(path, as_version=4)
+    return [] if render(sync_capstone(nb)) == render(nb) else [f"pieces out of date: {path.relative_to(ROOT)}"]
+
+
 def stale_exercises() -> list[str]:
-    """Problems that ``--check`` reports: missing, outdated or orphaned exercises."""
+    """Problems that ``--check`` reports: missing, outdated or orphaned exercises, and the capstone's pieces."""
     expected = expected_exercises()
-    problems = []
+    problems = _capstone_stale()
     for path, text in expected.items():
         if not path.exists():
             problems.append(f"missing: {path.relative_to(ROOT)}")
@@ -234,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"exercises/ is in sync with solutions/ ({len(expected_exercises())} notebooks)")
         return 0
+    capstone = SOLUTIONS / CAPSTONE
+    if _capstone_stale():
+        capstone.write_text(render(sync_capstone(nbformat.read(capstone, as_version=4))))
+        print(f"wrote the pieces of {capstone.relative_to(ROOT)} (run it again: its outputs predate them)")
     EXERCISES.mkdir(exist_ok=True)
     for path, text in expected_exercises().items():
         path.write_text(text)

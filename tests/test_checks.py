@@ -258,7 +258,7 @@ def test_staged_hints(capsys):
 
     assert checks.hint("5.1") == f"Hint 1 of 3 for Task 5.1: {ch05.HINTS['5.1'][0]}"
     assert ch05.HINTS["5.1"][2] in checks.hint("5.1", 3)
-    for bad, error in [(("9.1",), ValueError), (("5.9",), ValueError), (("5.1", 0), ValueError),
+    for bad, error in [(("10.1",), ValueError), (("5.9",), ValueError), (("5.1", 0), ValueError),
                        (("5.1", 1.0), TypeError)]:
         with pytest.raises(error):
             checks.hint(*bad)

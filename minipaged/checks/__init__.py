@@ -46,7 +46,7 @@ import os
 import signal
 import sysconfig
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
@@ -81,10 +81,18 @@ class NotPlainData(TypeError):
 
 @dataclass
 class CheckResult:
+    """One check's verdict: its status line, and (for a learner's own run) what the probe observed.
+
+    Attributes:
+        observations: the learner's observations on the public cases, in case order, so a notebook can
+            show more of a passing run than its one line (empty for the grader, who keeps them in its JSON).
+    """
+
     name: str
     status: str
     message: str = ""
     hint: str = ""
+    observations: list = field(default_factory=list, repr=False)
 
     @property
     def passed(self) -> bool:
@@ -370,6 +378,7 @@ class Check:
             result = CheckResult(self.name, FAIL, f"{exc}: is there an infinite loop?", self.hint)
         else:
             result = self.verdict(cases, got, want, len(cases))
+            result.observations = got["observations"] if type(got.get("observations")) is list else []
         print(result)
         return result
 

@@ -23,6 +23,7 @@ A case is plain data::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 from functools import cache
 
@@ -75,6 +76,26 @@ def seeded_requests(rng: random.Random, num_requests: int, prompt_len: tuple[int
     return requests
 
 
+def make_engine(model, config: dict, backend=None, **seams):
+    """An :class:`~minipaged.engine.Engine` on ``model`` with ``config``'s fields, ``backend`` and ``seams`` in it.
+
+    Args:
+        model: the model to serve.
+        config: :class:`~minipaged.scheduler.EngineConfig` fields.
+        backend: an :class:`~minipaged.attention.AttentionBackend` (a copy named :data:`CHECK_BACKEND` is
+            registered), or None for the config's own.
+        **seams: the engine's seams (``allocator``, ``block_table``, ``scheduler``, ``speculator``).
+    """
+    from minipaged.attention import register_backend
+    from minipaged.engine import Engine
+    from minipaged.scheduler import EngineConfig
+
+    if backend is not None:  # under a name of its own, so that no registered backend is replaced
+        register_backend(CHECK_BACKEND, dataclasses.replace(backend, name=CHECK_BACKEND), replace=True)
+        config = dict(config, backend=CHECK_BACKEND)
+    return Engine(model, EngineConfig(**config), **seams)
+
+
 def run_engine(case: dict, *, observe=None, backend=None, **seams) -> dict:
     """Serve ``case``'s requests on :func:`check_model`, greedily, and record what happened as plain data.
 
@@ -91,16 +112,9 @@ def run_engine(case: dict, *, observe=None, backend=None, **seams) -> dict:
         ``{"tokens": {str(seq_id): [generated ids]}, "steps": [observations], "finished": bool}``;
         ``finished`` is False when the run was cut off after :data:`MAX_STEPS` steps.
     """
-    from minipaged.attention import register_backend
-    from minipaged.engine import Engine
-    from minipaged.scheduler import EngineConfig
     from minipaged.sequence import SamplingParams
 
-    config = dict(case["config"], keep_finished=True)
-    if backend is not None:
-        register_backend(CHECK_BACKEND, backend, replace=True)
-        config["backend"] = CHECK_BACKEND
-    engine = Engine(check_model(), EngineConfig(**config), **seams)
+    engine = make_engine(check_model(), dict(case["config"], keep_finished=True), backend, **seams)
     requests = sorted(case["requests"], key=lambda r: r["arrive"])
     steps, step = [], 0
     with torch.no_grad(), one_thread():

@@ -1,0 +1,198 @@
+"""The capstone's check: the learner's engine, built from their own pieces, serves the requests vLLM served.
+
+The learner passes the four pieces they built: a prefix-caching allocator on their own allocator
+(exercises 02 and 06), their block table (02), their attention backend (03) and their scheduler (05).
+The probe assembles them into one :class:`~minipaged.engine.Engine` and runs:
+
+- **recorded** cases: the batches of ``notebooks/results/vllm_check.json``, which real vLLM served
+  (``make vllm-check``), on the course model and on SmolLM2-135M-Instruct, with the recorded limits
+  (blocks of 32, vLLM's CPU size). SmolLM2's chats stop at its EOS. The probe records each request's
+  greedy tokens, their top-2 margins and the tokens its prefix-cache hit covered, for the learner's
+  engine and for the package's, in the same kernel. The judge wants the learner's tokens equal to
+  the package's exactly, equal to vLLM's up to the first near-tie (a margin below the record's
+  threshold, :func:`minipaged.near_ties.compare_tokens`), and the cached tokens equal to vLLM's.
+- a **preemption** case on the checks' float64 model (:mod:`minipaged.checks.engine_run`): a
+  seeded workload on a pool so small that sequences are preempted and recomputed, with aborts;
+  tokens and per-step schedules must equal the package's (the reference side's) exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from minipaged.checks import CheckFailed, check
+from minipaged.checks.engine_run import first_divergence, first_token_divergence, make_engine, run_engine
+
+# The package modules the capstone's pieces rebuild: the grader flags a learner's cell that imports, subclasses or
+# calls them (a flag for the instructor, not a verdict).
+REBUILDS = ("minipaged.block_manager", "minipaged.prefix_cache", "minipaged.attention", "minipaged.attention_loop",
+            "minipaged.scheduler", "minipaged.request_queue")
+
+RECORD = Path(__file__).resolve().parents[2] / "notebooks" / "results" / "vllm_check.json"
+MODELS = {"course model": "course", "SmolLM2-135M-Instruct": "smollm2-135m-instruct"}  # record name -> load_model's
+
+HINTS = {
+    "9.1": [
+        "each piece passed its own exercise's check; the capstone runs them together, so look for an assumption one "
+        "piece makes about another (a hook the prefix cache overrides, a table method the scheduler calls)",
+        "run each recorded batch with one piece of yours at a time and the package's others "
+        "(minipaged.block_manager, minipaged.prefix_cache, minipaged.scheduler, the 'torch' backend): the piece "
+        "that breaks the run is the one to fix",
+        "blocks of 32 and a 1,024-token budget are new here: a prompt longer than a block, a hit that covers "
+        "several blocks, and a last prompt block that is recomputed although it is cached all happen in batch 2",
+    ],
+}
+
+
+@cache
+def recorded(name: str) -> dict:
+    """The vLLM check's record of model ``name`` (``"course model"``, ``"SmolLM2-135M-Instruct"``)."""
+    for model in json.loads(RECORD.read_text(encoding="utf-8"))["models"]:
+        if model["model"] == name:
+            return model
+    raise KeyError(f"{RECORD.name} holds no model called {name!r}")
+
+
+def near_tie_threshold() -> float:
+    return float(json.loads(RECORD.read_text(encoding="utf-8"))["near_tie_threshold"])
+
+
+@cache
+def _model(name: str):
+    from minipaged.pretrained import load_model
+
+    return load_model(MODELS[name])
+
+
+def serve_recorded(name: str, max_tokens: int, allocator, block_table, scheduler, backend) -> list[dict]:
+    """Serve the recorded batches of model ``name`` on one engine with the given pieces; one dict per request.
+
+    Each request makes at most ``max_tokens`` tokens (a prefix of the recorded ones: greedy decoding
+    does not look ahead). Its ``cached`` tokens are those its prefix-cache hit covered when it was first
+    admitted: the tokens computed before its first chunk.
+
+    Args:
+        name: the record's model name.
+        max_tokens: the cap on each request's new tokens.
+        allocator, block_table, scheduler: the engine's seams.
+        backend: an :class:`~minipaged.attention.AttentionBackend`, or None for the package's torch one.
+    """
+    from minipaged.sequence import SamplingParams
+
+    record, model = recorded(name), _model(name)
+    config = dict(record["limits"], block_size=32, watermark=0.0, keep_finished=True)
+    engine = make_engine(model, config, backend, allocator=allocator, block_table=block_table, scheduler=scheduler)
+    batches: dict[int, list] = {}
+    for r in record["requests"]:
+        batches.setdefault(r["batch"], []).append(r)
+    results = []
+    with torch.no_grad():  # all threads: SmolLM2's matmuls are big enough to share
+        for batch in sorted(batches):
+            ids = [engine.add_request(r["prompt_token_ids"], SamplingParams(
+                max_tokens=min(max_tokens, r["max_tokens"]), ignore_eos=r["ignore_eos"])) for r in batches[batch]]
+            cached = {}
+            while engine.has_unfinished():
+                out = engine.step()
+                for seq_id in out.admitted:
+                    seq = engine.seqs[seq_id]
+                    if seq.num_preemptions == 0 and seq_id not in cached:
+                        cached[seq_id] = seq.num_computed_tokens - out.scheduled[seq_id]
+            results += [{"tokens": list(engine.seqs[i].output_token_ids), "cached": cached.get(i, 0)} for i in ids]
+    return results
+
+
+def _schedule(engine, out) -> dict:
+    return {"ran": {str(k): v for k, v in out.scheduled.items()}, "preempted": [str(s) for s in out.preempted]}
+
+
+def _label(case) -> str:
+    if case["kind"] == "recorded":
+        return f"{case['model']}'s recorded requests (up to {case['max_tokens']} tokens each)"
+    return f"a preemption-heavy workload on the checks' model (seed {case['seed']})"
+
+
+def _summary(cases, seen) -> str:
+    parts = []
+    for case, obs in zip(cases, seen):
+        if case["kind"] != "recorded":
+            parts.append(f"{len(obs['tokens'])} sequences under preemption as the package's, step for step")
+            continue
+        compared = sum(c["compared"] for c in _vllm_comparisons(case, obs))
+        ties = sum(c["near_tie"] is not None for c in _vllm_comparisons(case, obs))
+        cached = sum(r["cached"] for r in obs["mine"])
+        tie = f", {ties} stopped at a near-tie" if ties else ""
+        parts.append(f"{case['model']}: {len(obs['mine'])} requests, {compared} tokens equal to vLLM's{tie}, "
+                     f"{cached} cached tokens as vLLM's")
+    return "; ".join(parts)
+
+
+@check("ch09.your_engine", hint=HINTS["9.1"][0], label=_label, summary=_summary)
+def check_your_engine(case, allocator, block_table, backend, scheduler):
+    """``allocator``, ``block_table`` and ``scheduler`` are the engine's seams; ``backend`` an AttentionBackend."""
+    seams = {"allocator": allocator, "block_table": block_table, "scheduler": scheduler}
+    if case["kind"] == "recorded":
+        from minipaged.block_manager import BlockTable
+        from minipaged.near_ties import teacher_forced_margins
+        from minipaged.prefix_cache import PrefixCachingAllocator
+        from minipaged.scheduler import Scheduler
+
+        mine = serve_recorded(case["model"], case["max_tokens"], backend=backend, **seams)
+        packages = (PrefixCachingAllocator, BlockTable, Scheduler)
+        if (allocator, block_table, scheduler) == packages and backend is None:
+            package = mine  # the package's own pieces (the reference side): one run is both
+        else:
+            package = serve_recorded(case["model"], case["max_tokens"], *packages, None)
+        model = _model(case["model"])
+        requests = recorded(case["model"])["requests"]
+        with torch.no_grad():
+            margins = [teacher_forced_margins(model, r["prompt_token_ids"], m["tokens"]) if m["tokens"] else []
+                       for r, m in zip(requests, mine)]
+        return {"mine": mine, "package": package, "margins": margins}
+    return run_engine(case["workload"], observe=_schedule, backend=backend, **seams)
+
+
+def _vllm_comparisons(case, obs) -> list[dict]:
+    from minipaged.near_ties import compare_tokens
+
+    cap, threshold = case["max_tokens"], near_tie_threshold()
+    rows = []
+    for r, m, margins in zip(recorded(case["model"])["requests"], obs["mine"], obs["margins"]):
+        theirs = r.get("vllm_token_ids", r["token_ids"])[:cap]
+        c = compare_tokens(theirs, r["margins"][: len(theirs)], m["tokens"], [float(x) for x in margins], threshold)
+        rows.append({"compared": c.compared, "near_tie": c.near_tie, "first_difference": c.first_difference})
+    return rows
+
+
+@check_your_engine.judge
+def _judge(case, got, want):
+    if case["kind"] != "recorded":
+        if not got["finished"]:
+            raise CheckFailed("the run did not finish: some request never completes (is a preempted sequence ever "
+                              "admitted again?)", HINTS["9.1"][1])
+        first_divergence(got["steps"], want["steps"], lambda step, g, w: (
+            f"your engine ran {g['ran']} and preempted {g['preempted']}; the package's ran {w['ran']} and "
+            f"preempted {w['preempted']}", HINTS["9.1"][1]))
+        first_token_divergence(got["tokens"], want["tokens"])
+        return
+    requests = recorded(case["model"])["requests"]
+    if len(got["mine"]) != len(requests) or len(got["margins"]) != len(requests):
+        raise CheckFailed(f"{len(got['mine'])} results for {len(requests)} requests")
+    for i, (r, m, p) in enumerate(zip(requests, got["mine"], got["package"])):
+        where = f"batch {r['batch']} ({r['kind']}), request {i}"
+        if m["tokens"] != p["tokens"]:
+            at = next((j for j, (a, b) in enumerate(zip(m["tokens"], p["tokens"])) if a != b),
+                      min(len(m["tokens"]), len(p["tokens"])))
+            raise CheckFailed(f"{where}: your engine's token {at} differs from the package's engine's in the same run "
+                              f"(yours {m['tokens'][at:at + 3]}, the package's {p['tokens'][at:at + 3]})",
+                              HINTS["9.1"][1])
+        if m["cached"] != r["vllm_cached_tokens"]:
+            raise CheckFailed(f"{where}: your prefix cache covered {m['cached']} of its prompt's tokens, vLLM's "
+                              f"covered {r['vllm_cached_tokens']}", HINTS["9.1"][2])
+    for i, c in enumerate(_vllm_comparisons(case, got)):
+        if c["first_difference"] is not None:
+            raise CheckFailed(f"request {i}: token {c['first_difference']} differs from vLLM's recorded one, before "
+                              "any near-tie", HINTS["9.1"][1])

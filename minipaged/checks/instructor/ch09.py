@@ -1,0 +1,35 @@
+"""The capstone's cases and reference (the instructor's side of ``minipaged.checks.ch09``): the package's own pieces."""
+
+from __future__ import annotations
+
+import random
+
+from minipaged.checks.engine_run import seeded_requests
+from minipaged.checks.instructor import Side
+
+# Blocks of 4 in a 14-block pool, 4 seats and a 16-token budget: long prompts are chunked, and growing
+# sequences preempt the youngest running one; some requests are aborted on the way.
+POOL = {"num_blocks": 14, "block_size": 4, "max_num_seqs": 4, "max_num_batched_tokens": 16}
+
+
+def _preemption(seed: int) -> dict:
+    rng = random.Random(seed)
+    return {"kind": "preemption", "seed": seed,
+            "workload": {"config": POOL, "requests": seeded_requests(rng, 8, (3, 20), (4, 16), arrive_within=8,
+                                                                     abort_prob=0.2)}}
+
+
+# SmolLM2's chats as vLLM served them, up to 20 tokens each (some stop at the EOS before that), then the
+# checks' model under preemption.
+CASES = [{"kind": "recorded", "model": "SmolLM2-135M-Instruct", "max_tokens": 20}, _preemption(0)]
+
+
+def reference():
+    from minipaged.block_manager import BlockTable
+    from minipaged.prefix_cache import PrefixCachingAllocator
+    from minipaged.scheduler import Scheduler
+
+    return PrefixCachingAllocator, BlockTable, None, Scheduler  # None: the package's torch backend
+
+
+SIDES = {"your_engine": Side(lambda: CASES, lambda rng: [_preemption(rng.randrange(1, 10**6))], reference)}
