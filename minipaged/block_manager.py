@@ -465,7 +465,7 @@ class BlockTable:
             raise ValueError(f"cannot fork the block table of sequence {self.seq_id!r}: it was released")
         for block_id in self.blocks:  # all checked before any incref: a block freed behind the table's back leaks none
             self.allocator._check_allocated(block_id, f"fork the table of sequence {self.seq_id!r}, which holds")
-        child = BlockTable(self.allocator, seq_id)
+        child = type(self)(self.allocator, seq_id)  # a subclass (a learner's table) forks into its own kind
         with self.allocator.hold_events():  # subscribers hear of the increfs once the child holds the blocks
             for block_id in self.blocks:
                 self.allocator.incref(block_id, seq_id)

@@ -1,21 +1,54 @@
-"""The chapter 06 exercise checks pass the reference answers and catch the classic mistakes of prefix sharing.
+"""The chapter 06 exercise checks pass the model solution and catch the classic mistakes of prefix sharing.
 
-Each wrong implementation below is one mistake; the check must FAIL on it. The
-``Chapter*`` ones are what a learner would get by copying the code chapter 06
-shows (a naive per-block hash, chapter 02's append and deque): the chapter
+The model solution's classes come from the solution notebook itself (its import and class cells), so the
+classes checked here are the ones the exercise ships. Each wrong implementation below is one mistake,
+written as a subclass that overrides one method; the check must FAIL on it, with a message that names the
+step, the request or the block, and with the hint for that mistake (``WHY``). The ``Chapter*`` ones are what
+a learner gets by copying what chapter 06 shows (a naive per-block hash, chapter 02's table): the chapter
 teaches the idea without printing the answer, so those must FAIL too.
 """
 
+import functools
+from collections import OrderedDict
+from dataclasses import replace
+from pathlib import Path
 
+import nbformat
 import pytest
 
+from minipaged import checks
+from minipaged.block_manager import BlockAllocator, BlockTable, OutOfBlocks
 from minipaged.checks import FAIL, PASS, TODO, ch06
-from minipaged.checks.instructor.ch06 import PrefixPool  # the check's own reference; mutants break it one way each
+from minipaged.checks.ch06 import WHY, TableWithoutCow
+from minipaged.prefix_cache import PrefixMatch, hash_block_tokens
 
 pytestmark = pytest.mark.ch06
 
 
-# -- Task 6.1 and 6.2 --------------------------------------------------------------
+@pytest.fixture(autouse=True, scope="module")
+def _reference_runs_once():
+    """Each check call runs the package's reference on the public cases; here once per check, not once per call."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(checks, "expected", functools.cache(checks.expected))
+        yield
+
+SOLUTION = Path(__file__).resolve().parent.parent / "solutions" / "06_prefix_sharing_cow.ipynb"
+CELLS = ("fb4b9e26", "e6c1a2b1", "e6c1a2b6")  # the imports, MyPrefixCache, MyCowTable
+
+
+def _solution() -> dict:
+    namespace = {}
+    cells = {c.id: c for c in nbformat.read(SOLUTION, as_version=4).cells}
+    for cell_id in CELLS:
+        exec(compile(cells[cell_id].source, f"solution cell {cell_id}", "exec"), namespace)
+    return namespace
+
+
+_NS = _solution()
+MyPrefixCache, MyCowTable, Entry = _NS["MyPrefixCache"], _NS["MyCowTable"], _NS["Entry"]
+
+
+# -- Task 6.1 (warm-up) ------------------------------------------------------------
 
 
 def block_keys(token_ids, block_size, hash_fn, cache_salt=None):
@@ -42,8 +75,7 @@ def keys_with_partial_block(token_ids, block_size, hash_fn, cache_salt=None):
     return keys
 
 
-# Harmless for hits, but not the key asked for.
-def keys_salt_everywhere(token_ids, block_size, hash_fn, cache_salt=None):
+def keys_salt_everywhere(token_ids, block_size, hash_fn, cache_salt=None):  # harmless for hits, not the key asked
     keys, parent = [], None
     for i in range(len(token_ids) // block_size):
         extra = (cache_salt,) if cache_salt else ()
@@ -52,184 +84,207 @@ def keys_salt_everywhere(token_ids, block_size, hash_fn, cache_salt=None):
     return keys
 
 
-# The first idea the chapter shows, and refutes.
-def chapter_naive_keys(token_ids, block_size, hash_fn, cache_salt=None):
+def chapter_naive_keys(token_ids, block_size, hash_fn, cache_salt=None):  # the first idea the chapter refutes
     return [hash_fn(None, tuple(token_ids[i : i + block_size]), ()) for i in range(0, len(token_ids), block_size)]
-
-
-def hit_tokens(token_ids, block_size, hash_fn, cached, cache_salt=None):
-    hits = 0
-    usable = (len(token_ids) - 1) // block_size
-    for i, key in enumerate(block_keys(token_ids, block_size, hash_fn, cache_salt)[:usable]):
-        if cached.get(key) != tuple(token_ids[i * block_size : (i + 1) * block_size]):
-            break
-        hits += 1
-    return hits * block_size
-
-
-def hits_unverified(token_ids, block_size, hash_fn, cached, cache_salt=None):
-    hits = 0
-    for key in block_keys(token_ids, block_size, hash_fn, cache_salt)[: (len(token_ids) - 1) // block_size]:
-        if key not in cached:
-            break
-        hits += 1
-    return hits * block_size
-
-
-def hits_whole_prompt(token_ids, block_size, hash_fn, cached, cache_salt=None):
-    hits = 0
-    for i, key in enumerate(block_keys(token_ids, block_size, hash_fn, cache_salt)):
-        if cached.get(key) != tuple(token_ids[i * block_size : (i + 1) * block_size]):
-            break
-        hits += 1
-    return hits * block_size
-
-
-def hits_counted_not_prefix(token_ids, block_size, hash_fn, cached, cache_salt=None):  # counts hits after a miss too
-    keys = block_keys(token_ids, block_size, hash_fn, cache_salt)[: (len(token_ids) - 1) // block_size]
-    return block_size * sum(cached.get(k) == tuple(token_ids[i * block_size : (i + 1) * block_size])
-                            for i, k in enumerate(keys))
-
-
-# -- Task 6.3 ----------------------------------------------------------------------
-
-
-class CowTable:
-    def __init__(self, allocator, data, seq_id=None):
-        self.allocator, self.data, self.seq_id = allocator, data, seq_id
-        self.blocks, self.num_tokens = [], 0
-
-    def fork(self, seq_id=None):
-        child = type(self)(self.allocator, self.data, seq_id)
-        for b in self.blocks:
-            self.allocator.incref(b, seq_id)
-        child.blocks, child.num_tokens = list(self.blocks), self.num_tokens
-        return child
-
-    def append(self, value):
-        B = self.allocator.block_size
-        offset = self.num_tokens % B
-        if offset == 0:
-            self.blocks.append(self.allocator.allocate(self.seq_id))
-        elif self.allocator.refcount(self.blocks[-1]) > 1:
-            self._copy_tail(offset)
-        slot = self.blocks[-1] * B + offset
-        self.data[slot] = value
-        self.num_tokens += 1
-        return slot
-
-    def _copy_tail(self, offset):
-        B, old = self.allocator.block_size, self.blocks[-1]
-        new = self.allocator.allocate(self.seq_id)
-        self.data[new * B : new * B + offset] = self.data[old * B : old * B + offset]
-        self.allocator.free(old, self.seq_id)
-        self.blocks[-1] = new
-
-
-class WritesBeforeCopying(CowTable):
-    def append(self, value):
-        B = self.allocator.block_size
-        offset = self.num_tokens % B
-        if offset == 0:
-            self.blocks.append(self.allocator.allocate(self.seq_id))
-        self.data[self.blocks[-1] * B + offset] = value  # into the shared block ...
-        if offset and self.allocator.refcount(self.blocks[-1]) > 1:
-            self._copy_tail(offset + 1)  # ... then copied, new token included
-        self.num_tokens += 1
-        return self.blocks[-1] * B + offset
-
-
-class ChapterNoCow(CowTable):  # chapter 02's append_tokens, one token at a time: no copy at all
-    def append(self, value):
-        B = self.allocator.block_size
-        if self.num_tokens % B == 0:
-            self.blocks += self.allocator.allocate_many(1, self.seq_id)
-        slot = self.blocks[-1] * B + self.num_tokens % B
-        self.data[slot] = value
-        self.num_tokens += 1
-        return slot
-
-
-class CopiesWithoutDecref(CowTable):
-    def _copy_tail(self, offset):
-        B, old = self.allocator.block_size, self.blocks[-1]
-        new = self.allocator.allocate(self.seq_id)
-        self.data[new * B : new * B + offset] = self.data[old * B : old * B + offset]
-        self.blocks[-1] = new
-
-
-class CopiesEveryPartialBlock(CowTable):
-    def append(self, value):
-        B = self.allocator.block_size
-        if self.num_tokens % B:
-            self._copy_tail(self.num_tokens % B)
-        return super().append(value)
-
-
-class FreesBeforeAllocating(CowTable):  # on a full pool the old reference is gone before OutOfBlocks
-    def _copy_tail(self, offset):
-        B, old = self.allocator.block_size, self.blocks[-1]
-        self.allocator.free(old, self.seq_id)
-        new = self.allocator.allocate(self.seq_id)
-        self.data[new * B : new * B + offset] = self.data[old * B : old * B + offset]
-        self.blocks[-1] = new
-
-
-# -- Task 6.4 ----------------------------------------------------------------------
-
-
-
-
-class EvictsReferencedBlocks(PrefixPool):  # a hit leaves the block in the free queue
-    def hit(self, key):
-        block_id = self.block_of.get(key)
-        if block_id is not None:
-            self.refcounts[block_id] += 1
-        return block_id
-
-
-class EvictsMostRecent(PrefixPool):
-    def allocate(self):
-        if not self.keyless_free and self.cached_free:
-            block_id, _ = self.cached_free.popitem(last=True)
-            self._evict(block_id)
-            self.refcounts[block_id] = 1
-            return block_id
-        return super().allocate()
-
-
-class EvictsBeforeKeyless(PrefixPool):
-    def allocate(self):
-        if self.cached_free:
-            block_id, _ = self.cached_free.popitem(last=False)
-            self._evict(block_id)
-            self.refcounts[block_id] = 1
-            return block_id
-        return super().allocate()
-
-
-class KeepsKeyOnEviction(PrefixPool):  # a stale key would hand out a block that now holds other tokens
-    def _evict(self, block_id):
-        self.evicted.append(block_id)
-
-
-class ChapterDeque(PrefixPool):  # chapter 02's allocator: every freed block joins one FIFO deque
-    def free(self, block_id):
-        self.refcounts[block_id] -= 1
-        if self.refcounts[block_id] == 0:
-            self.keyless_free.append(block_id)
-
-
-class Todo:
-    def __init__(self, *args):
-        pass
-
-    def __getattr__(self, name):
-        raise NotImplementedError("Task 6.4 is not implemented yet.")
 
 
 def todo(*args):
     raise NotImplementedError("Task 6.1 is not implemented yet. Hint: one key per full block")
+
+
+# -- Tasks 6.2 to 6.4: the prefix cache, one mistake each --------------------------
+
+
+class KeysPartialBlock(MyPrefixCache):  # a key for the partly filled last block too
+    def cache_full_blocks(self, table, token_ids, num_tokens, cache_salt=None):
+        return super().cache_full_blocks(table, token_ids, num_tokens, cache_salt) + self._key_tail(
+            table, token_ids, num_tokens, cache_salt)
+
+    def _key_tail(self, table, token_ids, num_tokens, cache_salt):
+        i, B = num_tokens // self.block_size, self.block_size
+        if num_tokens % B == 0 or i >= len(table.blocks) or self.entries[table.blocks[i]] is not None:
+            return 0
+        parent = self.entries[table.blocks[i - 1]] if i else None
+        tokens, extra = tuple(token_ids[i * B : num_tokens]), self.extra_keys(i, cache_salt)
+        key = hash_block_tokens(None if parent is None else parent.key, tokens, extra, self.hash_fn)
+        self.entries[table.blocks[i]] = Entry(key, tokens, extra, parent)
+        self.blocks_by_key.setdefault(key, []).append(table.blocks[i])
+        return 1
+
+
+class HashesWithoutParent(MyPrefixCache):  # every block hashed as if it were block 0
+    def cache_full_blocks(self, table, token_ids, num_tokens, cache_salt=None):
+        keyed = super().cache_full_blocks(table, token_ids, num_tokens, cache_salt)
+        for i in range(num_tokens // self.block_size):
+            entry = self.entries[table.blocks[i]]
+            key = hash_block_tokens(None, entry.token_ids, entry.extra, self.hash_fn)
+            if key != entry.key:
+                self.blocks_by_key[entry.key].remove(table.blocks[i])
+                self.entries[table.blocks[i]] = Entry(key, entry.token_ids, entry.extra, entry.parent)
+                self.blocks_by_key.setdefault(key, []).append(table.blocks[i])
+        return keyed
+
+
+class IgnoresSalt(MyPrefixCache):
+    def extra_keys(self, block_index, cache_salt):
+        return ()
+
+
+class TrustsTheHash(MyPrefixCache):  # a key found is taken as a hit, tokens and parent unchecked
+    def match_prefix(self, token_ids, cache_salt=None):
+        blocks, keys, parent = [], [], None
+        for i in range(max(len(token_ids) - 1, 0) // self.block_size):
+            key = hash_block_tokens(parent, self.block_tokens(token_ids, i), self.extra_keys(i, cache_salt),
+                                    self.hash_fn)
+            if key not in self.blocks_by_key:
+                break
+            blocks.append(self.blocks_by_key[key][0])
+            keys.append(key)
+            parent = key
+        return PrefixMatch(blocks, keys, len(blocks) * self.block_size, len(token_ids), 0)
+
+
+class VerifiesTokensNotParent(MyPrefixCache):  # a block with the prompt's tokens behind another parent is a hit
+    def match_prefix(self, token_ids, cache_salt=None):
+        blocks, keys, parent = [], [], None
+        for i in range(max(len(token_ids) - 1, 0) // self.block_size):
+            tokens, extra = self.block_tokens(token_ids, i), self.extra_keys(i, cache_salt)
+            key = hash_block_tokens(parent, tokens, extra, self.hash_fn)
+            found = next((b for b in self.blocks_by_key.get(key, ()) if self.entries[b].token_ids == tokens
+                          and self.entries[b].extra == extra), None)
+            if found is None:
+                break
+            blocks.append(found)
+            keys.append(key)
+            parent = key
+        return PrefixMatch(blocks, keys, len(blocks) * self.block_size, len(token_ids), 0)
+
+
+class MatchesWholePrompt(MyPrefixCache):  # the block with the last prompt token hits too
+    def match_prefix(self, token_ids, cache_salt=None):
+        return replace(super().match_prefix(list(token_ids) + [0], cache_salt), queries=len(token_ids))
+
+
+class EvictsMostRecent(MyPrefixCache):
+    def _take_free_block(self, seq_id):
+        if self._wanted is None and not super(MyPrefixCache, self).num_free and self.evictable_block_ids:
+            self.evictable_block_ids.move_to_end(next(reversed(self.evictable_block_ids)), last=False)
+        return super()._take_free_block(seq_id)
+
+
+class EvictsBeforeKeyless(MyPrefixCache):  # a cached block goes out while keyless ones are free
+    def _take_free_block(self, seq_id):
+        if self._wanted is None and self.evictable_block_ids:
+            block_id, _ = self.evictable_block_ids.popitem(last=False)
+            self._drop_key(block_id)
+            self.counters.evictions += 1
+            return block_id
+        return super()._take_free_block(seq_id)
+
+
+class HitStaysInQueue(MyPrefixCache):  # a free block shared by a hit is not taken out of the LRU queue
+    def _take_free_block(self, seq_id):
+        if self._wanted is not None:
+            block_id, self._wanted = self._wanted, None
+            return block_id
+        return super()._take_free_block(seq_id)
+
+    @property
+    def num_free(self):
+        return super(MyPrefixCache, self).num_free + sum(self.refcount(b) == 0 for b in self.evictable_block_ids)
+
+
+class ForgetsIncref(MyPrefixCache):  # a held block is shared without one more reference
+    def share_prefix(self, table, match, *, preempted=False):
+        for block_id in match.block_ids:
+            if self.refcount(block_id) == 0:
+                self._wanted = block_id
+                self.allocate(table.seq_id)
+        table.blocks, table.num_tokens = list(match.block_ids), match.num_tokens
+        self.counters.record(match.queries, match.num_tokens, preempted)
+
+
+class FreesHeadFirst(MyPrefixCache):
+    def free_sequence(self, block_ids, seq_id=None):
+        super(MyPrefixCache, self).free_sequence(list(block_ids), seq_id)
+
+
+class KeepsKeyOnEviction(MyPrefixCache):  # an evicted block keeps its entry: its next content never gets a key
+    def _drop_key(self, block_id):
+        pass
+
+
+class ChapterDeque(MyPrefixCache):  # chapter 02's allocator: every freed block joins one FIFO deque
+    def _put_free_block(self, block_id):
+        if self.entries[block_id] is not None:
+            self._drop_key(block_id)
+        return super()._put_free_block(block_id)
+
+
+class Todo(MyPrefixCache):
+    def match_prefix(self, token_ids, cache_salt=None):
+        raise NotImplementedError("Task 6.4 is not implemented yet.")
+
+
+# -- Task 6.5: copy-on-write, one mistake each -------------------------------------
+
+
+class WritesBeforeCopying(MyCowTable):  # the base hands out the slots first: they are in the shared block
+    def append_tokens(self, num_tokens):
+        copy = self.must_copy(num_tokens)
+        slots = TableWithoutCow.append_tokens(self, num_tokens)
+        if copy:
+            last = -1 - (len(self.blocks) - 1 - (self.num_tokens - num_tokens) // self.block_size)
+            old, new = self.blocks[last], self.allocator.allocate(self.seq_id)
+            self.blocks[last] = new
+            self.allocator.free(old, self.seq_id)
+            self.pending_copies.append((old, new))
+        return slots
+
+
+class ForgetsTheCopyBlock(MyCowTable):  # num_new_blocks does not count the copy
+    def num_new_blocks(self, num_tokens):
+        return TableWithoutCow.num_new_blocks(self, num_tokens)
+
+
+class CopiesReversed(MyCowTable):  # (new, old): the engine copies the empty block over the shared one
+    def append_tokens(self, num_tokens):
+        slots = super().append_tokens(num_tokens)
+        self.pending_copies = [(dst, src) for src, dst in self.pending_copies]
+        return slots
+
+
+class CopiesWithoutDecref(MyCowTable):
+    def append_tokens(self, num_tokens):
+        if self.must_copy(num_tokens):
+            self.allocator.incref(self.blocks[-1], self.seq_id)  # the copy's free() then leaves it as it was
+        return super().append_tokens(num_tokens)
+
+
+class CopiesUnsharedBlocks(MyCowTable):  # every write into a partly filled block copies it
+    def must_copy(self, num_tokens):
+        return num_tokens > 0 and self.num_tokens % self.block_size != 0
+
+
+class CopiesFullBlocks(MyCowTable):  # a shared full last block is copied too, though nobody writes into it
+    def must_copy(self, num_tokens):
+        return num_tokens > 0 and bool(self.blocks) and self.allocator.refcount(self.blocks[-1]) > 1
+
+
+class ChapterNoCow(TableWithoutCow):  # chapter 02's table as it is
+    pass
+
+
+class ThePackagesTable(BlockTable):  # delegation: the package's copy-on-write, under the learner's name
+    pass
+
+
+class TodoTable(MyCowTable):
+    def must_copy(self, num_tokens):
+        raise NotImplementedError("Task 6.5 is not implemented yet.")
+
+
+# -- the verdicts --------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -241,24 +296,10 @@ def todo(*args):
         (ch06.check_block_keys, keys_salt_everywhere, FAIL),
         (ch06.check_block_keys, chapter_naive_keys, FAIL),
         (ch06.check_block_keys, todo, TODO),
-        (ch06.check_hit_tokens, hit_tokens, PASS),
-        (ch06.check_hit_tokens, hits_unverified, FAIL),
-        (ch06.check_hit_tokens, hits_whole_prompt, FAIL),
-        (ch06.check_hit_tokens, hits_counted_not_prefix, FAIL),
-        (ch06.check_hit_tokens, todo, TODO),
-        (ch06.check_cow_append, CowTable, PASS),
-        (ch06.check_cow_append, WritesBeforeCopying, FAIL),
-        (ch06.check_cow_append, ChapterNoCow, FAIL),
-        (ch06.check_cow_append, CopiesWithoutDecref, FAIL),
-        (ch06.check_cow_append, CopiesEveryPartialBlock, FAIL),
-        (ch06.check_cow_append, FreesBeforeAllocating, FAIL),
-        (ch06.check_lru, PrefixPool, PASS),
-        (ch06.check_lru, EvictsReferencedBlocks, FAIL),
-        (ch06.check_lru, EvictsMostRecent, FAIL),
-        (ch06.check_lru, EvictsBeforeKeyless, FAIL),
-        (ch06.check_lru, KeepsKeyOnEviction, FAIL),
-        (ch06.check_lru, ChapterDeque, FAIL),
-        (ch06.check_lru, Todo, TODO),
+        (ch06.check_prefix_cache, MyPrefixCache, PASS),
+        (ch06.check_prefix_cache, Todo, TODO),
+        (ch06.check_cow_table, MyCowTable, PASS),
+        (ch06.check_cow_table, TodoTable, TODO),
     ],
 )
 def test_check_status(check, answer, status, capsys):
@@ -267,14 +308,148 @@ def test_check_status(check, answer, status, capsys):
     assert capsys.readouterr().out.count("\n") >= 1
 
 
-def test_failures_name_the_mistake(capsys):
+# (wrong implementation, words the message must contain, the WHY hint it must print)
+CACHE_MISTAKES = [
+    (KeysPartialBlock, ["step 0", "request ('r0', 0)'s logical block 3", "the package's has none"], "partial"),
+    (HashesWithoutParent, ["step 0", "logical block 1", "has key"], "parent"),
+    (IgnoresSalt, ["request r2 was admitted with 8 cached tokens", "a salted request"], "salt"),
+    (TrustsTheHash, ["colliding hash", "request r1 was admitted with 8 cached tokens"], "verify"),
+    (VerifiesTokensNotParent, ["colliding hash", "request r2 was admitted with 8 cached tokens", "logical block 1"],
+     "verify"),
+    (MatchesWholePrompt, ["request r7 was not admitted"], "last"),
+    (EvictsMostRecent, ["small pool", "logical block"], "lru"),
+    (EvictsBeforeKeyless, ["step 4", "while keyless ones were free"], "lru"),
+    (HitStaysInQueue, ["still in your LRU queue"], "held"),
+    (ForgetsIncref, ["has refcount 0, the package's 1"], "incref"),
+    (FreesHeadFirst, ["the LRU queue of free cached blocks"], "tail"),
+    (KeepsKeyOnEviction, ["small pool", "before it was evicted"], "drop"),
+    (ChapterDeque, ["step 2: the LRU queue of free cached blocks [block, key] is []"], "keep"),
+]
+
+
+@pytest.mark.parametrize("answer, words, why", CACHE_MISTAKES, ids=[m[0].__name__ for m in CACHE_MISTAKES])
+def test_prefix_cache_mistakes_fail_where_they_go_wrong(answer, words, why, capsys):
+    result = ch06.check_prefix_cache(answer)
+    assert result.status == FAIL, result
+    for word in words:
+        assert word in result.message, (word, result.message)
+    assert result.hint == WHY[why], (why, result.message, result.hint)
+    assert f"hint: {WHY[why]}" in capsys.readouterr().out
+
+
+COW_MISTAKES = [
+    (WritesBeforeCopying, ["append_tokens(1)", "which another table still holds"], "cow_write"),
+    (ChapterNoCow, ["num_new_blocks(1) said 0, the package's 1"], "cow_need"),
+    (ForgetsTheCopyBlock, ["num_new_blocks(1) said 0, the package's 1"], "cow_need"),
+    (CopiesReversed, ["recorded the copies [[10, 7]] (source, destination)"], "cow_pair"),
+    (CopiesWithoutDecref, ["refcount"], "cow_decref"),
+    (CopiesUnsharedBlocks, ["(refcount 1)", "said 1, the package's 0"], "cow_only"),
+    (CopiesFullBlocks, ["said 2, the package's 1"], "cow_only"),
+]
+
+
+@pytest.mark.parametrize("answer, words, why", COW_MISTAKES, ids=[m[0].__name__ for m in COW_MISTAKES])
+def test_cow_mistakes_fail_where_they_go_wrong(answer, words, why, capsys):
+    result = ch06.check_cow_table(answer)
+    assert result.status == FAIL, result
+    for word in words:
+        assert word in result.message, (word, result.message)
+    assert "step " in result.message and "request " in result.message
+    assert result.hint == WHY[why], (why, result.message, result.hint)
+
+
+def test_the_checks_refuse_what_is_not_the_piece(capsys):
+    assert "inherits the package's copy-on-write" in ch06.check_cow_table(ThePackagesTable).message
+    assert "a subclass of BlockAllocator" in ch06.check_prefix_cache(block_keys).message
+
+
+def test_block_keys_failures_name_the_mistake(capsys):
     assert "parent" in ch06.check_block_keys(keys_without_parent).message
     assert "partly filled" in ch06.check_block_keys(keys_with_partial_block).message
-    assert "shared block" in ch06.check_cow_append(WritesBeforeCopying).message
-    assert "could evict it" in ch06.check_lru(EvictsReferencedBlocks).message
 
 
-def test_weak_hash_collides_and_transparent_hash_does_not():
-    a, d = [11, 12, 13, 14], [12, 11, 14, 13]
-    assert ch06.weak_hash(None, a, ()) == ch06.weak_hash(None, d, ())
-    assert ch06.transparent_hash(None, a, ()) != ch06.transparent_hash(None, d, ())
+class RaisesOnMatch(MyPrefixCache):
+    def match_prefix(self, token_ids, cache_salt=None):
+        if len(token_ids) > 12:
+            raise KeyError("no such key")
+        return super().match_prefix(token_ids, cache_salt)
+
+
+def test_a_piece_that_raises_shows_the_step_and_its_inputs(capsys):
+    result = ch06.check_prefix_cache(RaisesOnMatch)
+    assert result.status == FAIL
+    assert "step 0: your code raised KeyError" in result.message and "token_ids=" in result.message, result.message
+
+
+def test_the_colliding_hash_collides():
+    assert ch06.collide(b"a") == ch06.collide(b"b") and ch06.HASHES["sha256"](b"a") != ch06.HASHES["sha256"](b"b")
+    assert ch06.transparent_hash(None, [1, 2], ()) != ch06.transparent_hash(None, [2, 1], ())
+
+
+def test_the_solution_runs_on_the_base_interface_only():
+    """The capstone puts MyPrefixCache on the learner's exercise 02 allocator: it must not reach into the base."""
+    source = {c.id: c for c in nbformat.read(SOLUTION, as_version=4).cells}["e6c1a2b1"].source
+    for private in ("_refcounts", "free_block_ids", "_held_events", "_ever_allocated"):
+        assert private not in source, private
+    pool = MyPrefixCache(4, 2)
+    assert isinstance(pool.evictable_block_ids, OrderedDict) and pool.num_free == 4
+    with pytest.raises(OutOfBlocks):
+        [pool.allocate() for _ in range(5)]
+
+
+
+class OtherAllocator(BlockAllocator):
+    """Exercise 02's contract written another way (a list, its own allocate and free), as a learner's may be.
+
+    It keeps its counts where the base class does (``_refcounts``): the package's table checks a fork with them.
+    """
+
+    def __init__(self, num_blocks, block_size):
+        super().__init__(num_blocks, block_size)
+        self.free_block_ids, self._counts = list(range(self.num_blocks)), self._refcounts
+
+    @property
+    def num_free(self):
+        return len(self.free_block_ids)
+
+    def _take_free_block(self, seq_id):
+        return self.free_block_ids.pop(0)
+
+    def _put_free_block(self, block_id):
+        self.free_block_ids.append(block_id)
+        return {}
+
+    def allocate(self, seq_id=None):
+        if not self.num_free:
+            raise OutOfBlocks("no free block")
+        block_id = self._take_free_block(seq_id)
+        self._counts[block_id] = 1
+        return block_id
+
+    def incref(self, block_id, seq_id=None):
+        self._counts[block_id] += 1
+
+    def free(self, block_id, seq_id=None):
+        self._counts[block_id] -= 1
+        if self._counts[block_id] == 0:
+            self._put_free_block(block_id)
+
+    def free_sequence(self, block_ids, seq_id=None):
+        for block_id in block_ids:
+            self.free(block_id, seq_id)
+
+    def refcount(self, block_id):
+        return self._counts[block_id]
+
+    @property
+    def refcounts(self):
+        return list(self._counts)
+
+
+def test_the_model_cache_runs_unchanged_on_another_allocator(capsys):
+    """The capstone's cut: the same class body on a learner's allocator (here OtherAllocator) passes the check."""
+    cells = {c.id: c for c in nbformat.read(SOLUTION, as_version=4).cells}
+    namespace = dict(_NS, BlockAllocator=OtherAllocator)
+    exec(compile(cells["e6c1a2b1"].source, "solution cell", "exec"), namespace)
+    assert namespace["MyPrefixCache"].__mro__[1] is OtherAllocator
+    assert ch06.check_prefix_cache(namespace["MyPrefixCache"]).status == PASS

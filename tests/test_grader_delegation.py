@@ -169,3 +169,11 @@ def test_a_reveals_imports_are_skipped_and_not_given_to_the_learner():
     source = "from minipaged.kernels import paged_attention as pa\nkernel = pa._paged_decode_kernel\n"
     assert grader.delegations(one_cell(source), exercise) == [
         "cell t uses minipaged.kernels (from-import paged_attention as pa, attribute pa._paged_decode_kernel)"]
+
+
+def test_a_solution_only_cell_is_the_instructors_reveal_and_is_not_flagged(exercise06):
+    source = "import minipaged\nshow = minipaged.prefix_cache.PrefixCachingAllocator\n"
+    nb = one_cell(source)
+    assert grader.delegations(nb, exercise06) == [f"cell t uses {PC} (attribute {PC}.PrefixCachingAllocator)"]
+    nb.cells[0].metadata["tags"] = ["solution-only"]
+    assert grader.delegations(nb, exercise06) == []

@@ -1,33 +1,37 @@
-"""Checks for chapter 06: block keys and prefix hits, copy-on-write on append, LRU eviction.
+"""Checks for chapter 06: block keys (a warm-up), then the prefix cache and copy-on-write inside the real engine.
 
-Each probe runs the learner's code through a script and records what it returned and the state
-after each step; the reference (``minipaged.checks.instructor.ch06``) runs the same script, and the
-judge compares the two step by step. The scripts
-are built so that the classic mistakes of prefix sharing show up as a wrong
-value, not as a crash:
+``ch06.block_keys`` calls the learner's hash chain on prompts with a transparent hash that keeps
+what went into each key. The two build checks run :func:`~minipaged.checks.engine_run.run_engine`
+with the learner's piece in one of the engine's seams and the package's piece on the reference side:
 
-- hashing a block without its parent's key (two prompts that differ early but
-  share a later block get the same key);
-- caching a partly filled block (a key for the tail of a prompt);
-- evicting a block that a sequence holds again after a hit;
-- writing the new token into a shared block before copying it.
+- ``ch06.prefix_cache``: ``Engine(..., allocator=MyPrefixCache)`` (the package's block table, copy-on-write
+  included) on shared-system-prompt workloads with ``n = 2`` samples, salted tenants, a pool small enough
+  to evict, and once with a hash that returns the same key for every block. After every step the probe
+  records each admission's hit (the blocks and tokens shared in), each running sequence's blocks and
+  their keys, the refcounts, both free queues in order, and the counters; the judge names the first
+  step, request and block where the learner's run leaves the package's, with the hint for that mistake.
+- ``ch06.cow_table``: ``Engine(..., block_table=MyCowTable)`` (chapter 02's pool, no prefix cache) on
+  forking workloads: every ``append_tokens`` call (the blocks it says it needs, the slots it returns),
+  the copies recorded, the tables and the refcounts, step by step; then the tokens.
 
-The hash function is passed in, so the checks can use a transparent one (the
-key *is* the tuple ``(parent, tokens, extra)``) and a deliberately weak one
-that collides.
+Both compare the greedy tokens of every sample with the package's run, token for token.
 """
 
 from __future__ import annotations
 
-from minipaged.block_manager import BlockAllocator
-from minipaged.checks import CheckFailed, check, expect_equal, expect_raised, outcome, to_tuples
+from functools import partial
+
+from minipaged.block_manager import BlockAllocator, BlockTable
+from minipaged.checks import CheckFailed, _where, check
+from minipaged.checks.engine_run import first_token_divergence, run_engine
+from minipaged.prefix_cache import sha256
 
 # The package modules this exercise rebuilds: the grader flags a learner's cell that imports, subclasses or
-# calls them (a flag for the instructor, not a verdict).
-REBUILDS = ("minipaged.prefix_cache",)
+# calls them beyond what the exercise gives (a flag for the instructor, not a verdict).
+REBUILDS = ("minipaged.prefix_cache",)  # the copy-on-write table: check_cow_table wants it on TableWithoutCow
 
 # Staged hints: the first names the idea (stubs carry it), later ones come closer to code on request,
-# `hint("6.1", 2)`. None of them is the solution.
+# `hint("6.2", 2)`. None of them is the solution.
 HINTS = {
     "6.1": [
         "a block's K/V depends on every token before it, so its key must too: each full block's key hashes its "
@@ -38,45 +42,104 @@ HINTS = {
         "into block 0's extra keys only",
     ],
     "6.2": [
-        "a hit is a leading run of blocks whose key is cached and whose cached tokens equal the prompt's; the block "
-        "that holds the last prompt token is always computed",
-        "your block_keys from Task 6.1 does half the work; a key found with different tokens is a collision, a miss",
-        "the last prompt token (position n - 1) lives in block (n - 1) // block_size: only blocks before it can hit, "
-        "and the run stops at the first miss",
+        "two free queues: keyless free blocks go out first (the base class's queue); free blocks that keep a key "
+        "wait least recently used first, and taking one evicts it (its key is dropped everywhere)",
+        "num_free counts both queues; _put_free_block decides by whether the block holds a key; a sequence frees "
+        "its blocks tail first, so its deepest block is the first of them to be evicted",
+        "OrderedDict.popitem(last=False) removes the oldest entry and del d[k] any entry, both O(1); call the base "
+        "class's hooks with super() for keyless blocks",
     ],
     "6.3": [
-        "copy-on-write: a write into a last block that another table still holds must go to a private copy, and a "
-        "short pool must leave everything as it was",
-        "the new token's offset in its block is num_tokens % block_size: what does an offset of 0 tell you, and what "
-        "does a refcount above 1 tell you?",
-        "order matters twice: allocate before you let go of anything (so a full pool changes nothing), and copy the "
-        "slots written so far before you write the new token",
+        "keys at allocation: once a block's tokens are all scheduled (num_tokens covers it), it gets its key, "
+        "chained from its parent's key, with the salt in block 0 only; a partly filled block gets none",
+        "blocks 0 .. num_tokens // block_size - 1 are full; a block that already has a key (shared in, or keyed "
+        "in an earlier step) keeps it and is the next one's parent",
+        "store with each key what a hit must verify: the block's tokens, its extra keys and its parent's entry",
     ],
     "6.4": [
-        "free blocks without a key go out first, oldest first; cached free blocks are evicted least recently freed "
-        "first; a hit on a free cached block takes it out of the free queue",
-        "OrderedDict.popitem(last=False) removes the oldest entry; del d[k] removes any entry in O(1)",
-        "what goes wrong if a block that a sequence holds again is still in cached_free? An evicted block's key must "
-        "disappear from both maps",
+        "the match walks the prompt's blocks from block 0 and stops at the first miss; a key found is only a "
+        "candidate until the cached block's tokens, extra keys and parent are the prompt's; the block with the "
+        "last prompt token is always computed",
+        "(len(token_ids) - 1) // block_size blocks may hit; share_prefix takes one more reference on each matched "
+        "block, and a matched block that sits in the free queue must leave it",
+        "a free cached block comes back with refcount 1 through the base class's allocate(): make your "
+        "_take_free_block hand out that very block",
+    ],
+    "6.5": [
+        "copy-on-write: a write into a partly filled last block that another table still holds goes to a fresh "
+        "copy, and the table records (old, new) so the engine copies the K/V before the forward pass writes",
+        "the copy takes a block: num_new_blocks must count it, and a short pool raises OutOfBlocks before anything "
+        "changes",
+        "order: check the room, allocate the copy, swap it into the table, drop one reference to the old block, "
+        "record the copy, and only then let the base class hand out the new slots",
     ],
 }
 
+# The hint for each diagnosis the build checks make (CheckFailed's hint, printed instead of the stage-1 one).
+WHY = {
+    "partial": "a partly filled block gets no key: its tokens are not final (keys only for blocks that "
+               "num_tokens // block_size covers)",
+    "salt": "the cache_salt is block 0's extra key, (cache_salt,), and no other block's; an empty salt is no salt",
+    "parent": "a key chains through its parent: hash_block_tokens(parent key, tokens, extra) with the key of the "
+              "block before it (None for block 0 only)",
+    "late": "keys at allocation: a block gets its key in the step whose scheduled tokens fill it",
+    "verify": "a key is only a hash (here every block has the same one): a hit must be checked against the cached "
+              "block's tokens, its extra keys and its parent (the very entry matched before it), or it is a miss",
+    "last": "the block that holds the last prompt token is always computed: its logits give the first token, so "
+            "at most (len(token_ids) - 1) // block_size blocks can hit",
+    "miss": "a block the package's cache still finds was not found in yours: was its key dropped, or the wrong "
+            "block evicted (least recently used first, keyless free blocks before any cached one)?",
+    "incref": "sharing a block is one more reference: incref a block that is held, take a free one back with "
+              "refcount 1",
+    "held": "a matched block that sat in the free queue must leave it when it is shared, or allocate() may evict a "
+            "block a sequence holds",
+    "lru": "free cached blocks leave least recently used first (popitem(last=False)), and only once no keyless "
+           "block is free",
+    "keep": "a freed block that holds a key keeps it and joins the LRU queue (the most recently used end); only an "
+            "eviction drops the key",
+    "tail": "a finished sequence frees its blocks tail first, so its deepest block joins the LRU queue first and "
+            "a shared prefix stays cached longest",
+    "drop": "an evicted block loses its key everywhere (its entry and its place under the key), or a later hit "
+            "would read K/V that was overwritten",
+    "count": "count every lookup once (share_prefix records it, preempted re-admissions apart) and every eviction",
+    "queue": "num_free counts both free queues; a keyless freed block goes back to the base class's queue",
+    "cow_need": "num_new_blocks(n) counts the copy: one block more when the write lands in a shared, partly filled "
+                "last block",
+    "cow_write": "the new tokens must not land in a block another table still holds: copy first, then hand out "
+                 "the slots (in the copy)",
+    "cow_pair": "pending_copies holds (source, destination): the old shared block first, the fresh copy second",
+    "cow_decref": "after the copy the table holds the new block only: drop one reference to the old one",
+    "cow_only": "copy only a partly filled last block whose refcount is above 1: an unshared block is written in "
+                "place, and a full block is never written again (the next token starts a new block)",
+    "tokens": "the bookkeeping agreed but a sequence read other K/V: check what each table's blocks hold",
+}
+
+
+def collide(data: bytes) -> bytes:
+    """A hash that gives every block the same key: only verification keeps the cache right."""
+    return b"\x00"
+
+
+HASHES = {"sha256": sha256, "collide": collide}
+
 
 def transparent_hash(parent, token_ids, extra):
-    """A "hash" that keeps everything it was given, so a check can see what went into a key."""
+    """A "hash" for the warm-up that keeps everything it was given, so a check can see what went into a key."""
     return (parent, tuple(token_ids), tuple(extra))
 
 
-def weak_hash(parent, token_ids, extra):
-    """A deliberately bad hash: the sum of the tokens mod 5, chained. Many different blocks collide."""
-    return ((parent or 0) * 7 + sum(token_ids) + len(extra)) % 5
+class TableWithoutCow(BlockTable):
+    """Chapter 02's block table without copy-on-write: a write into a shared last block lands in it.
 
+    The base of exercise 06's ``MyCowTable`` (in the capstone, your own table from exercise 02).
+    """
 
-HASHES = {"transparent": transparent_hash, "weak": weak_hash}
+    def _shares_last_block(self, num_tokens: int) -> bool:
+        return False
 
 
 # ---------------------------------------------------------------------------
-# Task 6.1 and 6.2: block keys and hits
+# Task 6.1 (a warm-up): block keys
 # ---------------------------------------------------------------------------
 
 
@@ -122,158 +185,299 @@ def _judge_keys(case, got, want):
             raise CheckFailed(f"key {i} is {g!r}, expected {w!r}")
 
 
-def _hits_label(case) -> str:
-    extra = f", cache_salt={case['cache_salt']!r}" if case["cache_salt"] is not None else ""
-    return f"hit_tokens(prompt {case['name']} of {len(case['prompt'])} tokens, block_size={case['block_size']}, " \
-           f"{case['hash']} hash{extra})"
-
-
-@check("ch06.hit_tokens", hint=HINTS["6.2"][0], label=_hits_label,
-       summary="{n} prompts: hits stop at the first miss, collisions refused, last token always computed")
-def check_hit_tokens(case, hit_tokens):
-    """``case`` = {"name", "prompt", "block_size", "hash", "cached": [[key, tokens], ...], "cache_salt"}."""
-    cached = {to_tuples(key): tuple(tokens) for key, tokens in case["cached"]}
-    return hit_tokens(list(case["prompt"]), case["block_size"], HASHES[case["hash"]], cached, case["cache_salt"])
-
-
 # ---------------------------------------------------------------------------
-# Task 6.3: copy-on-write on append
+# The build checks: the engine with the learner's piece in a seam
 # ---------------------------------------------------------------------------
 
-_EMPTY = "·"
+STAT_FIELDS = ("requests", "queries", "hits", "preempted_requests", "preempted_queries", "preempted_hits",
+               "evictions")
 
 
-def _cow_state(table, alloc, data) -> dict:
-    return {"blocks": list(table.blocks), "num_tokens": table.num_tokens, "refcounts": list(alloc.refcounts),
-            "data": list(data)}
+def _engine_label(case) -> str:
+    r = case["requests"]
+    salts = sorted({q["cache_salt"] for q in r if q.get("cache_salt")})
+    return (f"{case['name']}: {len(r)} requests (n up to {max(q.get('n', 1) for q in r)}"
+            + (f", salts {salts}" if salts else "") + f") on {case['config']['num_blocks']} blocks of "
+            f"{case['config']['block_size']}, {case['hash']} hash")
 
 
-def _tokens(table, data, B) -> list:
-    return [data[table.blocks[p // B] * B + p % B] for p in range(table.num_tokens)]
+def _run(case, log: dict, observe, **seams) -> dict:
+    """``run_engine`` on ``case``; a raise in the learner's code keeps the steps before it (and the step's log)."""
+    steps = []
+
+    def record(engine, out):
+        steps.append(observe(engine, out))
+        return steps[-1]
+
+    try:
+        return run_engine(case, observe=record, **seams)
+    except NotImplementedError:
+        raise
+    except Exception as exc:
+        return {"steps": steps, "raised": f"{type(exc).__name__}: {exc}{_where(exc)}", "partial": log}
 
 
-@check("ch06.cow_append", hint=HINTS["6.3"][0], label=lambda c: f"a script of {len(c['script'])} appends and forks "
-       f"on a pool of {c['num_blocks']} blocks of {c['block_size']}",
-       summary=lambda cases, seen: f"{sum(len(c['script']) for c in cases)} appends and forks: a shared tail block is "
-                                   "copied before the write, unshared and full ones are not, OutOfBlocks leaves "
-                                   "everything as it was")
-def check_cow_append(case, cls):
-    """``case`` = {"num_blocks", "block_size", "first_value", "script"}; a step is [seq, "append" | "fork", arg]."""
-    B = case["block_size"]
-    alloc, data = BlockAllocator(case["num_blocks"], B), [_EMPTY] * (case["num_blocks"] * B)
-    tables, steps, value = {"p": cls(alloc, data, "p")}, [], case["first_value"]
-    for seq, op, arg in case["script"]:
-        if seq not in tables:
-            steps.append({"missing": seq})
+def _key(key):
+    if key is None:
+        return None
+    return key.hex()[:12] if type(key) is bytes else f"not bytes: {type(key).__name__}"
+
+
+def _probed_cache(cls, log: dict):
+    """``cls`` with its ``share_prefix`` calls recorded into ``log["shares"]`` (the hits each admission got)."""
+
+    class Probed(cls):
+        def share_prefix(self, table, match, *args, **kwargs):
+            result = super().share_prefix(table, match, *args, **kwargs)
+            log["shares"].append([str(table.seq_id), list(table.blocks), table.num_tokens])
+            return result
+
+    return Probed
+
+
+def _cache_state(engine, log: dict) -> dict:
+    alloc = engine.cache.allocator
+    stats = alloc.stats()
+    state = {"shares": list(log["shares"]),
+             "tables": [[str(s.seq_id), [[b, _key(alloc.block_key(b))] for b in s.block_table.blocks]]
+                        for s in engine.scheduler.running],
+             "refcounts": list(alloc.refcounts),
+             "lru": [[b, _key(alloc.block_key(b))] for b in alloc.evictable_block_ids],
+             "keyless": list(alloc.free_block_ids),
+             "stats": {name: getattr(stats, name) for name in STAT_FIELDS}}
+    log["shares"].clear()
+    return state
+
+
+@check("ch06.prefix_cache", hint=HINTS["6.4"][0], label=_engine_label,
+       summary=lambda cases, seen: f"{len(cases)} engine runs ({sum(len(o['steps']) for o in seen)} steps, "
+                                   f"{sum(o['steps'][-1]['stats']['hits'] for o in seen)} prompt tokens hit, "
+                                   f"{sum(c['hash'] == 'collide' for c in cases)} with a hash that always collides): "
+                                   "hits, keys, refcounts, free queues and tokens equal the package's")
+def check_prefix_cache(case, cls):
+    """``case`` = a ``run_engine`` case plus "name" and "hash" (``HASHES``); ``cls`` is the learner's allocator."""
+    if not (isinstance(cls, type) and issubclass(cls, BlockAllocator)):
+        return {"not a class": f"a {type(cls).__name__} {cls!r:.60}; pass your class, a subclass of BlockAllocator"}
+    log = {"shares": []}
+    allocator = partial(_probed_cache(cls, log), hash_fn=HASHES[case["hash"]])
+    return _run(case, log, lambda engine, out: _cache_state(engine, log), allocator=allocator)
+
+
+def _request(case, seq_id: str) -> dict:
+    """The case's request that sequence ``seq_id`` (``"r0"`` or ``"('r0', 1)"``) belongs to."""
+    for r in case["requests"]:
+        if seq_id == r["id"] or seq_id.startswith(f"('{r['id']}',"):
+            return r
+    return {"id": seq_id, "prompt": [], "cache_salt": None}
+
+
+def _judge_run(case, got, want, diagnose) -> None:
+    """The first step whose record differs (``diagnose(case, got, want, before)`` says how), then the tokens."""
+    if type(got) is dict and "not a class" in got:
+        raise CheckFailed(f"got {got['not a class']}")
+    if type(got) is not dict or type(got.get("steps")) is not list:
+        raise CheckFailed("the run's record is missing")
+    before = None
+    for step, (g, w) in enumerate(zip(got["steps"], want["steps"])):
+        if g != w:
+            message, why = diagnose(case, g, w, before)
+            raise CheckFailed(f"step {step}: {message}", WHY[why])
+        before = w
+    if "raised" in got:
+        step = len(got["steps"])
+        problem = diagnose(case, got["partial"], want["steps"][step], before, partial=True) \
+            if step < len(want["steps"]) else None
+        if problem:
+            raise CheckFailed(f"step {step}: {problem[0]}; then your code raised {got['raised']}", WHY[problem[1]])
+        raise CheckFailed(f"step {step}: your code raised {got['raised']}")
+    if len(got["steps"]) != len(want["steps"]):
+        raise CheckFailed(f"the run took {len(got['steps'])} steps, the package's {len(want['steps'])}; the first "
+                          f"{min(len(got['steps']), len(want['steps']))} agree", WHY["queue"])
+    try:
+        first_token_divergence(got["tokens"], want["tokens"])
+    except CheckFailed as exc:
+        raise CheckFailed(str(exc.args[0]), WHY["tokens"]) from None
+
+
+def _diagnose_shares(case, g: list, w: list) -> tuple[str, str] | None:
+    mine, right = {s[0]: s for s in g}, {s[0]: s for s in w}
+    B = case["config"]["block_size"]
+    for seq in [s[0] for s in w] + [s[0] for s in g if s[0] not in right]:
+        if mine.get(seq) == right.get(seq):
             continue
-        if op == "fork":
-            try:
-                tables[arg] = tables[seq].fork(arg)
-            except NotImplementedError:
-                raise
-            except Exception as exc:
-                steps.append({"fork": arg, "raised": f"{type(exc).__name__}: {exc}"})
-            else:
-                steps.append({"fork": arg})
-            continue
-        for _ in range(arg):
-            table, before = tables[seq], _cow_state(tables[seq], alloc, data)
-            steps.append({"seq": seq, "append": value, "before": before, "outcome": outcome(table.append, value),
-                          "after": _cow_state(table, alloc, data)})
-            value += 1
-    steps.append({"reads": {seq: _tokens(table, data, B) for seq, table in tables.items()}})
-    return steps
+        prompt = _request(case, seq)["prompt"]
+        if seq not in mine:
+            _, wb, wn = right[seq]
+            why = "last" if len(prompt) % B == 0 else "queue"
+            return f"request {seq} was not admitted; the package's engine admits it with {wn} cached tokens", why
+        _, gb, gn = mine[seq]
+        if seq not in right:
+            return f"request {seq} was admitted with {gn} cached tokens, but the package's engine admits it later", \
+                "queue"
+        _, wb, wn = right[seq]
+        first = next((i for i, (a, b) in enumerate(zip(gb, wb)) if a != b), min(len(gb), len(wb)))
+        message = (f"request {seq} was admitted with {gn} cached tokens (blocks {gb}), the package's cache finds "
+                   f"{wn} (blocks {wb}); they part at logical block {first}")
+        if gn > (len(prompt) - 1) // B * B:
+            return message, "last"
+        if case["hash"] == "collide" and gn >= wn:
+            return message, "verify"
+        if gn > wn and _request(case, seq).get("cache_salt"):
+            return message + " (a salted request)", "salt"
+        return message, "drop" if gn > wn else "miss"
+    return None
 
 
-@check_cow_append.judge
-def _judge_cow(case, got, want):
-    B = case["block_size"]
-    if len(got) != len(want):
-        raise CheckFailed(f"the script ran {len(got)} steps, expected {len(want)}")
-    for step, right in zip(got, want):
-        if "missing" in step or "raised" in step:
-            raise CheckFailed(f"fork({right.get('fork')!r}) raised {step.get('raised')}" if "raised" in step
-                              else f"sequence {step['missing']} was never forked")
-        if "fork" in right or "reads" in right:
-            expect_equal(step, right, "the tokens each sequence reads:" if "reads" in right else "fork")
-            continue
-        before, value = right["before"], right["append"]
-        what = f"{right['seq']}.append({value}) with {before['num_tokens']} tokens in blocks {before['blocks']}"
-        mine = step["before"]
-        if "raised" in right["outcome"]:
-            expect_raised(step["outcome"], "OutOfBlocks", what + " on a full pool")
-            if step["after"] != mine:
-                raise CheckFailed(f"{what} on a full pool raised OutOfBlocks but changed the table, refcounts or "
-                                  "the cache first")
-            continue
-        if "raised" in step["outcome"]:
-            raise CheckFailed(f"{what} raised {step['outcome']['raised'][0]}: {step['outcome'].get('message')}")
-        last = before["blocks"][-1] if before["blocks"] else None
-        shared = last is not None and before["refcounts"][last] > 1 and before["num_tokens"] % B
-        if shared and step["after"]["data"][last * B : last * B + B] != mine["data"][last * B : last * B + B]:
-            raise CheckFailed(f"{what}: the shared block {last} changed (was {mine['data'][last * B:last * B + B]}, "
-                              f"now {step['after']['data'][last * B:last * B + B]}); its other holders read it, so "
-                              "copy it and write into the copy")
-        expect_equal(step["outcome"], right["outcome"], f"{what}:")
-        for key in ("blocks", "num_tokens", "refcounts"):
-            expect_equal(step["after"][key], right["after"][key], f"{what}: then {key}")
+def _diagnose_tables(case, g: list, w: list, before) -> tuple[str, str] | None:
+    mine = dict((seq, blocks) for seq, blocks in g)
+    if [seq for seq, _ in g] != [seq for seq, _ in w]:
+        return (f"the running sequences are {[seq for seq, _ in g]}, the package's engine runs "
+                f"{[seq for seq, _ in w]}", "queue")
+    for seq, blocks in w:
+        for i, ((gb, _), (wb, _)) in enumerate(zip(mine[seq], blocks)):
+            if gb != wb:
+                why = "queue"
+                if before is not None:
+                    lru = [b for b, _ in before["lru"]]
+                    if gb in lru and before["refcounts"][gb] > 0:
+                        why = "held"
+                    elif gb in lru and (wb in lru or wb in before["keyless"]):
+                        why = "lru"
+                return (f"request {seq}'s logical block {i} is block {gb}, the package's is block {wb}"
+                        + (" (your allocator evicted a cached block while keyless ones were free)"
+                           if why == "lru" and wb in before["keyless"] else ""), why)
+        if len(mine[seq]) != len(blocks):
+            return f"request {seq} holds {len(mine[seq])} blocks, the package's {len(blocks)}", "queue"
+        for i, ((b, gk), (_, wk)) in enumerate(zip(mine[seq], blocks)):
+            if gk != wk:
+                where = f"request {seq}'s logical block {i} (block {b})"
+                salted = bool(_request(case, seq).get("cache_salt"))
+                if wk is None:
+                    return f"{where} has key {gk}, the package's has none (its tokens are not all scheduled)", \
+                        "partial"
+                if gk is None:
+                    return f"{where} has no key, the package's has {wk} (its tokens are all scheduled)", "late"
+                message = f"{where} has key {gk}, the package's {wk}"
+                if before is not None and [b, gk] in before["lru"]:
+                    return message + " (the key it had before it was evicted)", "drop"
+                return message, "salt" if i == 0 or salted else "parent"
+    return None
 
 
-# ---------------------------------------------------------------------------
-# Task 6.4: LRU eviction of unreferenced cached blocks
-# ---------------------------------------------------------------------------
+def _diagnose_cache(case, g: dict, w: dict, before, partial: bool = False) -> tuple[str, str] | None:
+    """What differs first in one step's record of ``ch06.prefix_cache`` (a message and a ``WHY`` key)."""
+    problem = _diagnose_shares(case, g["shares"], w["shares"][: len(g["shares"])] if partial else w["shares"])
+    if problem or partial:
+        return problem
+    problem = _diagnose_tables(case, g["tables"], w["tables"], before)
+    if problem:
+        return problem
+    for b, (gr, wr) in enumerate(zip(g["refcounts"], w["refcounts"])):
+        if gr != wr:
+            holders = [seq for seq, blocks in w["tables"] if any(x == b for x, _ in blocks)]
+            return f"block {b} has refcount {gr}, the package's {wr} (held by {holders})", "incref"
+    held = [b for b, _ in g["lru"] if 0 <= b < len(g["refcounts"]) and g["refcounts"][b] > 0]
+    if held:
+        return (f"block {held[0]} is held (refcount {g['refcounts'][held[0]]}) but still in your LRU queue, so "
+                "allocate() could evict it", "held")
+    if g["lru"] != w["lru"]:
+        mine, right = [b for b, _ in g["lru"]], [b for b, _ in w["lru"]]
+        why = ("tail" if sorted(mine) == sorted(right) else "keep" if set(mine) < set(right) else "lru"
+               if mine != right else "drop")
+        return f"the LRU queue of free cached blocks [block, key] is {g['lru']}, the package's {w['lru']}", why
+    if g["keyless"] != w["keyless"]:
+        return f"the keyless free blocks are {g['keyless']}, the package's {w['keyless']}", "queue"
+    for name in STAT_FIELDS:
+        if g["stats"][name] != w["stats"][name]:
+            return f"stats().{name} is {g['stats'][name]}, the package's {w['stats'][name]}", "count"
+    return f"the record differs: {g!r:.300}", "queue"
 
 
-def _lru_state(pool) -> dict:
-    return {"refcounts": list(pool.refcounts), "keyless_free": list(pool.keyless_free),
-            "cached_free": list(pool.cached_free), "evicted": list(pool.evicted),
-            "block_of": {str(k): v for k, v in dict(pool.block_of).items()}}
+@check_prefix_cache.judge
+def _judge_cache(case, got, want):
+    _judge_run(case, got, want, _diagnose_cache)
 
 
-@check("ch06.lru", hint=HINTS["6.4"][0], label=lambda c: f"a script of {len(c['script'])} steps on a pool of "
-       f"{c['num_blocks']} blocks",
-       summary=lambda cases, seen: f"{sum(len(c['script']) for c in cases)} steps: keyless blocks first, then LRU; "
-                                   f"hits leave the queue; eviction order {seen[-1][-1]['after']['evicted']}")
-def check_lru(case, cls):
-    """``case`` = {"num_blocks", "script": [[op, arg], ...]}; ops: allocate (a count), cache, hit, free (a list)."""
-    pool, steps = cls(case["num_blocks"]), []
-    for op, arg in case["script"]:
-        if op == "cache":
-            results = [outcome(pool.cache, *arg)]
-        elif op == "free":
-            results = [outcome(pool.free, b) for b in arg]
-        elif op == "hit":
-            results = [outcome(pool.hit, arg)]
-        else:
-            results = [outcome(pool.allocate) for _ in range(arg)]
-        steps.append({"results": results, "after": _lru_state(pool)})
-    return steps
+def _probed_table(cls, log: dict):
+    """``cls`` with each ``append_tokens`` (blocks needed, slots, the last block before) and copy put in ``log``."""
+
+    class Probed(cls):
+        def append_tokens(self, num_tokens):
+            need = self.num_new_blocks(num_tokens)
+            last = [self.blocks[-1], self.allocator.refcount(self.blocks[-1])] if self.blocks else None
+            slots = super().append_tokens(num_tokens)
+            log["appends"].append([str(self.seq_id), num_tokens, need, [int(s) for s in slots], last])
+            return slots
+
+        def take_pending_copies(self):
+            copies = super().take_pending_copies()
+            log["copies"] += [[str(self.seq_id), [int(b) for b in copy]] for copy in copies]
+            return copies
+
+    return Probed
 
 
-@check_lru.judge
-def _judge_lru(case, got, want):
-    if len(got) != len(want):
-        raise CheckFailed(f"the script ran {len(got)} steps, expected {len(want)}")
-    for index, (step, right, (op, arg)) in enumerate(zip(got, want, case["script"]), 1):
-        what = f"step {index}, {op}({arg!r})"
-        mine = step["after"]
-        for result, expected in zip(step["results"], right["results"]):
-            if "raised" in expected:
-                expect_raised(result, "OutOfBlocks", f"{what}: allocate() with every block held")
-                continue
-            if "raised" in result:
-                raise CheckFailed(f"{what} raised {result['raised'][0]}: {result.get('message')}")
-            got_id, want_id = result["returned"], expected["returned"]
-            if op == "allocate" and got_id != want_id and type(got_id) is int and 0 <= got_id < len(
-                    mine["refcounts"]) and mine["refcounts"][got_id] > 1:
-                raise CheckFailed(f"{what}: allocate() returned block {got_id}, which a sequence still holds "
-                                  f"(refcount {mine['refcounts'][got_id]}): a hit must take it out of the free queue")
-            expect_equal(got_id, want_id, f"{what}:")
-        held = [b for b in mine["cached_free"] if type(b) is int and 0 <= b < len(mine["refcounts"])
-                and mine["refcounts"][b] > 0]
-        if held:
-            raise CheckFailed(f"after {what}, block {held[0]} is held (refcount {mine['refcounts'][held[0]]}) but "
-                              "still in cached_free, so allocate() could evict it: a hit must take it out of the free "
-                              "queue")
-        for key in ("refcounts", "keyless_free", "cached_free", "evicted", "block_of"):
-            expect_equal(mine[key], right["after"][key], f"{key} after {what}:")
+def _table_state(engine, log: dict) -> dict:
+    state = {"appends": list(log["appends"]), "copies": list(log["copies"]),
+             "tables": [[str(s.seq_id), list(s.block_table.blocks)] for s in engine.scheduler.running],
+             "refcounts": list(engine.cache.allocator.refcounts)}
+    log["appends"].clear()
+    log["copies"].clear()
+    return state
+
+
+@check("ch06.cow_table", hint=HINTS["6.5"][0], label=_engine_label,
+       summary=lambda cases, seen: f"{len(cases)} engine runs with forks ("
+                                   f"{sum(len(s['copies']) for o in seen for s in o['steps'])} copies on write): "
+                                   "blocks needed, slots, copies, refcounts and tokens equal the package's")
+def check_cow_table(case, cls):
+    """``case`` = a ``run_engine`` case plus "name" and "hash"; ``cls`` is the learner's block table class."""
+    if not (isinstance(cls, type) and issubclass(cls, BlockTable)):
+        return {"not a class": f"a {type(cls).__name__} {cls!r:.60}; pass your class, a subclass of TableWithoutCow"}
+    if not issubclass(cls, TableWithoutCow):
+        return {"not a class": f"{cls.__name__}, which inherits the package's copy-on-write (BlockTable's); build "
+                               "yours on TableWithoutCow"}
+    log = {"appends": [], "copies": []}
+    return _run(case, log, lambda engine, out: _table_state(engine, log), block_table=_probed_table(cls, log))
+
+
+def _diagnose_appends(g: list, w: list, B: int) -> tuple[str, str] | None:
+    for (seq, n, gneed, gslots, last), (_, _, wneed, wslots, wlast) in zip(g, w):
+        what = f"request {seq}'s append_tokens({n})"
+        if last != wlast:
+            return f"before {what}, its last block is {last} [block, refcount], the package's {wlast}", "cow_decref"
+        if last is not None:
+            what += f" after block {last[0]} (refcount {last[1]})"
+        if gneed != wneed:
+            return f"{what}: num_new_blocks({n}) said {gneed}, the package's {wneed}", \
+                "cow_only" if gneed > wneed else "cow_need"
+        if gslots != wslots:
+            shared = last is not None and last[1] > 1 and any(s // B == last[0] for s in gslots)
+            return f"{what} returned slots {gslots}, the package's {wslots}" + (
+                f": slots in block {last[0]}, which another table still holds" if shared else ""), \
+                "cow_write" if shared else "cow_only"
+    return None
+
+
+def _diagnose_table(case, g: dict, w: dict, before, partial: bool = False) -> tuple[str, str] | None:
+    """What differs first in one step's record of ``ch06.cow_table`` (a message and a ``WHY`` key)."""
+    problem = _diagnose_appends(g["appends"], w["appends"], case["config"]["block_size"])
+    if problem or partial:
+        return problem
+    if g["copies"] != w["copies"]:
+        mine, right = g["copies"], w["copies"]
+        seq = next((a[0] for a, b in zip(mine, right) if a != b), (mine + right)[min(len(mine), len(right))][0])
+        why = "cow_pair" if [[s, c[::-1]] for s, c in mine] == right else "cow_only"
+        return (f"request {seq} recorded the copies {[c for s, c in mine if s == seq]} (source, destination), "
+                f"the package's {[c for s, c in right if s == seq]}", why)
+    if g["tables"] != w["tables"]:
+        return f"the tables are {g['tables']}, the package's {w['tables']}", "cow_only"
+    for b, (gr, wr) in enumerate(zip(g["refcounts"], w["refcounts"])):
+        if gr != wr:
+            return f"block {b} has refcount {gr}, the package's {wr}", "cow_decref"
+    return f"the record differs: {g!r:.300}", "cow_only"
+
+
+@check_cow_table.judge
+def _judge_table(case, got, want):
+    _judge_run(case, got, want, _diagnose_table)
