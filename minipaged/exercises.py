@@ -23,8 +23,8 @@ Markdown answers use ``<!-- BEGIN SOLUTION -->`` / ``<!-- END SOLUTION -->``.
 
 The capstone (:data:`CAPSTONE`) assembles the pieces of earlier exercises. Its cells tagged
 ``piece:NN:Name`` are copies of the solution cell of exercise NN that defines ``Name``, kept in sync
-here (:func:`sync_capstone`): the tasks become the capstone's, with a hint naming where the code comes
-from, and a line that ends ``# in the capstone: LINE`` becomes ``LINE`` (a prefix cache's base class
+here (:func:`sync_capstone`): the tasks become the capstone's, under a comment naming where the code
+comes from, and a line that ends ``# in the capstone: LINE`` becomes ``LINE`` (a prefix cache's base class
 becomes the learner's own allocator).
 Cells tagged ``solution-only`` are dropped. Outputs are cleared, because the
 learner runs the notebook; the checks then print "not implemented yet".
@@ -88,9 +88,9 @@ def capstone_piece(source: str, number: str) -> str:
     for line in source.splitlines():
         begin, swap = _BEGIN.match(line), _IN_CAPSTONE.match(line)
         if begin:
-            origin = begin["task"] or "its task"
-            hint = f"your code from exercise {number}, {origin}"
-            line = f"{begin['indent']}### BEGIN SOLUTION ({CAPSTONE_TASK}) hint: {hint}"
+            origin = f", {begin['task']}" if begin["task"] else ""
+            lines.append(f"{begin['indent']}# yours from exercise {number}{origin}")
+            line = f"{begin['indent']}### BEGIN SOLUTION ({CAPSTONE_TASK})"
         elif swap:
             line = swap["indent"] + swap["line"]
         lines.append(line)

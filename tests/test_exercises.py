@@ -250,3 +250,22 @@ def test_every_solution_has_a_model_answer_for_the_gradebook(path):
     exercise = load_exercise(path)
     assert exercise.questions and all(answer for _, answer in exercise.questions.values())
     assert exercise.checks, f"{path.name}: the grader finds no check cell"
+
+
+def test_the_capstone_carries_each_piece_as_its_exercise_solves_it():
+    source = ("class Cache(Base):  # in the capstone: class Cache(MyAllocator):\n"
+              "    def f(self):\n"
+              "        ### BEGIN SOLUTION (Task 6.2)\n"
+              "        return 1\n"
+              "        ### END SOLUTION\n")
+    piece = exercises.capstone_piece(source, "06")
+    assert piece.splitlines() == ["class Cache(MyAllocator):", "    def f(self):",
+                                  "        # yours from exercise 06, Task 6.2",
+                                  f"        ### BEGIN SOLUTION ({exercises.CAPSTONE_TASK})", "        return 1",
+                                  "        ### END SOLUTION"]
+    capstone = nbformat.read(ROOT / "solutions" / exercises.CAPSTONE, as_version=4)
+    pieces = [c for c in capstone.cells if any(t.startswith("piece:") for t in c.metadata.get("tags", []))]
+    assert len(pieces) >= 7 and exercises.sync_capstone(capstone).cells == capstone.cells
+    pieces[0].source = "class MyAllocator:\n    pass"  # an edited copy is put back as the exercise has it
+    synced = exercises.sync_capstone(capstone)
+    assert synced.cells[capstone.cells.index(pieces[0])].source.startswith("class MyAllocator(AllocatorBase):")

@@ -37,8 +37,9 @@ MODELS = {"course model": "course", "SmolLM2-135M-Instruct": "smollm2-135m-instr
 
 HINTS = {
     "9.1": [
-        "each piece passed its own exercise's check; the capstone runs them together, so look for an assumption one "
-        "piece makes about another (a hook the prefix cache overrides, a table method the scheduler calls)",
+        "paste each piece from the exercise the comment above it names; if the run then fails, look for an "
+        "assumption one piece makes about another (a hook the prefix cache overrides, a table method the scheduler "
+        "calls)",
         "run each recorded batch with one piece of yours at a time and the package's others "
         "(minipaged.block_manager, minipaged.prefix_cache, minipaged.scheduler, the 'torch' backend): the piece "
         "that breaks the run is the one to fix",
