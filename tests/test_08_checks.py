@@ -338,3 +338,19 @@ def test_the_reference_beam_step_matches_beam_search_events():
     tables = beam_step_reference(tables, [0, 0, 0], [1, 2, 3], data)
     assert kinds.count("fork") == 2 and kinds.count("cow") == 2  # the third holder writes in place
     assert alloc.num_used == 4
+
+
+def test_a_speculator_that_calls_the_packages_own_rollback_fails_and_names_it(capsys):
+    class Delegates(NgramSpeculator):
+        def schedule_drafts(self, scheduler, out, budget):
+            return super().schedule_drafts(scheduler, out, budget)
+
+        def rollback(self, *args, **kwargs):
+            return super().rollback(*args, **kwargs)
+
+    before = dict(vars(NgramSpeculator))
+    result = ch08.check_speculator(Delegates)
+    assert result.status == "FAIL" and "NgramSpeculator.schedule_drafts is switched off" in result.message
+    assert dict(vars(NgramSpeculator)) == before  # put back after the check
+    package = ch08.check_speculator(NgramSpeculator)  # the package's class itself, passed as the learner's
+    assert package.status == "FAIL" and "switched off" in package.message

@@ -143,6 +143,39 @@ def run_engine(case: dict, *, observe=None, backend=None, **seams) -> dict:
     return {"tokens": tokens, "steps": steps, "finished": finished}
 
 
+class PackageMethodOff(RuntimeError):
+    """The learner's code reached the package's version of a method the exercise asks them to write."""
+
+
+@contextlib.contextmanager
+def package_methods_off(cls: type, names: tuple[str, ...]):
+    """While it lasts, ``cls.<name>`` raises :class:`PackageMethodOff` for each of ``names``.
+
+    A learner's class that inherits one of them, or calls it with ``super()``, then fails with a message
+    that names it, instead of passing on the package's code.
+
+    Args:
+        cls: the package's class the learner's subclasses.
+        names: the methods the exercise asks the learner to write.
+    """
+    originals = {name: cls.__dict__[name] for name in names}
+
+    def refuse(name):
+        def refused(self, *args, **kwargs):
+            raise PackageMethodOff(f"the package's {cls.__name__}.{name} is switched off in this check: write your "
+                                   "own (no super() call)")
+
+        return refused
+
+    for name in names:
+        setattr(cls, name, refuse(name))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(cls, name, original)
+
+
 @contextlib.contextmanager
 def one_thread():
     """Run PyTorch on one thread inside the block: tiny matmuls are fastest so, above all on a busy machine."""
