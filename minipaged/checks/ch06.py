@@ -5,8 +5,8 @@ what went into each key. The two build checks run :func:`~minipaged.checks.engin
 with the learner's piece in one of the engine's seams and the package's piece on the reference side:
 
 - ``ch06.prefix_cache``: ``Engine(..., allocator=MyPrefixCache)`` (the package's block table, copy-on-write
-  included) on shared-system-prompt workloads with ``n = 2`` samples, salted tenants, a pool small enough
-  to evict, and once with a hash that returns the same key for every block. After every step the probe
+  included) on shared-system-prompt workloads with ``n = 1`` and ``n = 2`` samples, a salted tenant, a pool
+  small enough to evict, and twice with a hash that returns the same key for every block. After every step the probe
   records each admission's hit (the blocks and tokens shared in), each running sequence's blocks and
   their keys, the refcounts, both free queues in order, and the counters; the judge names the first
   step, request and block where the learner's run leaves the package's, with the hint for that mistake.
