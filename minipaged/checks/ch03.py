@@ -1,7 +1,8 @@
 """Checks for exercise 03: the learner's vectorised paged attention, as an attention backend.
 
 The learner builds an :class:`~minipaged.attention.AttentionBackend` (its ``decode`` and ``prefill``; its
-``write`` may be chapter 02's :func:`~minipaged.cache.write_kv_torch`). Three checks take it:
+``write`` may be the package's :func:`~minipaged.cache.write_kv_torch`, shown in chapter 03). Three checks
+take it:
 
 - ``ch03.paged_attention`` calls its ``decode`` and ``prefill`` on :func:`minipaged.testing.make_paged_case`'s
   batches (shuffled blocks, NaN in every slot no sequence wrote, chunks that start mid-block, MHA, GQA,
