@@ -45,7 +45,8 @@ HINTS = {
         "find the piece: in a scratch cell, call ch09.check_your_engine with one piece of yours and the "
         "package's for the others (PrefixCachingAllocator from minipaged.prefix_cache, BlockTable from "
         "minipaged.block_manager, None for the package's torch backend, Scheduler from minipaged.scheduler): the "
-        "piece whose run fails is the one to fix",
+        "piece whose run fails is the one to fix (delete the cell afterwards: the grader flags imports of the "
+        "package's versions)",
         "blocks of 32 and a 1,024-token budget are new here: batch 1's prompt fills three blocks and part of a "
         "fourth in one step, each of batch 2's prompts hits those three blocks (96 tokens) and computes only "
         "its partly filled last one, and in batch 3 the second chat hits the blocks the first fills in that "
