@@ -10,9 +10,10 @@ bookkeeping says: the drafts scheduled, ``num_computed_tokens``, the table's ``n
 length, and each block's prefix-cache key. The reference (``minipaged.checks.instructor.ch08``) is
 the package's own speculator; its tokens equal plain decoding's, token for token (the tests check
 it). The judge names the first step and request where the learner's run differs, and the hint for
-that mistake: a rollback by one too few (the bonus token forgotten) or too many, past the prompt,
-that frees the rejected drafts' blocks or leaves them counted in the table; drafts that break the
-budget, ``max_tokens`` or pool rules; a key given to a block that unverified drafts fill.
+that mistake: a rollback by one too few (the sampled token the step computed forgotten) or too many,
+past the prompt, that frees the rejected drafts' blocks or leaves them counted in the table; drafts
+that break the budget, ``max_tokens`` or pool rules; a key given to a block that unverified drafts
+fill.
 
 Task 8.2's probe runs the learner's beam step on real block tables over chapter 02's
 :class:`~minipaged.block_manager.BlockAllocator`, and the judge compares refcounts, events and what

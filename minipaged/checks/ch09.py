@@ -1,16 +1,18 @@
 """The capstone's check: the learner's engine, built from their own pieces, serves the requests vLLM served.
 
 The learner passes the four pieces they built: a prefix-caching allocator on their own allocator
-(exercises 02 and 06), their block table (02), their attention backend (03) and their scheduler (05).
+(exercises 02 and 06), their copy-on-write table on their own block table (06 on 02), their
+attention backend (03) and their scheduler (05).
 The probe assembles them into one :class:`~minipaged.engine.Engine` and runs:
 
 - **recorded** cases: the batches of ``notebooks/results/vllm_check.json``, which real vLLM served
-  (``make vllm-check``), on the course model and on SmolLM2-135M-Instruct, with the recorded limits
-  (blocks of 32, vLLM's CPU size). SmolLM2's chats stop at its EOS. The probe records each request's
-  greedy tokens, their top-2 margins and the tokens its prefix-cache hit covered, for the learner's
-  engine and for the package's, in the same kernel. The judge wants the learner's tokens equal to
-  the package's exactly, equal to vLLM's up to the first near-tie (a margin below the record's
-  threshold, :func:`minipaged.near_ties.compare_tokens`), and the cached tokens equal to vLLM's.
+  (``make vllm-check``), on SmolLM2-135M-Instruct (the course model's record can be served the same
+  way: ``MODELS``), with the recorded limits (blocks of 32, vLLM's CPU size). SmolLM2's chats stop
+  at its EOS. The probe records each request's greedy tokens, their top-2 margins and the tokens its
+  prefix-cache hit covered, for the learner's engine and for the package's, in the same kernel. The
+  judge wants the learner's tokens equal to the package's exactly, equal to vLLM's up to the first
+  near-tie (a margin below the record's threshold, :func:`minipaged.near_ties.compare_tokens`), and
+  the cached tokens equal to vLLM's.
 - a **preemption** case on the checks' float64 model (:mod:`minipaged.checks.engine_run`): a
   seeded workload on a pool so small that sequences are preempted and recomputed, with aborts;
   tokens and per-step schedules must equal the package's (the reference side's) exactly.
@@ -40,11 +42,15 @@ HINTS = {
         "paste each piece from the exercise the comment above it names; if the run then fails, look for an "
         "assumption one piece makes about another (a hook the prefix cache overrides, a table method the scheduler "
         "calls)",
-        "run each recorded batch with one piece of yours at a time and the package's others "
-        "(minipaged.block_manager, minipaged.prefix_cache, minipaged.scheduler, the 'torch' backend): the piece "
-        "that breaks the run is the one to fix",
-        "blocks of 32 and a 1,024-token budget are new here: a prompt longer than a block, a hit that covers "
-        "several blocks, and a last prompt block that is recomputed although it is cached all happen in batch 2",
+        "find the piece: in a scratch cell, call ch09.check_your_engine with one piece of yours and the "
+        "package's for the others (PrefixCachingAllocator from minipaged.prefix_cache, BlockTable from "
+        "minipaged.block_manager, None for the package's torch backend, Scheduler from minipaged.scheduler): the "
+        "piece whose run fails is the one to fix (delete the cell afterwards: the grader flags imports of the "
+        "package's versions)",
+        "blocks of 32 and a 1,024-token budget are new here: batch 1's prompt fills three blocks and part of a "
+        "fourth in one step, each of batch 2's prompts hits those three blocks (96 tokens) and computes only "
+        "its partly filled last one, and in batch 3 the second chat hits the blocks the first fills in that "
+        "same step (keys at allocation, chapter 06)",
     ],
 }
 
