@@ -10,6 +10,7 @@ from functools import cache
 
 import pytest
 
+from minipaged.block_manager import BlockTable
 from minipaged.checks import FAIL, PASS, ch09
 from minipaged.checks.instructor.ch09 import CASES, reference
 from minipaged.prefix_cache import PrefixCachingAllocator
@@ -18,21 +19,21 @@ from minipaged.scheduler import Scheduler
 
 pytestmark = pytest.mark.exercises
 CHECK = ch09.check_your_engine
-RECORDED, PREEMPTION = CASES
+RECORDED, COURSE, PREEMPTION = CASES  # SmolLM2's chats, the course model's prompts, the preemption run
 
 
 @cache
-def recorded_transcript():
-    return CHECK.transcript([RECORDED], reference())
+def recorded_transcript(case_index: int = 0):
+    return CHECK.transcript([CASES[case_index]], reference())
 
 
 def verdict(case, transcript):
-    want = CHECK.transcript([case], reference()) if case is PREEMPTION else recorded_transcript()
+    want = CHECK.transcript([case], reference()) if case is PREEMPTION else recorded_transcript(CASES.index(case))
     return CHECK.verdict([case], transcript, want, 1)
 
 
-def edited(edit):
-    transcript = copy.deepcopy(recorded_transcript())
+def edited(edit, case_index: int = 0):
+    transcript = copy.deepcopy(recorded_transcript(case_index))
     edit(transcript["observations"][0])
     return transcript
 
@@ -43,8 +44,12 @@ def test_the_package_passes_the_recorded_case_with_vllms_tokens_and_hits():
     obs = recorded_transcript()["observations"][0]
     record = ch09.recorded(RECORDED["model"])["requests"]
     assert [r["cached"] for r in obs["mine"]] == [r["vllm_cached_tokens"] for r in record]
-    assert any(r["cached"] for r in obs["mine"]) and obs["package"] == obs["mine"]
+    assert any(r["cached"] for r in obs["mine"]) and obs["package"] is None  # not run beside it: SmolLM2 is slow
     assert any(len(r["tokens"]) < RECORDED["max_tokens"] for r in obs["mine"]), "some chat must stop at its EOS"
+    course = recorded_transcript(1)["observations"][0]
+    assert verdict(COURSE, recorded_transcript(1)).passed and course["package"] == course["mine"]
+    assert sum(r["cached"] for r in course["mine"]) == sum(r["vllm_cached_tokens"] for r in
+                                                         ch09.recorded(COURSE["model"])["requests"]) > 0
 
 
 def test_a_prefix_cache_that_never_hits_fails_on_the_first_request_vllm_served_from_cache():
@@ -62,7 +67,7 @@ def test_tokens_unlike_the_packages_in_the_same_run_fail_at_that_token():
     def flip(obs):
         obs["mine"][3]["tokens"][5] += 1
 
-    result = verdict(RECORDED, edited(flip))
+    result = verdict(COURSE, edited(flip, 1))
     assert result.status == FAIL and "request 3: your engine's token 5 differs from the package's" in result.message
     assert result.hint == ch09.HINTS["9.1"][1]
 
@@ -72,7 +77,7 @@ def test_tokens_unlike_vllms_before_a_near_tie_fail_even_if_both_engines_agree()
         for side in ("mine", "package"):
             obs[side][0]["tokens"][0] += 1
 
-    result = verdict(RECORDED, edited(both))
+    result = verdict(COURSE, edited(both, 1))
     assert result.status == FAIL and "request 0: token 0 differs from vLLM's recorded one" in result.message
 
 
@@ -119,3 +124,27 @@ def test_the_hidden_preemption_cases_are_plain_data_the_reference_passes():
         want = CHECK.transcript(hidden, reference())
         assert want["end"] == {"kind": "done"} and CHECK.verdict(hidden, want, want, 0).passed
         assert any(step["preempted"] for step in want["observations"][0]["steps"]), "a hidden case must preempt"
+
+
+class CountsCopies(BlockTable):
+    copies: list = []
+
+    def take_pending_copies(self):
+        copies = super().take_pending_copies()
+        CountsCopies.copies += copies
+        return copies
+
+
+class DropsCopies(BlockTable):
+    def take_pending_copies(self):
+        super().take_pending_copies()
+        return []  # the copies copy-on-write asked for never happen
+
+
+def test_the_preemption_case_forks_and_copies_and_a_table_that_loses_its_copies_fails():
+    allocator, _, backend, scheduler = reference()
+    CountsCopies.copies = []
+    assert verdict(PREEMPTION, CHECK.transcript([PREEMPTION], (allocator, CountsCopies, backend, scheduler))).passed
+    assert CountsCopies.copies, "the public preemption case must exercise copy-on-write"
+    result = verdict(PREEMPTION, CHECK.transcript([PREEMPTION], (allocator, DropsCopies, backend, scheduler)))
+    assert result.status == FAIL and "generated token" in result.message
