@@ -1,14 +1,14 @@
 """Checks for exercise 05: the learner's scheduling step, inside the real engine.
 
-The learner writes a :class:`~minipaged.scheduler.Scheduler` subclass with their own
-``chunk_size`` and ``_schedule_running`` (Task 5.1: running sequences first, decodes before prefill
-chunks, the token budget, chunked prefill, preempting the youngest) and ``_admit`` (Task 5.2: first
-come, first served admission of the waiting queue's head). The probes run
-:func:`~minipaged.checks.engine_run.run_engine` with ``scheduler=`` the learner's class, on a
-workload whose pool is small enough to preempt, and record every step's plan as the scheduler made
-it: the state it started from, which sequences computed how many tokens, who was preempted, who was admitted. Then the tokens and every request's
-TTFT and TPOT (the engine's virtual clock). The judge compares them with the package's own scheduler
-on the same workload and names the first step where they part, and which rule that step broke.
+The learner writes a :class:`~minipaged.scheduler.Scheduler` subclass with their own ``chunk_size`` and
+``_schedule_running`` (Task 5.1: running sequences first, decodes before prefill chunks, the token
+budget, chunked prefill, preempting the youngest) and ``_admit`` (Task 5.2: first come, first served
+admission of the waiting queue's head). The probes run :func:`~minipaged.checks.engine_run.run_engine`
+with ``scheduler=`` the learner's class, on a workload whose pool is small enough to preempt, and record
+every step's plan as the scheduler made it: the state it started from, which sequences computed how many
+tokens, who was preempted, who was admitted. Then the tokens and every request's TTFT and TPOT (the
+engine's virtual clock). The judge compares them with the package's own scheduler on the same workload
+and names the first step where they part, and which rule that step broke.
 
 Envelope: recompute preemption, no prefix caching, one sample per request, no speculation, FCFS.
 The references and the workloads are on the instructor's side (``minipaged.checks.instructor.ch05``).
