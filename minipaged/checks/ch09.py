@@ -39,9 +39,8 @@ MODELS = {"course model": "course", "SmolLM2-135M-Instruct": "smollm2-135m-instr
 
 HINTS = {
     "9.1": [
-        "paste each piece from the exercise the comment above it names; if the run then fails, look for an "
-        "assumption one piece makes about another (a hook the prefix cache overrides, a table method the scheduler "
-        "calls)",
+        "paste your code from the exercise the comment above it names; if the run then fails, look for what one "
+        "piece assumes of another (a hook the prefix cache overrides, a table method the scheduler calls)",
         "find the piece: in a scratch cell, call ch09.check_your_engine with one piece of yours and the "
         "package's for the others (PrefixCachingAllocator from minipaged.prefix_cache, BlockTable from "
         "minipaged.block_manager, None for the package's torch backend, Scheduler from minipaged.scheduler): the "
