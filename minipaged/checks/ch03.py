@@ -22,7 +22,6 @@ The reference backend, the public and the hidden cases are in ``minipaged.checks
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib.util
 import sys
 
@@ -359,8 +358,7 @@ def check_engine(case, backend):
     logits = []
     handle = engine_run.check_model().lm_head.register_forward_hook(lambda module, args, output: logits.append(output))
     try:
-        record = engine_run.run_engine(case, backend=dataclasses.replace(backend, name=engine_run.CHECK_BACKEND),
-                            observe=lambda engine, out: _observe(engine, out, logits))
+        record = engine_run.run_engine(case, backend=backend, observe=lambda engine, out: _observe(engine, out, logits))
     finally:
         handle.remove()
     return record

@@ -16,11 +16,10 @@ The references and the workloads are on the instructor's side (``minipaged.check
 
 from __future__ import annotations
 
-import contextlib
 import sys
 
 from minipaged.checks import CheckFailed, _where, check
-from minipaged.checks.engine_run import first_divergence, first_token_divergence, run_engine
+from minipaged.checks.engine_run import first_divergence, first_token_divergence, package_methods_off, run_engine
 from minipaged.scheduler import Scheduler
 
 # The package modules this exercise rebuilds: the grader flags a learner's cell that imports, subclasses or
@@ -109,35 +108,6 @@ def _refused_victim(running):
     return FCFSQueue.victim(running)
 
 
-def _refuse(name: str):
-    """A stand-in for the package's ``Scheduler.<name>`` that raises, named in its message."""
-
-    def refused(self, *args, **kwargs):
-        raise _NotYours(f"the package's Scheduler.{name} is switched off in this check: write your own")
-
-    return refused
-
-
-@contextlib.contextmanager
-def _package_step_off(names: tuple[str, ...]):
-    """While it lasts, ``Scheduler.<name>`` raises for each of ``names`` (a learner's ``super()`` call reaches it).
-
-    It also runs torch on one thread: the check model's matmuls are tiny, and threads only add contention.
-    """
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    for name in names:
-        setattr(Scheduler, name, _refuse(name))
-    try:
-        yield
-    finally:
-        for name in names:
-            setattr(Scheduler, name, PACKAGE_STEP[name])
-        torch.set_num_threads(threads)
-
-
 def _state(scheduler) -> dict:
     """What a step starts from: the running sequences in admission order, the waiting queue, the free blocks."""
     running = [[str(s.seq_id), s.arrival_time, s.num_computed_tokens, s.num_tokens, s.num_prompt_tokens]
@@ -204,7 +174,7 @@ def _run(case, cls, own: tuple[str, ...], borrow_admit: bool) -> dict:
         return result
     try:
         scheduler, table = _recording(cls, record, borrow_admit)
-        with _package_step_off(own):
+        with package_methods_off(Scheduler, own):  # a learner's super() call reaches a refusal
             run = run_engine(case, observe=observe, scheduler=scheduler, block_table=table)
     except NotImplementedError:
         raise

@@ -55,16 +55,21 @@ HINTS = {
 
 
 @cache
+def _record() -> dict:
+    return json.loads(RECORD.read_text(encoding="utf-8"))
+
+
 def recorded(name: str) -> dict:
     """The vLLM check's record of model ``name`` (``"course model"``, ``"SmolLM2-135M-Instruct"``)."""
-    for model in json.loads(RECORD.read_text(encoding="utf-8"))["models"]:
+    for model in _record()["models"]:
         if model["model"] == name:
             return model
     raise KeyError(f"{RECORD.name} holds no model called {name!r}")
 
 
 def near_tie_threshold() -> float:
-    return float(json.loads(RECORD.read_text(encoding="utf-8"))["near_tie_threshold"])
+    """The record's near-tie threshold: a top-2 margin below it ends a comparison."""
+    return float(_record()["near_tie_threshold"])
 
 
 @cache
@@ -128,8 +133,8 @@ def _summary(cases, seen) -> str:
         if case["kind"] != "recorded":
             parts.append(f"{len(obs['tokens'])} sequences under preemption as the package's, step for step")
             continue
-        compared = sum(c["compared"] for c in vllm_comparisons(case["model"], case["max_tokens"], obs))
-        ties = sum(c["near_tie"] is not None for c in vllm_comparisons(case["model"], case["max_tokens"], obs))
+        rows = vllm_comparisons(case["model"], case["max_tokens"], obs)
+        compared, ties = sum(c["compared"] for c in rows), sum(c["near_tie"] is not None for c in rows)
         cached = sum(r["cached"] for r in obs["mine"])
         tie = f", {ties} stopped at a near-tie" if ties else ""
         same = ", identical to the package's engine" if case["same_run"] else ""
