@@ -15,9 +15,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minipaged.block_manager import BlockAllocator, BlockTable
-from minipaged.viz.blockmap import BlockMapView, PoolSnapshot, render_block_map, render_pool
-from minipaged.viz.blockmap import LINK_OPACITY, LINK_WIDTH, MARKS
-from minipaged.viz.svg import CACHED_COLOR, FREE_COLOR, PALETTE, SHARED_COLOR, TEXT_COLOR, USED_COLOR, seq_color, text_on
+from minipaged.viz.blockmap import (
+    LINK_OPACITY,
+    LINK_WIDTH,
+    MARKS,
+    BlockMapView,
+    PoolSnapshot,
+    render_block_map,
+    render_pool,
+)
+from minipaged.viz.svg import (
+    CACHED_COLOR,
+    FREE_COLOR,
+    PALETTE,
+    SHARED_COLOR,
+    TEXT_COLOR,
+    USED_COLOR,
+    seq_color,
+    text_on,
+)
 from minipaged.viz.timeline import counter_events, default_series, history_series, render_timeline
 
 pytestmark = pytest.mark.ch02
@@ -253,7 +269,8 @@ def test_legend_lists_only_the_cell_states_and_marks_the_picture_holds():
         assert legend_items(parse(render(plain))) == ["free", "used (colour = sequence)"]
     tables[2] = tables[0].fork(2)
     shared = PoolSnapshot.from_allocator(alloc, tables)
-    assert legend_items(parse(render_block_map(shared))) == ["free", "used (colour = sequence)", "shared (refcount > 1)"]
+    assert legend_items(parse(render_block_map(shared))) == [
+        "free", "used (colour = sequence)", "shared (refcount > 1)"]
     hit = PoolSnapshot.from_allocator(alloc, tables, cached=[5], marks={tables[1].blocks[0]: "hit"})
     assert legend_items(parse(render_pool(hit))) == [
         "free", "used (colour = sequence)", "shared (refcount > 1)", "cached, free (# = has a key)", "hit"]
