@@ -185,5 +185,9 @@ def test_prefill_grid_draws_each_program_and_its_rows():
         assert sum("real" in r.get("class").split() for r in rows) == len(queries) * group
         dashed = g.find(ns + "rect").get("stroke-dasharray") is not None
         assert dashed == (not queries)
+        label = " ".join(t.text for t in g.iter(ns + "text"))
+        served = ("past the chunk" if not queries else f"query {queries.start}" if len(queries) == 1 else
+                  f"queries {queries.start}–{queries.stop - 1}")  # a decode row is one query, not "0–0"
+        assert served in label, label
     with pytest.raises(ValueError, match="block_m"):
         render_prefill_grid(lens, group=4, block_q=8, block_m=16)

@@ -342,7 +342,8 @@ def _grid_program(x: float, y: float, w: float, pid: int, seq: int, q_tile: int,
             else f'fill="{tint(color, 0.8)}" stroke="{color}"')
     box = f'<rect x="{fmt(x)}" y="{fmt(y)}" width="{fmt(w)}" height="58" rx="3" {look} stroke-width="1.5"/>'
     what = "empty: returns" if empty else f"seq {seq}, tile {q_tile}"
-    served = "past the chunk" if empty else f"queries {queries.start}–{queries.stop - 1}"
+    served = "past the chunk" if empty else (f"query {queries.start}" if len(queries) == 1 else
+                                             f"queries {queries.start}–{queries.stop - 1}")
     parts = [f'<g class="program" data-pid="{pid}" data-seq="{seq}" data-tile="{q_tile}"'
              f' data-queries="{len(queries)}">',
              box,
