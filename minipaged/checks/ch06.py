@@ -24,7 +24,7 @@ from functools import partial
 from minipaged.block_manager import BlockAllocator, BlockTable
 from minipaged.checks import CheckFailed, _where, check
 from minipaged.checks.engine_run import first_token_divergence, run_engine
-from minipaged.checks.op_count import grows, instrument, measured
+from minipaged.checks.op_count import instrument, judge_growth, measured
 from minipaged.prefix_cache import sha256
 
 # The package modules this exercise rebuilds: the grader flags a learner's cell that imports, subclasses or
@@ -465,14 +465,7 @@ def check_constant_time(case, cls):
 def _judge_cache_cost(case, got, want):
     if "not a class" in got:
         raise CheckFailed(got["not a class"])
-    small, large = case["sizes"]
-    for call, few, many in zip(CACHE_CALLS, *got["counts"]):
-        if grows(few, many):
-            raise CheckFailed(f"{call} took {few} operations on a pool of {small} blocks but {many} on a pool of "
-                              f"{large}: its cost grows with the pool (operations: elements of your containers "
-                              "touched, plus lines of your code run)", WHY["cost"])  # fmt: skip
-    if len(got["counts"][0]) != len(CACHE_CALLS):
-        raise CheckFailed("the probe's record of the calls is incomplete")
+    judge_growth(CACHE_CALLS, case["sizes"], got["counts"], lambda call: WHY["cost"])
 
 
 def _probed_table(cls, log: dict):

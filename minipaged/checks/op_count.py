@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from collections import OrderedDict, deque
 
-from minipaged.checks import _is_learners
+from minipaged.checks import CheckFailed, _is_learners
 
 _OPS = [0]  # the operations counted so far (a list, so the counting containers and the tracer share it)
 
@@ -109,9 +109,18 @@ def measured(fn, *args) -> tuple[object, int]:
     return result, _OPS[0]
 
 
-def grows(few: int, many: int) -> bool:
-    """Whether a call that took ``few`` operations on the small pool and ``many`` on the large one is not O(1).
+def judge_growth(calls: list[str], sizes: list[int], counts: list[list[int]], hint) -> None:
+    """Raise CheckFailed for the first of ``calls`` whose cost grows with the pool.
 
-    It may cost up to twice as much, plus a few operations: a dict that resizes, a longer id's repr.
+    ``counts`` holds each call's operations on the small pool and on the large one (``sizes``); a call
+    may cost up to twice as much on the large one, plus a few operations (a dict that resizes, a longer
+    id's repr). ``hint(call)`` is the FAIL's hint.
     """
-    return many > 2 * few + 8
+    small, large = sizes
+    for call, few, many in zip(calls, *counts):
+        if many > 2 * few + 8:
+            raise CheckFailed(f"{call} took {few} operations on a pool of {small} blocks but {many} on a pool of "
+                              f"{large}: its cost grows with the pool (operations: elements of your containers "
+                              "touched, plus lines of your code run)", hint(call))  # fmt: skip
+    if any(len(c) != len(calls) for c in counts):
+        raise CheckFailed("the probe's record of the calls is incomplete")
