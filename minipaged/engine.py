@@ -223,17 +223,17 @@ class Engine:
         if not out.seqs:  # nothing to run (every sequence waits, or was preempted)
             return None
         spec = bool(out.spec_token_ids)  # drafts: every token's logits; else each sequence's last token's
-        input_ids, rows, end = [], [], 0
+        input_ids, positions, rows, end = [], [], [], 0
         for i, (seq, n, ends) in enumerate(zip(out.seqs, out.num_new_tokens, out.ends_sequence())):
             drafts = out.spec_token_ids.get(seq.seq_id, [])
             start, end = seq.num_computed_tokens, end + n
             input_ids += seq.token_ids[start : start + n - len(drafts)] + drafts
+            positions += range(start, start + n)
             rows += (range(end - 1 - len(drafts), end) if spec else [i]) if ends else []
         tables = [s.block_table for s in out.seqs]  # the scheduler already appended this step's tokens to them
         metadata = AttentionMetadata.pack(tables, out.num_new_tokens, torch.cat(out.slot_mappings), self.cache.device)
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.cache.device)
-        logits = self.model(ids, metadata.positions(), self.cache, metadata, backend=self.config.backend,
-                            all_logits=spec)
+        ids, pos = (torch.tensor(x, dtype=torch.int64, device=self.cache.device) for x in (input_ids, positions))
+        logits = self.model(ids, pos, self.cache, metadata, backend=self.config.backend, all_logits=spec)
         context = sum(s.num_computed_tokens + n for s, n in zip(out.seqs, out.num_new_tokens))
         self.clock.step(out.num_batched_tokens, context, moved)
         return logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]

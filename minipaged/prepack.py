@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from minipaged.model import LlamaForCausalLM
 
 
@@ -57,9 +58,8 @@ class PackedLinear:
         return [(w.data_ptr(), w._version, w.dtype, w.device) for w in self.weights]
 
     def _pack(self) -> None:
-        with torch.no_grad():
-            stacked = torch.cat([w.detach() for w in self.weights]) if len(self.weights) > 1 else self.weights[0].detach()
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(stacked) if _packable(stacked) else stacked
+        stacked = torch.cat([w.detach() for w in self.weights])
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(stacked) if _packable(stacked) else stacked
         self._key = self._weights_key()
 
     def __call__(self, x: torch.Tensor):
@@ -74,6 +74,8 @@ class PackedLinear:
 
 # What prepack sets on each module: the attribute, which shadows the method of the same name, and its weights.
 def _targets(model: LlamaForCausalLM):
+    if not isinstance(model, LlamaForCausalLM):
+        raise TypeError(f"model must be a LlamaForCausalLM, got {type(model).__name__}")
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         yield attn, "qkv", [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
@@ -94,8 +96,6 @@ def prepack(model: LlamaForCausalLM) -> LlamaForCausalLM:
     Raises:
         TypeError: ``model`` is not a :class:`~minipaged.model.LlamaForCausalLM`.
     """
-    if not isinstance(model, LlamaForCausalLM):
-        raise TypeError(f"model must be a LlamaForCausalLM, got {type(model).__name__}")
     for module, name, weights in _targets(model):
         if not isinstance(module.__dict__.get(name), PackedLinear):
             setattr(module, name, PackedLinear(weights))
@@ -108,8 +108,6 @@ def unpack(model: LlamaForCausalLM) -> LlamaForCausalLM:
     Raises:
         TypeError: ``model`` is not a :class:`~minipaged.model.LlamaForCausalLM`.
     """
-    if not isinstance(model, LlamaForCausalLM):
-        raise TypeError(f"model must be a LlamaForCausalLM, got {type(model).__name__}")
     for module, name, _ in _targets(model):
         module.__dict__.pop(name, None)
     return model

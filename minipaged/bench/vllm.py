@@ -356,9 +356,9 @@ def throughput(name: str, vllm_python: Path, repeats: int = 3, threads: int | No
 
     prompt = f"{prompt_lens[0]}" if prompt_lens[0] == prompt_lens[-1] else f"{prompt_lens[0]}-{prompt_lens[-1]}"
     print(f"{name}: {params / 1e6:.1f}M parameters, {w['num_requests']} requests x ({prompt} prompt + "
-          f"{w['max_tokens']} new tokens), block size {BLOCK_SIZE}, float32, minipaged {'plain' if plain else 'prepacked'}; "
-          f"threads: minipaged {ours['threads']}, "
-          f"vLLM {theirs['threads']}; best of {repeats} runs")  # fmt: skip
+          f"{w['max_tokens']} new tokens), block size {BLOCK_SIZE}, float32, minipaged "
+          f"{'plain' if plain else 'prepacked'}; threads: minipaged {ours['threads']}, vLLM {theirs['threads']}; "
+          f"best of {repeats} runs")  # fmt: skip
     print(f"  wall clock   minipaged {spread(rates['minipaged'])}   vLLM {spread(rates['vllm'])}   "
           f"ratio minipaged/vLLM {ratio:.2f}x")
     print(f"  per CPU sec  minipaged {spread(rates['minipaged_cpu'])}   vLLM {spread(rates['vllm_cpu'])}   "
