@@ -280,10 +280,10 @@ def _paged_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, scale):
     # sequence in the batch has) read the sequence's first slot instead: its own,
     # always written, so finite. Their weight is made 0 by the mask; a 0 weight would
     # not cancel whatever else might be there (0 * NaN = NaN).
-    pos = torch.arange(ctx, device=q.device)
-    valid = pos[None, :] < seq_lens[:, None]  # [num_seqs, ctx]
-    slots = block_tables[:, pos // block_size].long() * block_size + pos % block_size
-    slots = torch.where(valid, slots, slots[:, :1])
+    first = block_tables[:, : ctx // block_size].long()[:, :, None] * block_size  # each block's first slot
+    slots = (first + torch.arange(block_size, device=q.device)).flatten(1)  # [num_seqs, ctx]
+    valid = torch.arange(ctx, device=q.device) < seq_lens[:, None] if min(lens) < ctx else None  # None: all
+    slots = slots if valid is None else torch.where(valid, slots, slots[:, :1])
     # GQA without copying K/V per query head: the `group` query heads that share a KV
     # head are that head's `group` query rows, all against the same keys.
     qg = q.reshape(num_seqs, num_kv_heads, group, head_dim).float()

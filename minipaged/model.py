@@ -107,7 +107,7 @@ class LlamaAttention(nn.Module):
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x, cos, sin, attend, layer: int):
-        q, k, v = (t.view(len(x), -1, self.head_dim) for t in self.qkv(x))  # [num_tokens, heads, head_dim]
+        q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in self.qkv(x))  # [num_tokens, heads, head_dim]
         # K is cached after RoPE, so a cached key never needs its position again.
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return self.o_proj(attend(layer, q, k, v).flatten(1))
