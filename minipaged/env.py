@@ -69,6 +69,26 @@ def report() -> EnvReport:
     )
 
 
+def kernels_run_here(report: EnvReport, cell: str) -> bool:
+    """True when Triton can run kernels here; otherwise print one line saying ``cell`` is skipped.
+
+    Chapter 00's kernel cells ask this first, so that the chapter runs top to bottom where Triton is not
+    installed (macOS, Windows) and says plainly what it skipped, instead of stopping at a traceback.
+
+    Args:
+        report: what :func:`report` returned.
+        cell: what the calling cell would have shown, for the message ("the smoke test").
+    """
+    if not isinstance(report, EnvReport):
+        raise TypeError(f"report must be an EnvReport from env.report(), got {type(report).__name__}")
+    if not isinstance(cell, str) or not cell:
+        raise TypeError(f"cell must be a non-empty str naming what the cell shows, got {cell!r}")
+    if report.triton_mode != "unavailable":
+        return True
+    print(f"Skipped {cell}: Triton is not installed here (the report's note says how to get it).")
+    return False
+
+
 class ToolchainError(RuntimeError):
     """The Triton smoke test produced wrong numbers."""
 

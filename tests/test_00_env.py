@@ -1,9 +1,11 @@
 """Chapter 00: the package imports everywhere and the Triton toolchain is checked for real."""
 
+import dataclasses
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +14,8 @@ import minipaged
 from minipaged import env
 
 pytestmark = pytest.mark.ch00
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_python(code: str, cwd=None, **env_overrides) -> subprocess.CompletedProcess:
@@ -41,16 +45,21 @@ def test_explicit_triton_interpret_setting_wins():
     assert proc.stdout.strip() == "0", proc.stderr
 
 
+# A meta-path hook that makes `import triton` fail, as on macOS.
+NO_TRITON = """
+import sys
+class NoTriton:
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ImportError("No module named 'triton'")
+sys.meta_path.insert(0, NoTriton())
+"""
+
+
 def test_import_without_triton_and_kernel_calls_explain_how_to_get_it():
-    # A meta-path hook that makes `import triton` fail, as on macOS.
     proc = run_python(
-        """
-        import sys
-        class NoTriton:
-            def find_spec(self, name, path=None, target=None):
-                if name == "triton" or name.startswith("triton."):
-                    raise ImportError("No module named 'triton'")
-        sys.meta_path.insert(0, NoTriton())
+        NO_TRITON
+        + textwrap.dedent("""
         import minipaged, minipaged.kernels, minipaged.env
         from minipaged._triton import TritonUnavailable
         assert not minipaged.kernels.HAVE_TRITON
@@ -59,12 +68,49 @@ def test_import_without_triton_and_kernel_calls_explain_how_to_get_it():
             minipaged.kernels.vector_add(None, None)
         except TritonUnavailable as exc:
             print("raised:", exc)
-        """
+        """)
     )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0] == "unavailable"
     assert "vector_add needs Triton" in lines[1] and "pip install triton" in lines[1]
+
+
+def test_chapter_00_runs_top_to_bottom_without_triton_and_says_so(tmp_path):
+    # The kernel starts with the hook installed (a sitecustomize on its PYTHONPATH), as a Mac would have it.
+    import nbformat
+    from nbclient import NotebookClient
+
+    (tmp_path / "sitecustomize.py").write_text(NO_TRITON)
+    path = ROOT / "notebooks" / "00_setup.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), environ.get("PYTHONPATH")]))
+    NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute(
+        env=environ)  # raises CellExecutionError at the first cell that fails
+    text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert "triton mode : unavailable" in text and "pip install triton" in text
+    assert "Triton can run kernels here: False" in text
+    skipped = [line for line in text.splitlines() if line.startswith("Skipped ")]
+    assert skipped == [f"Skipped {cell}: Triton is not installed here (the report's note says how to get it)."
+                       for cell in ("the kernel's source", "the smoke test", "the direct call")]
+
+
+def test_kernels_run_here_is_true_with_triton_and_prints_nothing(capsys):
+    assert env.kernels_run_here(env.report(), "the smoke test") is True
+    assert capsys.readouterr().out == ""
+
+
+def test_kernels_run_here_without_triton_says_what_it_skipped(capsys):
+    report = dataclasses.replace(env.report(), triton_mode="unavailable")
+    assert env.kernels_run_here(report, "the smoke test") is False
+    assert capsys.readouterr().out.startswith("Skipped the smoke test: Triton is not installed")
+
+
+@pytest.mark.parametrize("report, cell, match", [("interpreted", "x", "report"), (None, "", "cell")])
+def test_kernels_run_here_rejects_bad_arguments(report, cell, match):
+    with pytest.raises(TypeError, match=match):
+        env.kernels_run_here(env.report() if report is None else report, cell)
 
 
 def test_kernels_ship_inside_the_package_not_as_top_level_module(tmp_path):

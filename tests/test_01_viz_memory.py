@@ -65,7 +65,23 @@ def test_capacity_breakdown_bars_sum_to_the_budget():
         assert bars[0].get_width() == pytest.approx(100 * part.effective_kv / report.budget_bytes)
     labels = [t.get_text() for t in ax.get_yticklabels()]
     assert f"{report.paged.num_seqs} seqs" in labels[1] and f"{report.fixed.num_seqs} seqs" in labels[0]
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == list(vm.COLORS)
+    legend = ax.get_legend()
+    shown = [t.get_text() for t in legend.get_texts()]
+    parts = (report.fixed.parts(), report.paged.parts())
+    share = {name: max(100 * p[name] / report.budget_bytes for p in parts) for name in vm.COLORS}
+    assert shown == [name for name in vm.COLORS if share[name] >= vm.MIN_VISIBLE_SHARE]
+    note = legend.get_title().get_text()
+    for name in vm.COLORS:
+        assert (name in note) == (name not in shown and share[name] > 0), name
+
+
+def test_capacity_breakdown_legend_lists_only_the_parts_a_bar_shows():
+    # chapter 01's case: the block tables (0.15 MiB) and the unused rest (0.4%) are too thin to draw
+    report = acc.capacity("Llama-3-8B", 16 * 2**30, 16, 2048, "chat", dtype="bf16", seed=0)
+    legend = vm.plot_capacity_breakdown(report).axes[0].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["effective KV", "tail waste", "reservation waste"]
+    assert legend.get_title().get_text() == ("too thin to see: block table (paged: 0.15 MiB, 0.0%); "
+                                             "unused (paged: 67.85 MiB, 0.4%)")
 
 
 def test_explorer_redraws_on_slider_change():

@@ -6,6 +6,8 @@ they claim to show. The widget is driven from Python (no browser): Step, Play,
 Reset and allocator events must all change what it shows.
 """
 
+import itertools
+import math
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -13,8 +15,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minipaged.block_manager import BlockAllocator, BlockTable
-from minipaged.viz.blockmap import BlockMapView, PoolSnapshot, render_block_map, render_pool
-from minipaged.viz.svg import PALETTE, SHARED_COLOR, TEXT_COLOR, seq_color, text_on
+from minipaged.viz.blockmap import (
+    LINK_OPACITY,
+    LINK_WIDTH,
+    MARKS,
+    BlockMapView,
+    PoolSnapshot,
+    render_block_map,
+    render_pool,
+)
+from minipaged.viz.svg import (
+    CACHED_COLOR,
+    FREE_COLOR,
+    PALETTE,
+    SHARED_COLOR,
+    TEXT_COLOR,
+    USED_COLOR,
+    seq_color,
+    text_on,
+)
 from minipaged.viz.timeline import counter_events, default_series, history_series, render_timeline
 
 pytestmark = pytest.mark.ch02
@@ -225,7 +244,7 @@ def test_labels_on_a_coloured_fill_keep_a_readable_contrast():
         chosen = _contrast(text_on(color), color)
         assert chosen == max(_contrast("#ffffff", color), _contrast(TEXT_COLOR, color))
         assert chosen >= 4.0, color
-    assert text_on("#edc948") == TEXT_COLOR  # the palette's yellow takes dark text
+    assert text_on("#E69F00") == TEXT_COLOR  # the palette's orange takes dark text
 
 
 def test_block_map_has_a_legend_that_explains_rows_and_fill():
@@ -234,6 +253,91 @@ def test_block_map_has_a_legend_that_explains_rows_and_fill():
     notes = " ".join(t.text for t in find_class(root, "note"))
     assert "block table" in notes and "physical block" in notes and "slots that hold tokens" in notes
     assert not find_class(root, "link-end")  # no unexplained dots
+
+
+def legend_items(root) -> list[str]:
+    return [t.text for t in find_class(root, "legend-item")]
+
+
+def test_legend_lists_only_the_cell_states_and_marks_the_picture_holds():
+    alloc = BlockAllocator(6, 4)
+    tables = {0: BlockTable(alloc, 0), 1: BlockTable(alloc, 1)}
+    tables[0].append_tokens(5)
+    tables[1].append_tokens(2)
+    plain = PoolSnapshot.from_allocator(alloc, tables)  # chapter 02's case: nothing shared, nothing cached
+    for render in (render_block_map, render_pool):
+        assert legend_items(parse(render(plain))) == ["free", "used (colour = sequence)"]
+    tables[2] = tables[0].fork(2)
+    shared = PoolSnapshot.from_allocator(alloc, tables)
+    assert legend_items(parse(render_block_map(shared))) == [
+        "free", "used (colour = sequence)", "shared (refcount > 1)"]
+    hit = PoolSnapshot.from_allocator(alloc, tables, cached=[5], marks={tables[1].blocks[0]: "hit"})
+    assert legend_items(parse(render_pool(hit))) == [
+        "free", "used (colour = sequence)", "shared (refcount > 1)", "cached, free (# = has a key)", "hit"]
+    assert set(MARKS) - {"hit"} and not set(legend_items(parse(render_pool(hit)))) & (set(MARKS) - {"hit"})
+    full = PoolSnapshot(2, 4, (1, 1), {0: [0], 1: [1]}, {0: 4, 1: 4})  # no free block: no "free" swatch
+    assert legend_items(parse(render_pool(full))) == ["used (colour = sequence)"]
+
+
+def _linear_rgb(hex_color: str) -> list[float]:
+    c = [int(hex_color[i : i + 2], 16) / 255 for i in (1, 3, 5)]
+    return [x / 12.92 if x <= 0.04045 else ((x + 0.055) / 1.055) ** 2.4 for x in c]
+
+
+# Machado, Oliveira and Fernandes (2009), severity 1.0, applied to linear RGB: what a protanope and a
+# deuteranope see.
+PROTAN = ((0.152286, 1.052583, -0.204868), (0.114503, 0.786281, 0.099216), (-0.003882, -0.048116, 1.051998))
+DEUTAN = ((0.367322, 0.860646, -0.227968), (0.280085, 0.672501, 0.047413), (-0.011820, 0.042940, 0.968881))
+
+
+def _lab(hex_color: str, vision=None) -> tuple[float, float, float]:
+    """CIELAB (D65) of ``hex_color`` as seen with normal vision (``None``) or through a ``vision`` matrix."""
+    rgb = _linear_rgb(hex_color)
+    if vision is not None:
+        rgb = [min(1.0, max(0.0, sum(m * c for m, c in zip(row, rgb, strict=True)))) for row in vision]
+    r, g, b = rgb
+    xyz = ((0.4124 * r + 0.3576 * g + 0.1805 * b) / 0.95047, 0.2126 * r + 0.7152 * g + 0.0722 * b,
+           (0.0193 * r + 0.1192 * g + 0.9505 * b) / 1.08883)
+    fx, fy, fz = (t ** (1 / 3) if t > 0.008856 else 7.787 * t + 16 / 116 for t in xyz)
+    return 116 * fy - 16, 500 * (fx - fy), 200 * (fy - fz)
+
+
+def delta_e(a: str, b: str, vision=None) -> float:
+    """CIE76 colour difference: about 2 is just noticeable, above 20 two colours read as different ones."""
+    return math.dist(_lab(a, vision), _lab(b, vision))
+
+
+def test_delta_e_tells_near_blues_apart_from_distinct_colours():
+    assert delta_e("#1f77b4", "#4e79a7") < 12  # the two blues seqs 8 and 12 once had
+    assert delta_e("#0072B2", "#E69F00") > 60
+    assert delta_e("#d62728", "#2ca02c") > 60 and delta_e("#d62728", "#2ca02c", DEUTAN) < 12  # red and green
+
+
+def test_sequence_colours_are_told_apart_also_by_colour_blind_readers():
+    for a, b in itertools.combinations(PALETTE, 2):
+        assert delta_e(a, b) >= 20, (a, b)  # no two the same hue and lightness
+        assert min(delta_e(a, b, PROTAN), delta_e(a, b, DEUTAN)) >= 12, (a, b)
+    for i, a in enumerate(PALETTE):  # neighbouring ids, as sequences arrive, differ the most
+        b = PALETTE[(i + 1) % len(PALETTE)]
+        assert min(delta_e(a, b, vision) for vision in (None, PROTAN, DEUTAN)) >= 40, (a, b)
+    for color in PALETTE:  # never mistaken for a cell state
+        for state in (SHARED_COLOR, CACHED_COLOR, FREE_COLOR, USED_COLOR):
+            assert delta_e(color, state) >= 15, (color, state)
+        # shared and cached cells also carry a border of their own (bold, dashed); free and used cells only colour
+        for state in (FREE_COLOR, USED_COLOR):
+            assert min(delta_e(color, state, PROTAN), delta_e(color, state, DEUTAN)) >= 12, (color, state)
+
+
+def test_static_link_lines_are_visible_in_every_sequence_colour():
+    alloc, tables = example()
+    links = find_class(parse(render_block_map(PoolSnapshot.from_allocator(alloc, tables))), "link", "path")
+    assert links and {(p.get("stroke-width"), p.get("stroke-opacity")) for p in links} == {
+        (str(LINK_WIDTH), str(LINK_OPACITY))}
+    assert LINK_WIDTH >= 1.5
+    for color in PALETTE:  # the line as drawn, blended with the white page, against the page
+        seen = "#" + "".join(f"{round(LINK_OPACITY * int(color[i : i + 2], 16) + (1 - LINK_OPACITY) * 255):02x}"
+                             for i in (1, 3, 5))
+        assert _contrast(seen, "#ffffff") >= 1.8, color
 
 
 def test_block_map_logical_tail_block_is_partly_filled():

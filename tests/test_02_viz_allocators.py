@@ -44,3 +44,15 @@ def test_block_size_sweep_uses_two_panels_one_unit_each():
     assert "slots" in left.get_ylabel() and "bytes" in right.get_ylabel()
     np.testing.assert_array_equal(left.lines[0].get_ydata(), [0.0, 80.0])
     np.testing.assert_array_equal(right.lines[0].get_ydata(), [800.0, 50.0])
+
+
+def test_block_size_sweep_draws_each_law_as_a_straight_line():
+    # tail waste ∝ B on linear axes; table bytes ∝ 1/B on log-log axes (a log x axis would bend the first)
+    fig = va.plot_block_size_sweep({b: {"tail waste": 5.0 * b, "table bytes": 4096.0 / b} for b in (1, 4, 16, 64)})
+    left, right = fig.axes
+    assert (left.get_xscale(), left.get_yscale()) == ("linear", "linear")
+    assert (right.get_xscale(), right.get_yscale()) == ("log", "log")
+    for ax, transform in ((left, lambda v: v), (right, np.log2)):
+        x, y = (transform(np.asarray(d, dtype=float)) for d in ax.lines[0].get_data())
+        slopes = np.diff(y) / np.diff(x)
+        np.testing.assert_allclose(slopes, slopes[0])

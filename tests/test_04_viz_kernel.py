@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from minipaged.kernels import paged_decode_attention
 from minipaged.kernels.paged_attention import KV_TILE
 from minipaged.testing import make_paged_case
-from minipaged.viz.kernel import program_reads, render_tile_loop
+from minipaged.viz.kernel import prefill_programs, program_reads, render_prefill_grid, render_tile_loop
 
 pytestmark = pytest.mark.ch04
 
@@ -137,3 +137,53 @@ def test_prefill_spans_rejects_bad_sizes(kwargs, error):
 
     with pytest.raises(error):
         prefill_spans(**kwargs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 70), min_size=1, max_size=6), st.sampled_from([1, 2, 4, 8, 16, 64]))
+def test_prefill_programs_serve_every_query_exactly_once(lens, block_q):
+    programs = prefill_programs(lens, block_q)
+    assert len(programs) == sum(lens) // block_q + len(lens)  # the kernel's grid
+    for seq, n in enumerate(lens):
+        mine = [(t, q) for s, t, q in programs if s == seq]
+        pids = [p for p, (s, _, _) in enumerate(programs) if s == seq]
+        assert pids == list(range(pids[0], pids[0] + len(pids)))  # a sequence's programs are neighbours
+        assert [t for t, _ in mine] == list(range(len(mine)))  # its tiles in order
+        assert [j for _, q in mine for j in q] == list(range(n))  # every query once
+        served = [q for _, q in mine if q]
+        assert all(len(q) == block_q for q in served[:-1])  # whole tiles, then the partial last one
+        assert len(served) == _cdiv(n, block_q) and len(mine) - len(served) in (0, 1)  # at most one to spare
+        assert all(q for _, q in mine[: len(served)])  # the spare program, if any, comes last
+
+
+def test_prefill_programs_of_the_chapters_batch_leave_two_programs_empty():
+    # a chunk of 32, two decode rows, a prompt of 64, GROUP = 2 so BLOCK_Q = 32: 98 // 32 + 4 = 7 programs
+    assert [(s, t, (q.start, q.stop)) for s, t, q in prefill_programs([32, 1, 1, 64], 32)] == [
+        (0, 0, (0, 32)), (0, 1, (32, 32)), (1, 0, (0, 1)), (2, 0, (0, 1)),
+        (3, 0, (0, 32)), (3, 1, (32, 64)), (3, 2, (64, 64))]
+    with pytest.raises(ValueError, match="num_new_tokens"):
+        prefill_programs([], 8)
+    with pytest.raises(ValueError, match="num_new_tokens"):
+        prefill_programs([3, 0], 8)
+
+
+def test_prefill_grid_draws_each_program_and_its_rows():
+    import xml.etree.ElementTree as ET
+
+    lens, group, block_q, block_m = [27, 1, 1, 40], 2, 8, 16
+    root = ET.fromstring(render_prefill_grid(lens, group=group, block_q=block_q, block_m=block_m))
+    ns = "{http://www.w3.org/2000/svg}"
+    boxes = [g for g in root.iter(ns + "g") if g.get("class") == "program"]
+    programs = prefill_programs(lens, block_q)
+    assert root.get("data-programs") == str(len(boxes)) == str(len(programs))
+    assert root.get("data-empty") == str(sum(1 for *_, q in programs if not q))
+    for g, (seq, q_tile, queries) in zip(boxes, programs, strict=True):
+        assert (g.get("data-seq"), g.get("data-tile"), g.get("data-queries")) == (
+            str(seq), str(q_tile), str(len(queries)))
+        rows = [r for r in g.iter(ns + "rect") if "row" in r.get("class", "").split()]
+        assert len(rows) == block_m
+        assert sum("real" in r.get("class").split() for r in rows) == len(queries) * group
+        dashed = g.find(ns + "rect").get("stroke-dasharray") is not None
+        assert dashed == (not queries)
+    with pytest.raises(ValueError, match="block_m"):
+        render_prefill_grid(lens, group=4, block_q=8, block_m=16)

@@ -9,7 +9,7 @@ teaches the idea without printing the answer, so those must FAIL too.
 """
 
 import functools
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import replace
 from pathlib import Path
 
@@ -221,6 +221,81 @@ class ChapterDeque(MyPrefixCache):  # chapter 02's allocator: every freed block 
         return super()._put_free_block(block_id)
 
 
+# -- Task 6.2's cost: each O(pool) somewhere the solution is O(1) -----------------
+
+
+class LruList(MyPrefixCache):  # a list as the LRU queue: pop(0) and remove() move every element after
+    def __init__(self, num_blocks, block_size, hash_fn=None):
+        super().__init__(num_blocks, block_size, *([hash_fn] if hash_fn else []))
+        self.evictable_block_ids = []
+
+    def _take_free_block(self, seq_id):
+        if self._wanted is not None:
+            block_id, self._wanted = self._wanted, None
+            self.evictable_block_ids.remove(block_id)
+            return block_id
+        if super(MyPrefixCache, self).num_free:
+            return super(MyPrefixCache, self)._take_free_block(seq_id)
+        block_id = self._pop_oldest()
+        self._drop_key(block_id)
+        self.counters.evictions += 1
+        return block_id
+
+    def _put_free_block(self, block_id):
+        if self.entries[block_id] is None:
+            return super(MyPrefixCache, self)._put_free_block(block_id)
+        self.evictable_block_ids.append(block_id)
+        return {"cached": True}
+
+    def _pop_oldest(self):
+        return self.evictable_block_ids.pop(0)
+
+
+class LruDequeRemove(LruList):  # a deque: popleft() is O(1), but a hit's remove() walks it
+    def __init__(self, num_blocks, block_size, hash_fn=None):
+        super().__init__(num_blocks, block_size, hash_fn)
+        self.evictable_block_ids = deque()
+
+    def _pop_oldest(self):
+        return self.evictable_block_ids.popleft()
+
+
+class ScansForTheOldest(MyPrefixCache):  # a time stamp per cached block, and min() to evict
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.freed_at, self.tick = {}, 0
+
+    def _put_free_block(self, block_id):
+        self.tick += 1
+        self.freed_at[block_id] = self.tick
+        return super()._put_free_block(block_id)
+
+    def _take_free_block(self, seq_id):
+        if self._wanted is None and not super(MyPrefixCache, self).num_free:
+            oldest = min(self.freed_at, key=self.freed_at.get)
+            self.evictable_block_ids.move_to_end(oldest, last=False)
+        block_id = super()._take_free_block(seq_id)
+        self.freed_at.pop(block_id, None)
+        return block_id
+
+
+class CountsTheQueue(MyPrefixCache):  # num_free counts the LRU queue one block at a time
+    @property
+    def num_free(self):
+        return super(MyPrefixCache, self).num_free + sum(1 for _ in self.evictable_block_ids)
+
+
+class DropsKeyByScanning(MyPrefixCache):  # an eviction looks for the block under every key
+    def _drop_key(self, block_id):
+        self.entries[block_id] = None
+        for key in list(self.blocks_by_key):
+            if block_id in self.blocks_by_key[key]:
+                self.blocks_by_key[key].remove(block_id)
+                if not self.blocks_by_key[key]:
+                    del self.blocks_by_key[key]
+                return
+
+
 class Todo(MyPrefixCache):
     def match_prefix(self, token_ids, cache_salt=None):
         raise NotImplementedError("Task 6.4 is not implemented yet.")
@@ -298,6 +373,8 @@ class TodoTable(MyCowTable):
         (ch06.check_block_keys, todo, TODO),
         (ch06.check_prefix_cache, MyPrefixCache, PASS),
         (ch06.check_prefix_cache, Todo, TODO),
+        (ch06.check_constant_time, MyPrefixCache, PASS),
+        (ch06.check_constant_time, Todo, TODO),
         (ch06.check_cow_table, MyCowTable, PASS),
         (ch06.check_cow_table, TodoTable, TODO),
     ],
@@ -350,6 +427,25 @@ def test_mistakes_fail_where_they_go_wrong_with_their_own_hint(check, answer, wo
     assert "step " in result.message
     assert result.hint == WHY[why], (why, result.message, result.hint)
     assert f"hint: {WHY[why]}" in capsys.readouterr().out
+
+
+# (wrong implementation, the call whose cost grows)
+COST_MISTAKES = [
+    (LruList, "allocate() that evicts"),
+    (LruDequeRemove, "share_prefix of 2 free cached blocks"),
+    (ScansForTheOldest, "allocate() that evicts"),
+    (CountsTheQueue, "num_free"),
+    (DropsKeyByScanning, "allocate() that evicts"),
+]
+
+
+@pytest.mark.parametrize("answer, call", COST_MISTAKES, ids=[m[0].__name__ for m in COST_MISTAKES])
+def test_a_cache_whose_cost_grows_with_the_pool_fails(answer, call, capsys):
+    assert ch06.check_prefix_cache(answer).status == PASS  # right in the engine: only its cost is wrong
+    result = ch06.check_constant_time(answer)
+    assert result.status == FAIL, result
+    assert f"cached: {call}" in result.message and "grows with the pool" in result.message, result.message
+    assert result.hint == WHY["cost"]
 
 
 def test_the_checks_refuse_what_is_not_the_piece(capsys):

@@ -13,7 +13,8 @@ from minipaged.model import LlamaConfig, LlamaForCausalLM
 pytestmark = pytest.mark.ch08
 
 # Float64 weights: paged attention still computes in float32, but the log-probabilities of the two searches
-# then agree to ~1e-7, so two proposals closer than that (which could rank differently) are very rare.
+# then agree to ~1e-7 per token, so two proposals closer than that (which could rank differently) are very rare.
+# A beam's cum_logprob sums up to 9 of them: 1e-5 bounds the sum (hypothesis found 1.02e-6 over 8 tokens).
 MODEL = LlamaForCausalLM(LlamaConfig(vocab_size=64, max_position_embeddings=128), seed=0).double().eval()
 
 
@@ -21,8 +22,8 @@ def same(paged, ref):
     assert [s.token_ids for s in paged] == [s.token_ids for s in ref]
     assert [s.finished for s in paged] == [s.finished for s in ref]
     for a, b in zip(paged, ref):
-        assert a.cum_logprob == pytest.approx(b.cum_logprob, abs=1e-6)
-        assert a.score == pytest.approx(b.score, abs=1e-6)
+        assert a.cum_logprob == pytest.approx(b.cum_logprob, abs=1e-5)
+        assert a.score == pytest.approx(b.score, abs=1e-5)
 
 
 @settings(max_examples=12, deadline=None)

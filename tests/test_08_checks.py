@@ -49,6 +49,8 @@ class MySpeculator(NgramSpeculator):
     def rollback(self, table, num_computed_tokens, num_draft_tokens, num_accepted_tokens):
         if not 0 <= num_accepted_tokens <= num_draft_tokens:
             raise ValueError(f"num_accepted_tokens must be in 0..{num_draft_tokens}, got {num_accepted_tokens}")
+        if table.num_tokens != num_computed_tokens + 1 + num_draft_tokens:
+            raise ValueError(f"the table holds {table.num_tokens} tokens, not c + 1 + k")
         table.num_tokens = num_computed_tokens + 1 + num_accepted_tokens
         return table.num_tokens
 
@@ -117,6 +119,10 @@ class DraftsDuringPrefill(MySpeculator):
                 budget -= len(drafts)
         return budget
 
+    def rollback(self, table, c, k, j):  # without the table check, so that the step's record shows the mistake
+        table.num_tokens = c + 1 + j
+        return table.num_tokens
+
 
 class IgnoresTheBudget(MySpeculator):
     def schedule_drafts(self, scheduler, out, budget):
@@ -134,6 +140,62 @@ class PreemptsForDrafts(MySpeculator):
                 self.reserve(out, i, seq, drafts)
                 budget -= len(drafts)
         return budget
+
+
+# -- rollback's bad calls: each is right in the engine and wrong on a call the engine never makes --
+
+
+class ChecksNothing(MySpeculator):
+    def rollback(self, table, c, k, j):
+        table.num_tokens = c + 1 + j
+        return table.num_tokens
+
+
+class ChecksOnlyTheCounts(MySpeculator):  # j is checked, the table is not
+    def rollback(self, table, c, k, j):
+        if not 0 <= j <= k:
+            raise ValueError(f"num_accepted_tokens must be in 0..{k}, got {j}")
+        return ChecksNothing.rollback(self, table, c, k, j)
+
+
+class ChecksOnlyTheUpperBound(MySpeculator):  # j > k is refused, j < 0 is not
+    def rollback(self, table, c, k, j):
+        if j > k or table.num_tokens != c + 1 + k:
+            raise ValueError("bad rollback")
+        return ChecksNothing.rollback(self, table, c, k, j)
+
+
+class AssertsInstead(MySpeculator):  # assert: an AssertionError, and gone under python -O
+    def rollback(self, table, c, k, j):
+        assert 0 <= j <= k and table.num_tokens == c + 1 + k
+        return ChecksNothing.rollback(self, table, c, k, j)
+
+
+class ChangesThenChecks(MySpeculator):  # the table moves back before the check raises
+    def rollback(self, table, c, k, j):
+        held = table.num_tokens
+        ChecksNothing.rollback(self, table, c, k, j)
+        if not 0 <= j <= k or held != c + 1 + k:
+            raise ValueError("bad rollback")
+        return table.num_tokens
+
+
+BAD_CALL_MISTAKES = {  # class -> a phrase of its FAIL message
+    ChecksNothing: "num_accepted_tokens=4) returned; j = 4 accepted drafts of k = 3 is a ValueError",
+    ChecksOnlyTheCounts: "rollback(a table of 11 tokens, num_computed_tokens=5, num_draft_tokens=3, "
+                         "num_accepted_tokens=1) returned",
+    ChecksOnlyTheUpperBound: "num_accepted_tokens=-1) returned; j = -1 is a ValueError",
+    AssertsInstead: "raised AssertionError",
+    ChangesThenChecks: "raised ValueError but changed the table first",
+}
+
+
+@pytest.mark.parametrize("wrong", list(BAD_CALL_MISTAKES), ids=lambda c: c.__name__)
+def test_a_rollback_that_takes_a_bad_call_fails(wrong, reference):
+    result = verdict(wrong, 0, reference)
+    assert result.status == FAIL, result
+    assert BAD_CALL_MISTAKES[wrong] in result.message, result.message
+    assert result.hint == ch08.SPEC_HINTS["bad_call"]
 
 
 class NotASpeculator:

@@ -20,13 +20,13 @@ The references (``minipaged.checks.instructor.ch02``) are the package's own ``Bl
 
 from __future__ import annotations
 
-import sys
 from collections import Counter, deque
 
 from minipaged.accounting import blocks_needed
 from minipaged.block_manager import AllocatorBase
-from minipaged.checks import CheckFailed, _is_learners, _where, check, outcome, plain, same
+from minipaged.checks import CheckFailed, _where, check, outcome, plain, same
 from minipaged.checks.engine_run import first_divergence, first_token_divergence, run_engine
+from minipaged.checks.op_count import grows, instrument, measured
 
 # The package modules this exercise rebuilds: the grader flags a learner's cell that imports, subclasses or
 # calls them (a flag for the instructor, not a verdict). Importing AllocatorBase and the errors is allowed.
@@ -257,109 +257,14 @@ def _state_failure(where: str, got: dict, want: dict, before: dict) -> CheckFail
 # O(1): operations counted on two pool sizes
 # ---------------------------------------------------------------------------
 
-_OPS = [0]  # the operations counted so far (a list, so the counting containers and the tracer share it)
-
-
-def _add(n: int) -> None:
-    _OPS[0] += n
-
-
-def _counting(base: type) -> type:
-    """A subclass of ``base`` (list, deque, dict, set, bytearray) that counts the elements each call touches."""
-
-    def walks(self, *args):
-        return len(self)
-
-    def one(self, *args):
-        return 1
-
-    def at(self, index=None, *args):  # list.pop(i), list.insert(i, x): everything after i moves
-        if index is None or type(index) is not int:
-            return 1
-        return len(self) - (index if index >= 0 else len(self) + index)
-
-    def item(self, key, *args):
-        return len(range(*key.indices(len(self)))) if isinstance(key, slice) else 1
-
-    costs = {"__contains__": one if base in (dict, set) else walks, "index": walks, "count": walks,
-             "remove": one if base is set else walks, "copy": walks, "sort": walks, "reverse": walks,
-             "__eq__": walks, "__getitem__": item, "__setitem__": item, "__delitem__": item if base is dict else at,
-             "append": one, "appendleft": one, "popleft": one, "add": one, "discard": one, "get": one,
-             "popitem": one, "setdefault": one, "pop": one if base in (dict, set, deque) else at,
-             "insert": at, "rotate": lambda self, n=1: abs(n), "find": walks, "rfind": walks,
-             "extend": lambda self, xs: len(xs) if hasattr(xs, "__len__") else 1}  # fmt: skip
-    namespace = {}
-    for name, cost in costs.items():
-        if hasattr(base, name):
-            namespace[name] = _counted(getattr(base, name), cost)
-
-    def __iter__(self):
-        for x in base.__iter__(self):
-            _add(1)
-            yield x
-
-    def __reversed__(self):
-        for x in base.__reversed__(self):
-            _add(1)
-            yield x
-
-    namespace["__iter__"] = __iter__
-    if hasattr(base, "__reversed__"):
-        namespace["__reversed__"] = __reversed__
-    return type(f"Counting{base.__name__.capitalize()}", (base,), namespace)
-
-
-def _counted(method, cost):
-    def counted(self, *args):
-        _add(cost(self, *args))
-        return method(self, *args)
-
-    return counted
-
-
-_COUNTING = {base: _counting(base) for base in (list, deque, dict, set, bytearray)}
-
-
-def _instrument(alloc) -> None:
-    """Swap each container the allocator holds for a counting copy of it."""
-    for name, value in list(vars(alloc).items()):
-        counting = _COUNTING.get(type(value))
-        if counting is not None:
-            copy = counting(value, value.maxlen) if type(value) is deque else counting(value)
-            object.__setattr__(alloc, name, copy)
-
-
-def _trace(frame, event, arg):
-    if event == "call" and _is_learners(frame.f_code.co_filename):
-        return _count_line
-    return None
-
-
-def _count_line(frame, event, arg):
-    if event == "line":
-        _add(1)
-    return _count_line
-
-
-def _measured(fn, *args) -> tuple[object, int]:
-    """``fn(*args)`` and the operations it took (container element touches and lines of the learner's code)."""
-    previous, _OPS[0] = sys.gettrace(), 0
-    sys.settrace(_trace)
-    try:
-        result = fn(*args)
-    finally:
-        sys.settrace(previous)
-    return result, _OPS[0]
-
-
 def _count_ops(cls, num_blocks: int, block_size: int) -> list[int]:
     """Operations of each measured call, on a nearly empty pool and then on a nearly full one."""
     alloc = cls(num_blocks, block_size)
-    _instrument(alloc)
+    instrument(alloc)
     counts = []
 
     def measure(fn, *args):
-        result, ops = _measured(fn, *args)
+        result, ops = measured(fn, *args)
         counts.append(ops)
         return result
 
@@ -384,7 +289,6 @@ CONSTANT_TIME_CALLS = ["allocate() on a nearly empty pool", "allocate_many(3)", 
                        "free(block) on a nearly full pool", "allocate() on a nearly full pool",
                        "free_sequence of 2 blocks on a nearly full pool", "allocate_many(2) on a nearly full pool",
                        "num_free"]  # fmt: skip
-GROWTH_ALLOWED = 2  # a call may cost at most twice as much on the larger pool (plus a few operations)
 
 
 @check("ch02.constant_time", hint=HINTS["2.3"][0],
@@ -405,7 +309,7 @@ def _judge_constant_time(case, got, want):
         raise _missing_failure(got["missing"], "allocator")
     small, large = case["sizes"]
     for call, few, many in zip(CONSTANT_TIME_CALLS, *got["counts"]):
-        if many > GROWTH_ALLOWED * few + 8:
+        if grows(few, many):
             hint = ("num_free is len(free_block_ids), not a count over the refcounts" if call == "num_free" else
                     "take the next free block with popleft() on a deque and keep num_free = len(free_block_ids): never "
                     "search or count the refcounts, never pop(0) a list"

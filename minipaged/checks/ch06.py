@@ -24,6 +24,7 @@ from functools import partial
 from minipaged.block_manager import BlockAllocator, BlockTable
 from minipaged.checks import CheckFailed, _where, check
 from minipaged.checks.engine_run import first_token_divergence, run_engine
+from minipaged.checks.op_count import grows, instrument, measured
 from minipaged.prefix_cache import sha256
 
 # The package modules this exercise rebuilds: the grader flags a learner's cell that imports, subclasses or
@@ -111,6 +112,9 @@ WHY = {
     "cow_decref": "after the copy the table holds the new block only: drop one reference to the old one",
     "cow_only": "copy only a partly filled last block whose refcount is above 1: an unshared block is written in "
                 "place, and a full block is never written again (the next token starts a new block)",
+    "cost": "an OrderedDict used as an ordered set does all the LRU queue needs in O(1): d[b] = None appends, "
+            "del d[b] takes a block out of the middle, popitem(last=False) evicts the oldest; a list or deque "
+            "walks for remove() and pop(0), and min() or a scan walks every block",
     "tokens": "the bookkeeping agreed but a sequence read other K/V: check what each table's blocks hold",
 }
 
@@ -396,6 +400,79 @@ def _diagnose_cache(case, g: dict, w: dict, before, partial: bool = False) -> tu
 @check_prefix_cache.judge
 def _judge_cache(case, got, want):
     _judge_run(case, got, want, _diagnose_cache)
+
+
+# ---------------------------------------------------------------------------
+# O(1): the free queues' operations counted on two pool sizes
+# ---------------------------------------------------------------------------
+
+
+def _count_cache_ops(cls, num_blocks: int, block_size: int) -> list[int]:
+    """Operations of each measured call, on a pool whose free blocks all hold keys.
+
+    Not measured: half as many two-block sequences as the pool has blocks fill it, get their keys and
+    finish in order, so the LRU queue holds every block, the first sequence's least recently used. The
+    calls then evict, match and share a sequence from the middle of the queue, and free again.
+    """
+    B, cache = block_size, cls(num_blocks, block_size)
+    instrument(cache)
+    prompts = [list(range(i * 2 * B, (i + 1) * 2 * B)) for i in range(num_blocks // 2)]
+    tables = [TableWithoutCow(cache, f"fill{i}") for i in range(len(prompts))]
+    for table, prompt in zip(tables, prompts):
+        table.append_tokens(len(prompt))
+        cache.cache_full_blocks(table, prompt, len(prompt), None)
+    for table in tables:
+        table.release()
+    counts = []
+
+    def measure(fn, *args):
+        result, ops = measured(fn, *args)
+        counts.append(ops)
+        return result
+
+    measure(lambda: cache.num_free)
+    evicted = measure(cache.allocate, "a")
+    measure(cache.free, evicted, "a")
+    prompt = prompts[len(prompts) // 2] + [0]
+    match = measure(cache.match_prefix, prompt, None)
+    table = TableWithoutCow(cache, "b")
+    measure(cache.share_prefix, table, match)
+    table.append_tokens(1)
+    measure(cache.cache_full_blocks, table, prompt, len(prompt), None)
+    measure(table.release)
+    measure(cache.allocate, "c")
+    return counts
+
+
+CACHE_CALLS = ["num_free", "allocate() that evicts", "free(block), keyless", "match_prefix of a 2-block prefix",
+               "share_prefix of 2 free cached blocks from the middle of the LRU queue",
+               "cache_full_blocks of a 3-block table", "free_sequence of 3 blocks, 2 with keys",
+               "allocate() that evicts again"]  # fmt: skip
+
+
+@check("ch06.constant_time", hint=HINTS["6.2"][0],
+       label=lambda c: f"pools of {c['sizes'][0]} and {c['sizes'][1]} blocks, every free block cached",
+       summary=lambda cases, seen: f"{len(CACHE_CALLS)} calls cost the same on pools of {cases[0]['sizes'][0]} "
+                                   f"and {cases[0]['sizes'][1]} blocks")
+def check_constant_time(case, cls):
+    """``case`` = {"sizes": [small, large], "block_size"}: the operations of each measured call, on each size."""
+    if not (isinstance(cls, type) and issubclass(cls, BlockAllocator)):
+        return {"not a class": f"a {type(cls).__name__} {cls!r:.60}; pass your class, a subclass of BlockAllocator"}
+    return {"counts": [_count_cache_ops(cls, n, case["block_size"]) for n in case["sizes"]]}
+
+
+@check_constant_time.judge
+def _judge_cache_cost(case, got, want):
+    if "not a class" in got:
+        raise CheckFailed(got["not a class"])
+    small, large = case["sizes"]
+    for call, few, many in zip(CACHE_CALLS, *got["counts"]):
+        if grows(few, many):
+            raise CheckFailed(f"{call} took {few} operations on a pool of {small} blocks but {many} on a pool of "
+                              f"{large}: its cost grows with the pool (operations: elements of your containers "
+                              "touched, plus lines of your code run)", WHY["cost"])  # fmt: skip
+    if len(got["counts"][0]) != len(CACHE_CALLS):
+        raise CheckFailed("the probe's record of the calls is incomplete")
 
 
 def _probed_table(cls, log: dict):

@@ -84,6 +84,8 @@ SPEC_HINTS = {
              "slots, so every block stays in the table",
     "tokens": "the drafts' K/V must land in the drafts' own slots, after the verified tokens': append them to the "
               "table first, and add the slots append_tokens returns to the step's slot mapping, in order",
+    "bad_call": "check j (0 <= j <= k) and the table's num_tokens (c + 1 + k) first, and raise ValueError before "
+                "anything changes: a wrong count here means the engine's books are already wrong",
     "running": "a rollback that leaves num_computed_tokens or the table wrong makes the engine lose or stall a "
                "request; compare your counters after each verification with c + 1 + j",
 }
@@ -137,7 +139,30 @@ def check_speculator(case, speculator_class):
     with package_methods_off(NgramSpeculator, ("schedule_drafts", "rollback")):
         run = run_engine({"config": case["config"], "requests": case["requests"]}, observe=_observe,
                          allocator=allocator, speculator=speculator)
-    return {"tokens": run["tokens"] if run["finished"] else None, "steps": run["steps"]}
+        bad = [_bad_rollback(speculator, *call) for call in BAD_ROLLBACKS]
+    return {"tokens": run["tokens"] if run["finished"] else None, "steps": run["steps"], "bad_rollbacks": bad}
+
+
+# rollback(table, c, k, j) on a table of `held` tokens: each is a ValueError, raised before anything changes
+BAD_ROLLBACKS = [(5, 3, 4, 9), (5, 3, -1, 9), (5, 3, 1, 11), (5, 3, 1, 8)]
+BAD_WHY = {(5, 3, 4, 9): "j = 4 accepted drafts of k = 3", (5, 3, -1, 9): "j = -1",
+           (5, 3, 1, 11): "a table of 11 tokens where c + 1 + k = 9", (5, 3, 1, 8): "a table of 8 tokens where "
+           "c + 1 + k = 9"}  # fmt: skip
+
+
+def _bad_rollback(speculator, c: int, k: int, j: int, held: int) -> dict:
+    """What ``speculator.rollback`` does with one bad call: the exception's name, and whether the table changed."""
+    table = BlockTable(BlockAllocator(4, 4), "bad")
+    table.append_tokens(held)
+    before = (table.num_tokens, list(table.blocks))
+    try:
+        speculator.rollback(table, c, k, j)
+        raised = None
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # the judge wants a ValueError: anything else is named in the FAIL
+        raised = type(exc).__name__
+    return {"raised": raised, "changed": (table.num_tokens, list(table.blocks)) != before}
 
 
 def _diagnose_drafts(where: str, got: list, want: list, scheduled: int) -> CheckFailed:
@@ -238,6 +263,15 @@ def _judge_speculator(case, got, want):
     except CheckFailed as exc:
         raise CheckFailed(f"{exc} (the package's speculative run gives plain decoding's tokens)",
                           hint=SPEC_HINTS["tokens"]) from None
+    for (c, k, j, held), seen in zip(BAD_ROLLBACKS, got["bad_rollbacks"]):
+        call = f"rollback(a table of {held} tokens, num_computed_tokens={c}, num_draft_tokens={k}, " \
+               f"num_accepted_tokens={j})"
+        if seen["raised"] != "ValueError":
+            did = "returned" if seen["raised"] is None else f"raised {seen['raised']}"
+            raise CheckFailed(f"{call} {did}; {BAD_WHY[c, k, j, held]} is a ValueError",
+                              hint=SPEC_HINTS["bad_call"])
+        if seen["changed"]:
+            raise CheckFailed(f"{call} raised ValueError but changed the table first", hint=SPEC_HINTS["bad_call"])
 
 
 # ---------------------------------------------------------------------------

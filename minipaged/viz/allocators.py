@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
 
 from minipaged.trace import TraceSimulator
 from minipaged.viz import style
@@ -53,7 +54,9 @@ def plot_history(sim: TraceSimulator, title: str = "") -> Figure:
 def plot_block_size_sweep(sweep: Mapping[int, Mapping[str, float]], title: str = "") -> Figure:
     """Two panels against the block size B: mean tail waste (slots) and mean block-table size (bytes).
 
-    Separate panels, because slots and bytes are different units.
+    Separate panels, because slots and bytes are different units. Each panel's axes make its law a straight
+    line: the tail waste grows in proportion to B, so its axes are linear; the tables shrink as 1/B, so
+    theirs are both logarithmic (a slope of −1).
 
     Args:
         sweep: block size -> ``{"tail waste": mean slots, "table bytes": mean bytes, ...}``.
@@ -61,14 +64,18 @@ def plot_block_size_sweep(sweep: Mapping[int, Mapping[str, float]], title: str =
     """
     sizes = sorted(sweep)
     fig = Figure(figsize=(9, 3.4), layout="constrained")
-    left, right = fig.subplots(1, 2, sharex=True)
+    left, right = fig.subplots(1, 2)
     left.plot(sizes, [sweep[b]["tail waste"] for b in sizes], marker="o", color=style.color("tail waste"))
+    left.set_xlim(0, None)
+    left.set_ylim(0, None)
     right.plot(sizes, [sweep[b]["table bytes"] for b in sizes], marker="s", color=style.color("block table"))
-    for ax in (left, right):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sizes, [str(b) for b in sizes])
-    style.axes(left, "block size B (tokens)", "mean tail waste (slots)", title="tail waste grows with B")
-    style.axes(right, "block size B (tokens)", "mean block-table size (bytes)", title="block tables shrink with B")
+    right.set_xscale("log", base=2)
+    right.set_yscale("log", base=2)
+    right.set_xticks(sizes, [str(b) for b in sizes])
+    right.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))  # 4,096, not 2^12
+    style.axes(left, "block size B (tokens)", "mean tail waste (slots)", title="tail waste grows with B (linear axes)")
+    style.axes(right, "block size B (tokens)", "mean block-table size (bytes)",
+               title="block tables shrink as 1/B (log axes)")
     if title:
         fig.suptitle(title)
     return fig

@@ -293,23 +293,32 @@ def _pool_cells(snap: PoolSnapshot, cols: int, x0: float, y0: float, show_refcou
     return out
 
 
-def _legend(x: float, y: float, prefix: bool = False, notes: tuple[str, ...] = ()) -> list[str]:
-    """The key under a picture: the cell states on one row at baseline ``y``, then one row per note."""
-    items = [("free", FREE_COLOR), ("used (colour = sequence)", PALETTE[0]), ("shared (refcount > 1)", SHARED_COLOR)]
-    if prefix:
-        items.append(("cached, free (# = has a key)", CACHED_COLOR))
+def _legend(x: float, y: float, snap: PoolSnapshot, notes: tuple[str, ...] = ()) -> list[str]:
+    """The key under a picture: the cell states and marks ``snap`` holds on one row at baseline ``y``, then notes.
+
+    Only what the picture shows gets an entry: a pool without shared blocks has no "shared" swatch.
+    """
+    owners, fills = snap.owners, snap.fills
+    states = {_cell_look(snap, b, owners.get(b, []), fills[b])[0] for b in range(snap.num_blocks)}
+    items = [(label, color) for state, label, color in (
+        ("free", "free", FREE_COLOR), ("used", "used (colour = sequence)", PALETTE[0]),
+        ("shared", "shared (refcount > 1)", SHARED_COLOR), ("cached", "cached, free (# = has a key)", CACHED_COLOR),
+    ) if state in states or (state == "cached" and snap.cached)]
     out, cx = ['<g class="legend">'], x
     for label, color in items:
         out.append(f'<rect x="{fmt(cx)}" y="{fmt(y - 9)}" width="10" height="10" fill="{color}" stroke="#999"/>')
-        out.append(f'<text x="{fmt(cx + 14)}" y="{fmt(y)}" font-size="10" fill="{TEXT_COLOR}">{escape(label)}</text>')
+        out.append(f'<text class="legend-item" x="{fmt(cx + 14)}" y="{fmt(y)}" font-size="10" fill="{TEXT_COLOR}">'
+                   f"{escape(label)}</text>")
         cx += 14 + 6.2 * len(label) + 14
-    if prefix:
-        for kind, letter in MARKS.items():
-            out.append(f'<circle cx="{fmt(cx + 5)}" cy="{fmt(y - 4)}" r="5" fill="{MARK_COLORS[kind]}"/>'
-                       f'<text x="{fmt(cx + 5)}" y="{fmt(y - 1)}" text-anchor="middle" font-size="7" fill="#ffffff"'
-                       f' font-weight="bold">{letter}</text>'
-                       f'<text x="{fmt(cx + 13)}" y="{fmt(y)}" font-size="10" fill="{TEXT_COLOR}">{kind}</text>')
-            cx += 13 + 6.2 * len(kind) + 12
+    for kind, letter in MARKS.items():
+        if kind not in snap.marks.values():
+            continue
+        out.append(f'<circle cx="{fmt(cx + 5)}" cy="{fmt(y - 4)}" r="5" fill="{MARK_COLORS[kind]}"/>'
+                   f'<text x="{fmt(cx + 5)}" y="{fmt(y - 1)}" text-anchor="middle" font-size="7" fill="#ffffff"'
+                   f' font-weight="bold">{letter}</text>'
+                   f'<text class="legend-item" x="{fmt(cx + 13)}" y="{fmt(y)}" font-size="10" fill="{TEXT_COLOR}">'
+                   f"{kind}</text>")
+        cx += 13 + 6.2 * len(kind) + 12
     for i, note in enumerate(notes, 1):
         out.append(f'<text class="note" x="{fmt(x)}" y="{fmt(y + LEGEND_LINE * i)}" font-size="10" fill="#555">'
                    f"{escape(note)}</text>")
@@ -356,7 +365,7 @@ def render_pool(snapshot: PoolSnapshot, *, columns: int | None = None, show_refc
         svg_open("minipaged-pool", width, height, snap.step, f' data-used="{snap.num_used}"'),
         f'<text class="caption" x="{x0}" y="15" font-size="12" fill="{TEXT_COLOR}">{escape(head)}</text>',
         *_pool_cells(snap, cols, x0, y0, show_refcount),
-        *_legend(x0, height - 8 - LEGEND_LINE * len(POOL_NOTES), bool(snap.cached or snap.marks), POOL_NOTES),
+        *_legend(x0, height - 8 - LEGEND_LINE * len(POOL_NOTES), snap, POOL_NOTES),
         "</svg>",
     ]
     return "".join(parts)
@@ -460,6 +469,11 @@ def _logical_block(lay: _MapLayout, sid: str, i: int, b: int, fill: int, frac: f
     return out
 
 
+# A link from a logical block to its pool cell: strong enough to follow in a static picture, a little
+# translucent so that a table entry it crosses stays readable.
+LINK_WIDTH, LINK_OPACITY = 1.6, 0.8
+
+
 def _map_row(snap: PoolSnapshot, lay: _MapLayout, row: int, seq_id) -> tuple[list[str], list[str]]:
     """One sequence's row of logical blocks, and the links from each to its pool cell."""
     color = seq_color(seq_id)
@@ -484,7 +498,7 @@ def _map_row(snap: PoolSnapshot, lay: _MapLayout, row: int, seq_id) -> tuple[lis
         links.append(
             f'<path class="link" data-seq="{sid}" data-logical="{i}" data-block="{b}" stroke="{color}"'
             f' d="M{fmt(x1)},{fmt(y1)} C{fmt(x1)},{fmt(y1 + 14)} {fmt(x2 - 60)},{fmt(y2)} {fmt(x2)},{fmt(y2)}"'
-            f' fill="none" stroke-width="1" stroke-opacity="0.35"/>'
+            f' fill="none" stroke-width="{LINK_WIDTH}" stroke-opacity="{LINK_OPACITY}"/>'
         )
     logical.append("</g>")
     return logical, links
@@ -520,10 +534,10 @@ def render_block_map(
             f"… and {len(lay.hidden)} more sequences</text>"
         )
     parts += logical
-    # Links run beneath the pool cells, faint so that they do not hide the table entries.
+    # Links run beneath the pool cells; hovering a row (live views) brings its links forward.
     parts.append('<g class="links">' + "".join(links) + "</g>")
     parts += _pool_cells(snap, lay.cols, lay.pool_x0, lay.top, show_refcount)
-    parts += _legend(8, lay.height - 8 - LEGEND_LINE * len(MAP_NOTES), bool(snap.cached or snap.marks), MAP_NOTES)
+    parts += _legend(8, lay.height - 8 - LEGEND_LINE * len(MAP_NOTES), snap, MAP_NOTES)
     parts.append("</svg>")
     return "".join(parts)
 

@@ -12,7 +12,9 @@ of them), so a row stands for ``num_kv_heads`` programs.
 For prefill, :func:`prefill_spans` replays the two ways to run a chunk's queries, one decode
 program per query or one prefill program per query tile (the formulas of
 ``minipaged.kernels.prefill_attention``), and :func:`render_prefill_reads` draws the keys each
-program reads, side by side.
+program reads, side by side. :func:`prefill_programs` replays how one prefill launch over a mixed batch
+gives each program its sequence and query tile (``_find_seq``), and :func:`render_prefill_grid` draws
+it, with each program's rows as (query, query head).
 """
 
 from __future__ import annotations
@@ -297,4 +299,130 @@ def render_prefill_reads(seq_len: int, q_len: int, *, block_q: int, block_size: 
     return "".join(parts)
 
 
-__all__ = ["prefill_spans", "program_reads", "render_prefill_reads", "render_tile_loop"]
+def prefill_programs(num_new_tokens, block_q: int) -> list[tuple[int, int, range]]:
+    """Which sequence and query tile each program of one prefill launch serves, as the kernel finds them.
+
+    The grid's first axis has ``sum(num_new_tokens) // block_q + num_seqs`` programs. Sequence ``i``'s
+    tiles are the programs from ``query_start_loc[i] // block_q + i`` on, so program ``p`` belongs to the
+    last sequence whose first program is ``<= p`` (``_find_seq``'s binary search), and it serves tile
+    ``p`` minus that first program. The ``+ i`` leaves room for each sequence's partial last tile, so a
+    sequence may get one program too many: that program's tile starts past the chunk, and it returns.
+
+    Args:
+        num_new_tokens: each sequence's query tokens in the launch (a chunk, 1 for a decode row, a prompt).
+        block_q: queries per program (``query_tile(GROUP)[0]``).
+
+    Returns:
+        One ``(seq, q_tile, queries)`` per program, in program order: ``queries`` is the range of the
+        sequence's query indices it serves, empty for a program that returns at once.
+
+    Raises:
+        TypeError, ValueError: a count that is not an int in range, or no sequence at all.
+    """
+    lens = [check_int(n, "num_new_tokens", minimum=1) for n in _as_list(num_new_tokens)]
+    block_q = check_int(block_q, "block_q", minimum=1)
+    if not lens:
+        raise ValueError("num_new_tokens must name at least one sequence")
+    starts = [sum(lens[:i]) for i in range(len(lens))]  # query_start_loc
+    first = [start // block_q + i for i, start in enumerate(starts)]
+    out = []
+    for pid in range(sum(lens) // block_q + len(lens)):
+        seq = max(i for i, f in enumerate(first) if f <= pid)
+        q_tile = pid - first[seq]
+        out.append((seq, q_tile, range(min(lens[seq], q_tile * block_q), min(lens[seq], (q_tile + 1) * block_q))))
+    return out
+
+
+def _grid_program(x: float, y: float, w: float, pid: int, seq: int, q_tile: int, queries: range, group: int,
+                  block_q: int, block_m: int) -> list[str]:  # fmt: skip
+    """One program's box: its id, what it serves, and a strip of its ``block_m`` rows (real, masked)."""
+    color = seq_color(seq)
+    empty = not queries
+    look = (f'fill="{FREE_COLOR}" stroke="#999999" stroke-dasharray="4,3"' if empty
+            else f'fill="{tint(color, 0.8)}" stroke="{color}"')
+    box = f'<rect x="{fmt(x)}" y="{fmt(y)}" width="{fmt(w)}" height="58" rx="3" {look} stroke-width="1.5"/>'
+    what = "empty: returns" if empty else f"seq {seq}, tile {q_tile}"
+    served = "past the chunk" if empty else f"queries {queries.start}–{queries.stop - 1}"
+    parts = [f'<g class="program" data-pid="{pid}" data-seq="{seq}" data-tile="{q_tile}"'
+             f' data-queries="{len(queries)}">',
+             box,
+             f'<text x="{fmt(x + 5)}" y="{fmt(y + 14)}" font-size="11" font-weight="bold" fill="{TEXT_COLOR}">'
+             f"program {pid}</text>",
+             f'<text x="{fmt(x + 5)}" y="{fmt(y + 28)}" font-size="10" fill="{TEXT_COLOR}">{what}</text>',
+             f'<text x="{fmt(x + 5)}" y="{fmt(y + 41)}" font-size="9" fill="#555555">{served}</text>']
+    row_w = (w - 10) / block_m
+    for r in range(block_m):  # row r: query q_tile·BLOCK_Q + r // GROUP, head kv_head·GROUP + r % GROUP
+        real = r < block_q * group and q_tile * block_q + r // group < queries.stop
+        fill = (color if r % group == 0 else tint(color, 0.45)) if real else "#dddddd"
+        parts.append(f'<rect class="row{" real" if real else ""}" x="{fmt(x + 5 + r * row_w)}" y="{fmt(y + 46)}" '
+                     f'width="{fmt(row_w)}" height="8" fill="{fill}"/>')
+    parts.append("</g>")
+    return parts
+
+
+def render_prefill_grid(num_new_tokens, *, group: int, block_q: int, block_m: int, title: str | None = None) -> str:
+    """An SVG of one prefill launch over a mixed batch: the packed queries, the programs, and their rows.
+
+    Top, the batch's query tokens as the kernel gets them, packed one sequence after another. Under
+    them, one box per program of the grid's first axis (:func:`prefill_programs`), joined to the
+    queries it serves; a dashed box is a program whose tile starts past its chunk, which returns at
+    once. Each box ends in a strip of its ``block_m`` rows: row ``r`` is query ``r // group`` of its
+    tile and query head ``r % group`` of its KV head (dark, light), grey where the row is padding or
+    past the chunk, masked. The second grid axis, the KV heads, repeats the picture per head.
+
+    Args:
+        num_new_tokens: as for :func:`prefill_programs`.
+        group: query heads per KV head (GQA).
+        block_q, block_m: the kernel's queries per program and rows per program (``query_tile(group)``).
+        title: a line above the picture (default: the sizes).
+
+    Returns:
+        A deterministic ``<svg class="minipaged-prefill-grid">`` string.
+    """
+    group = check_int(group, "group", minimum=1)
+    block_m = check_int(block_m, "block_m", minimum=1)
+    programs = prefill_programs(num_new_tokens, block_q)
+    if block_m < block_q * group:
+        raise ValueError(f"block_m must hold block_q * group = {block_q * group} rows, got {block_m}")
+    lens = [int(n) for n in _as_list(num_new_tokens)]
+    num_tokens, box_w, pitch = sum(lens), 132.0, 140.0
+    token_w = max(3.0, min(12.0, (len(programs) * pitch - 8) / num_tokens))
+    left, strip_y, prog_y = 10.0, 58.0, 150.0
+    width = left + max(len(programs) * pitch, num_tokens * token_w) + 10
+    title = title or (f"one launch: grid ({num_tokens} // BLOCK_Q + {len(lens)} sequences, num_kv_heads) = "
+                      f"({len(programs)}, num_kv_heads) · GROUP {group}, BLOCK_Q {block_q}, BLOCK_M {block_m}")
+    parts = [svg_open("minipaged-prefill-grid", width, prog_y + 112, 0,
+                      f' data-programs="{len(programs)}" data-empty="{sum(1 for *_, q in programs if not q)}"'),
+             f'<text x="{left}" y="20" font-size="13" fill="{TEXT_COLOR}">{title}</text>',
+             f'<text x="{left}" y="{fmt(strip_y - 8)}" font-size="11" fill="#666666">the packed query tokens '
+             "(query_start_loc marks where each sequence starts)</text>"]
+    start = 0
+    for seq, n in enumerate(lens):  # the packed queries, one run per sequence
+        x = left + start * token_w
+        parts.append(f'<rect class="queries" data-seq="{seq}" x="{fmt(x)}" y="{fmt(strip_y)}" '
+                     f'width="{fmt(n * token_w)}" height="18" fill="{tint(seq_color(seq), 0.3)}" stroke="#ffffff"/>'
+                     f'<text x="{fmt(x + 2)}" y="{fmt(strip_y + 31)}" font-size="9" fill="{TEXT_COLOR}">'
+                     f"{'seq ' + str(seq) if n * token_w >= 34 else seq}</text>")
+        start += n
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    for pid, (seq, q_tile, queries) in enumerate(programs):
+        x = left + pid * pitch
+        if queries:  # a line from the queries it serves to the program
+            mid = left + (starts[seq] + (queries.start + queries.stop) / 2) * token_w
+            parts.append(f'<path class="serves" d="M{fmt(mid)},{fmt(strip_y + 36)} L{fmt(x + box_w / 2)},'
+                         f'{fmt(prog_y - 2)}" stroke="{seq_color(seq)}" stroke-width="1.5" fill="none"/>')
+        parts += _grid_program(x, prog_y, box_w, pid, seq, q_tile, queries, group, block_q, block_m)
+    note_y = prog_y + 80
+    for i, line in enumerate([
+        f"the strip in a box is its {block_m} rows: row r is query tile·{block_q} + r // {group} and query head "
+        f"kv_head·{group} + r % {group} (dark, light); grey rows are masked",
+        "a dashed box has no queries left: each sequence gets room for a partial last tile, at most one program "
+        "too many",
+    ]):
+        parts.append(f'<text x="{left}" y="{fmt(note_y + 15 * i)}" font-size="11" fill="{TEXT_COLOR}">{line}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+__all__ = ["prefill_programs", "prefill_spans", "program_reads", "render_prefill_grid", "render_prefill_reads",
+           "render_tile_loop"]

@@ -84,24 +84,42 @@ def plot_fixed_vs_paged(lengths: Sequence[int], max_len: int, block_size: int) -
     return fig
 
 
+# a bar part narrower than this share of the budget (%) is too thin to see at the figure's width
+MIN_VISIBLE_SHARE = 1.0
+
+
 @style.styled
 def plot_capacity_breakdown(report: acc.CapacityReport) -> Figure:
-    """Two stacked bars, each the whole budget, split into the parts of ``Breakdown``."""
+    """Two stacked bars, each the whole budget, split into the parts of ``Breakdown``.
+
+    The legend lists only the parts a bar shows (at least ``MIN_VISIBLE_SHARE`` % of the budget); a part
+    that holds bytes but is too thin to see is named, with its size, in a note under the axes instead.
+    """
     fig = Figure(figsize=(7.2, 2.6), layout="constrained")
     ax = fig.add_subplot()
-    for y, part in ((1, report.fixed), (0, report.paged)):
+    bars = ((1, "fixed", report.fixed), (0, "paged", report.paged))
+    visible = {name for _, _, part in bars for name, value in part.parts().items()
+               if _share(value, report) >= MIN_VISIBLE_SHARE}
+    for y, _, part in bars:
         left = 0.0
         for name, value in part.parts().items():
-            share = 100 * value / report.budget_bytes if report.budget_bytes else 0.0
-            ax.barh(y, share, left=left, color=COLORS[name], label=name if y == 1 else None)
+            share = _share(value, report)
+            ax.barh(y, share, left=left, color=COLORS[name], label=name if y == 1 and name in visible else None)
             left += share
     ax.set_yticks([1, 0], [f"fixed {report.max_len}\n{report.fixed.num_seqs} seqs",
                            f"paged B={report.block_size}\n{report.paged.num_seqs} seqs"])
     ax.set_xlim(0, 100)
     ax.set_xlabel(f"% of {report.budget_bytes / 2**30:g} GiB KV budget")
     ax.set_title(f"{report.model.name}, {report.preset.name} lengths (max_len {report.max_len})")
-    ax.legend(ncols=5, fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    thin = [f"{name} ({scheme}: {value / 2**20:,.2f} MiB, {_share(value, report):.1f}%)"
+            for _, scheme, part in bars for name, value in part.parts().items() if value and name not in visible]
+    ax.legend(ncols=5, fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.35),
+              title="too thin to see: " + "; ".join(thin) if thin else None, title_fontsize="small")
     return fig
+
+
+def _share(value: int, report: acc.CapacityReport) -> float:
+    return 100 * value / report.budget_bytes if report.budget_bytes else 0.0
 
 
 @style.styled

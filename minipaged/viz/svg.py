@@ -8,22 +8,26 @@ from __future__ import annotations
 
 import zlib
 
-# A fixed palette of 12 distinguishable colours (none of them the shared purple or
-# the free grey). A sequence keeps its colour for its whole life: int ids index
-# the palette, other ids hash into it.
+# A fixed palette of 12 colours for sequences: Okabe and Ito's eight less their yellow, and five of Paul Tol's
+# 12-colour qualitative palette; both are built to stay apart for colour-blind readers. Every colour keeps a
+# contrast of at least 2:1 with the white page, so a sequence's link lines stay visible (which is why yellow
+# is left out). Ordered so that neighbouring ids (0 and 1, 11 and 0) differ the most, under protanopia and
+# deuteranopia too; none is close to the shared purple, the cached teal or the free grey. tests/test_02_viz.py
+# measures all of it. A sequence keeps its colour for its whole life: int ids index the palette, other ids
+# hash into it.
 PALETTE = (
-    "#4e79a7",
-    "#f28e2b",
-    "#59a14f",
-    "#e15759",
-    "#76b7b2",
-    "#edc948",
-    "#ff9da7",
-    "#9c755f",
-    "#1f77b4",
-    "#bcbd22",
-    "#17becf",
-    "#8c564b",
+    "#0072B2",  # blue
+    "#E69F00",  # orange
+    "#CC79A7",  # reddish purple
+    "#D55E00",  # vermillion
+    "#882255",  # wine
+    "#999933",  # olive
+    "#000000",  # black
+    "#009E73",  # bluish green
+    "#332288",  # indigo
+    "#117733",  # green
+    "#56B4E9",  # sky blue
+    "#661100",  # brown
 )
 FREE_COLOR = "#eeeeee"  # a free cell
 USED_COLOR = "#bab0ac"  # held, but by no table in the snapshot (a cached prefix, say)

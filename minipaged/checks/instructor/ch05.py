@@ -58,7 +58,7 @@ def public_cases() -> list[dict]:
         {"name": "Poisson arrivals, seed 1, chunked prefill off",
          "config": _config(12, 4, 4, 12, chunked_prefill=False),
          "requests": poisson_requests(random.Random(1), 9, 1.0, (4, 9), (2, 3))},
-        {"name": "more decodes than the budget", "config": _config(16, 4, 6, 4),
+        {"name": "6 seats on a budget of 4 tokens a step", "config": _config(16, 4, 6, 4),
          "requests": [_request(rng, i, i // 3, 2 + i % 4, 4 + i) for i in range(6)]},
     ]
 

@@ -143,5 +143,8 @@ class PackageCowTable(TableWithoutCow):
 SIDES = {
     "block_keys": Side(_keys_cases, _hidden_keys, lambda: (block_keys,)),
     "prefix_cache": Side(_cache_cases, _hidden_cache, lambda: (PrefixCachingAllocator,)),
+    "constant_time": Side(lambda: [{"sizes": [32, 1024], "block_size": 4}],
+                          lambda rng: [{"sizes": [rng.choice([16, 32]), 1024], "block_size": rng.choice([2, 4])}],
+                          lambda: (PrefixCachingAllocator,)),
     "cow_table": Side(_cow_cases, _hidden_cow, lambda: (PackageCowTable,)),
 }
