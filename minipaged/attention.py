@@ -220,7 +220,7 @@ def _load_triton() -> AttentionBackend:
 # --------------------------------------------------------------------------- decode
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, backend="torch"):
+def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, backend="torch", check=True):
     """Decode attention: each sequence's one new query against its whole paged context.
 
     ``q: [num_seqs, num_heads, head_dim]``; ``k_cache, v_cache: [num_blocks,
@@ -230,10 +230,14 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, 
     ``head_dim ** -0.5``. Returns ``[num_seqs, num_heads, head_dim]`` in ``q.dtype``.
 
     ``backend`` is a registered name (see :class:`AttentionBackend`) or a backend itself. The
-    inputs are checked here, for every backend, before the backend's ``decode`` runs.
+    inputs are checked here, for every backend, before the backend's ``decode`` runs, unless
+    ``check=False``: for a caller that has checked the same metadata and shapes already, as
+    the model's forward does once per step, at its first layer (reading the values costs a
+    host-device sync, and the checks cost more than a small batch's attention).
     """
     impl = resolve_backend(backend)
-    check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens)
+    if check:
+        check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens)
     scale = check_scale(scale, q.shape[-1])
     if q.shape[0] == 0:
         return torch.empty_like(q)
@@ -276,10 +280,10 @@ def _paged_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, scale):
     # sequence in the batch has) read the sequence's first slot instead: its own,
     # always written, so finite. Their weight is made 0 by the mask; a 0 weight would
     # not cancel whatever else might be there (0 * NaN = NaN).
-    pos = torch.arange(ctx, device=q.device)
-    valid = pos[None, :] < seq_lens[:, None]  # [num_seqs, ctx]
-    slots = block_tables[:, pos // block_size].long() * block_size + pos % block_size
-    slots = torch.where(valid, slots, slots[:, :1])
+    first = block_tables[:, : ctx // block_size].long()[:, :, None] * block_size  # each block's first slot
+    slots = (first + torch.arange(block_size, device=q.device)).flatten(1)  # [num_seqs, ctx]
+    valid = torch.arange(ctx, device=q.device) < seq_lens[:, None] if min(lens) < ctx else None  # None: all
+    slots = slots if valid is None else torch.where(valid, slots, slots[:, :1])
     # GQA without copying K/V per query head: the `group` query heads that share a KV
     # head are that head's `group` query rows, all against the same keys.
     qg = q.reshape(num_seqs, num_kv_heads, group, head_dim).float()
@@ -308,7 +312,7 @@ def _paged_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, scale):
 
 
 def paged_prefill_attention(
-    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale=None, backend="torch"
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale=None, backend="torch", check=True
 ):
     """Prefill or chunked-prefill attention over the paged context, several queries per sequence.
 
@@ -321,10 +325,12 @@ def paged_prefill_attention(
     this chunk up to itself. Returns ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
 
     ``backend`` is a registered name (see :class:`AttentionBackend`) or a backend itself. The
-    inputs are checked here, for every backend, before the backend's ``prefill`` runs.
+    inputs are checked here, for every backend, before the backend's ``prefill`` runs, unless
+    ``check=False`` (as for :func:`paged_attention`).
     """
     impl = resolve_backend(backend)
-    check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    if check:
+        check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     scale = check_scale(scale, q.shape[-1])
     if q.shape[0] == 0:
         return torch.empty_like(q)

@@ -20,7 +20,7 @@ from minipaged.block_manager import BlockAllocator, BlockTable
 from minipaged.validation import check_block_ids, check_index, check_kv_write, check_pool_args, check_saved_kv
 
 
-def write_kv(key, value, k_cache, v_cache, slot_mapping, *, backend="torch") -> None:
+def write_kv(key, value, k_cache, v_cache, slot_mapping, *, backend="torch", check=True) -> None:
     """Store token ``i``'s K and V at slot ``slot_mapping[i]`` of ``k_cache`` and ``v_cache``, in place.
 
     Args:
@@ -31,6 +31,8 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping, *, backend="torch") -> 
         backend: the attention backend whose ``write`` stores them (a registered name, see
             :class:`minipaged.attention.AttentionBackend`, or a backend itself): ``"torch"`` and
             ``"loop"`` use :func:`write_kv_torch`; ``"triton"``, chapter 04's scatter kernel.
+        check: False skips the checks, for a caller that has checked the same slots and shapes
+            already (the model's forward checks its first layer's write, once per step).
 
     The inputs are checked here with :func:`minipaged.validation.check_kv_write`, for every
     backend, and a bad one raises before anything is written.
@@ -38,7 +40,8 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping, *, backend="torch") -> 
     from minipaged.attention import resolve_backend  # chapter 03's backend registry, reached by name only
 
     impl = resolve_backend(backend)
-    check_kv_write(key, value, k_cache, v_cache, slot_mapping)
+    if check:
+        check_kv_write(key, value, k_cache, v_cache, slot_mapping)
     impl.write(key, value, k_cache, v_cache, slot_mapping)
 
 
@@ -49,11 +52,11 @@ def write_kv_torch(key, value, k_cache, v_cache, slot_mapping) -> None:
     """
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous: a slot is a row of their flattened view")
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    row = k_cache.shape[2:]
-    k_cache.view(-1, *row).index_copy_(0, slots, key[keep])
-    v_cache.view(-1, *row).index_copy_(0, slots, value[keep])
+    if bool((slot_mapping < 0).any()):  # padding to skip; else no boolean indexing, which copies every input
+        key, value, slot_mapping = key[slot_mapping >= 0], value[slot_mapping >= 0], slot_mapping[slot_mapping >= 0]
+    row, slots = k_cache.shape[2:], slot_mapping.long()
+    k_cache.view(-1, *row).index_copy_(0, slots, key)
+    v_cache.view(-1, *row).index_copy_(0, slots, value)
 
 
 class PagedKVCache:

@@ -232,9 +232,8 @@ class Engine:
             rows += (range(end - 1 - len(drafts), end) if spec else [i]) if ends else []
         tables = [s.block_table for s in out.seqs]  # the scheduler already appended this step's tokens to them
         metadata = AttentionMetadata.pack(tables, out.num_new_tokens, torch.cat(out.slot_mappings), self.cache.device)
-        logits = self.model(torch.tensor(input_ids, dtype=torch.int64, device=self.cache.device),
-                            torch.tensor(positions, dtype=torch.int64, device=self.cache.device), self.cache, metadata,
-                            backend=self.config.backend, all_logits=spec)  # fmt: skip
+        ids, pos = (torch.tensor(x, dtype=torch.int64, device=self.cache.device) for x in (input_ids, positions))
+        logits = self.model(ids, pos, self.cache, metadata, backend=self.config.backend, all_logits=spec)
         context = sum(s.num_computed_tokens + n for s, n in zip(out.seqs, out.num_new_tokens))
         self.clock.step(out.num_batched_tokens, context, moved)
         return logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]

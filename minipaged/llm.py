@@ -31,6 +31,7 @@ from minipaged.chat_template import apply_chat_template
 from minipaged.detokenizer import IncrementalDetokenizer
 from minipaged.engine import Engine
 from minipaged.model import LlamaForCausalLM
+from minipaged.prepack import prepack as prepack_model
 from minipaged.pretrained import load_model, load_tokenizer
 from minipaged.scheduler import EngineConfig
 from minipaged.sequence import SamplingParams, Sequence
@@ -176,6 +177,8 @@ class LLM:
             :class:`~minipaged.prefix_cache.PrefixCachingAllocator`); on by default, as in vLLM.
         speculative_config: None (off), or n-gram speculative decoding (chapter 08's
             :class:`~minipaged.speculative.NgramSpeculator`): a ``SpeculativeConfig`` or vLLM's dict form.
+        prepack: run the model's matmuls fused and prepacked, as vLLM's CPU build does
+            (:func:`minipaged.prepack.prepack`; a model passed in is changed in place). False: the model as given.
         **engine_options: :class:`~minipaged.scheduler.EngineConfig` fields (``num_blocks``,
             ``block_size``, ``max_num_seqs``, ...).
 
@@ -185,8 +188,9 @@ class LLM:
     """
 
     def __init__(self, model=DEFAULT_MODEL, tokenizer=None, clock=None, enable_prefix_caching=True,
-                 speculative_config=None, **engine_options):  # fmt: skip
+                 speculative_config=None, prepack=True, **engine_options):  # fmt: skip
         config = EngineConfig(**engine_options)  # an unknown or bad option fails before anything loads
+        check_bool(prepack, "prepack")
         parts = engine_parts(enable_prefix_caching, speculative_config)
         if isinstance(model, LlamaForCausalLM):
             if tokenizer is None:
@@ -201,7 +205,7 @@ class LLM:
             if not callable(getattr(tokenizer, attr, None)):
                 raise TypeError(f"tokenizer must have an {attr}() method, got {type(tokenizer).__name__}")
         self.tokenizer = tokenizer
-        self.engine = Engine(model, config, clock, **parts)
+        self.engine = Engine(prepack_model(model) if prepack else model, config, clock, **parts)
 
     # -- prompts ----------------------------------------------------------
 

@@ -102,10 +102,12 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
+    def qkv(self, x):
+        """Q, K and V of ``x``: three matmuls (:func:`minipaged.prepack.prepack` makes them one)."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
     def forward(self, x, cos, sin, attend, layer: int):
-        q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in self.qkv(x))  # [num_tokens, heads, head_dim]
         # K is cached after RoPE, so a cached key never needs its position again.
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return self.o_proj(attend(layer, q, k, v).flatten(1))
@@ -118,8 +120,13 @@ class LlamaMLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
+    def gate_up(self, x):
+        """The gate and up projections of ``x``: two matmuls (:func:`minipaged.prepack.prepack` makes them one)."""
+        return self.gate_proj(x), self.up_proj(x)
+
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -213,20 +220,18 @@ class LlamaForCausalLM(nn.Module):
         Returns ``[num_seqs, vocab]``, or ``[num_tokens, vocab]`` with ``all_logits``.
         """
         md = attn_metadata
-        if hasattr(kv_caches, "k_caches"):
-            caches = list(zip(kv_caches.k_caches, kv_caches.v_caches))
-        else:
-            caches = list(kv_caches)
-        check_packed_batch(input_ids, positions, md, len(caches), len(self.model.layers))
+        caches = list(zip(kv_caches.k_caches, kv_caches.v_caches) if hasattr(kv_caches, "k_caches") else kv_caches)
+        check_packed_batch(input_ids, positions, md, caches, len(self.model.layers))
         impl = get_backend(backend)  # an unknown name fails here, before any layer writes
 
         def attend(layer, q, k, v):
-            k_cache, v_cache = caches[layer]
-            write_kv(k, v, k_cache, v_cache, md.slot_mapping, backend=impl)
-            tables, lens = md.block_tables, md.seq_lens
+            # Checked once per step, at layer 0: the others have its shapes and metadata (check_packed_batch).
+            k_cache, v_cache, first = *caches[layer], layer == 0
+            write_kv(k, v, k_cache, v_cache, md.slot_mapping, backend=impl, check=first)
+            args = (q, k_cache, v_cache, md.block_tables, md.seq_lens)
             if md.is_decode:
-                return paged_attention(q, k_cache, v_cache, tables, lens, backend=impl)
-            return paged_prefill_attention(q, k_cache, v_cache, tables, lens, md.query_start_loc, backend=impl)
+                return paged_attention(*args, backend=impl, check=first)
+            return paged_prefill_attention(*args, md.query_start_loc, backend=impl, check=first)
 
         hidden = self.model(input_ids, positions, self.rope_cos, self.rope_sin, attend)
         if not all_logits:

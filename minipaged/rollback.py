@@ -57,7 +57,7 @@ class Snapshot:
                 continue
             state, children = _save(obj, kind)
             self._saved[id(obj)] = (obj, state)
-            stack += [child for child in children if type(child) not in _PLAIN]
+            stack += () if _PLAIN.issuperset(map(type, children)) else [c for c in children if type(c) not in _PLAIN]
 
     def before(self, obj, default=None):
         """``obj``'s saved state: a container's contents (a list, a dict's items) or an object's attributes.

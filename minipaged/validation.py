@@ -1066,19 +1066,26 @@ def check_contiguous_attention(q, k, v, scale) -> float:
     return scale
 
 
-def check_packed_batch(input_ids, positions, attn_metadata, num_cache_layers: int, num_layers: int) -> None:
+def check_packed_batch(input_ids, positions, attn_metadata, caches, num_layers: int) -> None:
     """A packed batch's tokens against its attention metadata and the caches (``LlamaForCausalLM.forward``'s inputs).
+
+    The forward checks its first layer's K/V write and attention in full and the other layers' not
+    at all, so here every layer's caches must be like the first layer's.
 
     Args:
         input_ids, positions: int64 ``[num_tokens]``, every sequence's new tokens and their positions.
         attn_metadata: an :class:`~minipaged.attention.AttentionMetadata` whose ``slot_mapping`` and
             ``query_start_loc`` must describe ``num_tokens`` tokens.
-        num_cache_layers: the layers the caches given hold.
+        caches: per layer, the ``(k_cache, v_cache)`` given.
         num_layers: the model's layers.
 
     Raises:
-        ValueError: a shape that does not fit.
+        TypeError: a layer's caches are not two tensors.
+        ValueError: a shape that does not fit, or a layer's caches unlike the first layer's
+            (shape, dtype, device or layout).
     """
+    import torch
+
     md = attn_metadata
     num_tokens = input_ids.shape[0] if input_ids.dim() == 1 else -1
     if input_ids.dim() != 1 or positions.shape != input_ids.shape:
@@ -1091,8 +1098,18 @@ def check_packed_batch(input_ids, positions, attn_metadata, num_cache_layers: in
             f"attn_metadata describes {md.slot_mapping.shape[0]} slots and {int(md.query_start_loc[-1])} "
             f"query tokens, but input_ids has {num_tokens}"
         )
-    if num_cache_layers != num_layers:
-        raise ValueError(f"kv_caches has {num_cache_layers} layers, the model {num_layers}")
+    if len(caches) != num_layers:
+        raise ValueError(f"kv_caches has {len(caches)} layers, the model {num_layers}")
+
+    def kind(t):
+        return t.shape, t.dtype, t.device, t.stride()
+
+    for layer, pair in enumerate(caches):
+        if len(pair) != 2 or not all(isinstance(t, torch.Tensor) for t in pair):
+            raise TypeError(f"kv_caches[{layer}] must be a (k_cache, v_cache) pair of tensors")
+        if kind(pair[0]) != kind(caches[0][0]) or kind(pair[1]) != kind(caches[0][1]):
+            raise ValueError(f"kv_caches[{layer}] differs from kv_caches[0] in shape, dtype, device or strides: "
+                             "every layer's caches must be alike")  # fmt: skip
 
 
 def check_saved_kv(saved, num_layers: int, shape: tuple[int, ...]) -> None:

