@@ -7,6 +7,7 @@ copied solution) while the other learners of the same class are graded correctly
 
 import csv
 import json
+import os
 import random
 import re
 import shlex
@@ -287,7 +288,7 @@ def test_restored_check_cells_and_hidden_cases_are_the_graders(tmp_path, capsys)
     assert "check cell 01-07 was edited; its source was restored" in notes
     assert "check cell 01-10 (ch01.best_block_size) was missing and was put back" in notes
     drawn = ref01.SIDES["new_blocks"].hidden(random.Random("7:ch01.new_blocks"))
-    assert drawn == ref01.SIDES["new_blocks"].hidden(random.Random("7:ch01.new_blocks")) and len(drawn) == 10
+    assert drawn == ref01.SIDES["new_blocks"].hidden(random.Random("7:ch01.new_blocks")) and len(drawn) == 13
 
 
 def test_the_handout_has_no_answers_and_its_checks_agree(tmp_path, monkeypatch):
@@ -332,3 +333,14 @@ def test_the_readme_grading_command_runs(tmp_path):
     assert table[1].split() == ["ada", "PASS", "PASS", "2/2"] and table[2].split() == ["bo", "TODO", "TODO", "0/2"]
     assert "FLAG" in done.stdout  # ada handed in the model solution itself
     assert (tmp_path / "gradebook.csv").exists() and (tmp_path / "gradebook.json").exists()
+
+
+@pytest.mark.parametrize("jobs", [1, os.cpu_count() or 1])
+def test_kernels_graded_at_once_share_the_cores(tmp_path, jobs):
+    # Each kernel gets cores // jobs threads: oversubscribed, a learner's engine run can be several times slower
+    # and time out with no fault of its own.
+    seen = tmp_path / "threads.txt"
+    write(tmp_path, "a", notebook({}, (f"import torch\nopen({str(seen)!r}, 'w').write(str(torch.get_num_threads()))",)))
+    status, book, _ = grade(tmp_path, "--jobs", str(jobs))
+    assert statuses(book, "a") == ["PASS"] * 3
+    assert int(seen.read_text()) == max(1, (os.cpu_count() or 1) // jobs)

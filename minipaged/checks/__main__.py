@@ -153,11 +153,14 @@ class Graded:
 
 @dataclass
 class Limits:
-    """The grading run's settings: time limits (seconds; ``check`` None means each check's own) and the seed."""
+    """The grading run's settings: time limits (seconds; ``check`` None means each check's own), the seed, and the
+    threads each kernel may use (the machine's cores shared among the notebooks graded at once: an
+    oversubscribed kernel can run several times slower and time out without a fault of its learner's)."""
 
     check: float | None
     notebook: float
     seed: int
+    threads: int = 1
 
 
 # ---------------------------------------------------------------------------
@@ -676,7 +679,8 @@ async def grade_notebook(submission: Submission, exercise: Exercise, limits: Lim
     """Restore, execute and grade one submission, in a working directory of its own."""
     nb = _read(submission.path)
     notes = syntax_errors(nb) + restore(nb, exercise)
-    env = dict(os.environ, PYTHONPATH=str(package))
+    threads = str(limits.threads)
+    env = dict(os.environ, PYTHONPATH=str(package), OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
     with tempfile.TemporaryDirectory(prefix="minipaged-learner-") as cwd:
         results, run_notes = await execute(nb, exercise, Path(cwd), env, limits, refs)
     return Graded(submission.learner, submission.path, exercise, results, notes + run_notes, _answers(nb, exercise),
@@ -867,7 +871,7 @@ def main(argv: list[str] | None = None) -> int:
         except GradeError as exc:
             errors.append(str(exc))
     seed = secrets.randbits(64) if args.seed is None else args.seed
-    limits = Limits(args.check_timeout, args.notebook_timeout, seed)
+    limits = Limits(args.check_timeout, args.notebook_timeout, seed, threads=max(1, (os.cpu_count() or 1) // args.jobs))
     graded, crashed = asyncio.run(grade_all(gradable, exercises, limits, args.jobs)) if gradable else ([], [])
     for error in errors:
         print(f"error: {error}", file=sys.stderr)
