@@ -52,11 +52,11 @@ def write_kv_torch(key, value, k_cache, v_cache, slot_mapping) -> None:
     """
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous: a slot is a row of their flattened view")
-    if bool((slot_mapping < 0).any()):  # padding to skip; else no boolean indexing, which copies every input
-        key, value, slot_mapping = key[slot_mapping >= 0], value[slot_mapping >= 0], slot_mapping[slot_mapping >= 0]
-    row, slots = k_cache.shape[2:], slot_mapping.long()
-    k_cache.view(-1, *row).index_copy_(0, slots, key)
-    v_cache.view(-1, *row).index_copy_(0, slots, value)
+    keep, slots = slot_mapping >= 0, slot_mapping.long()
+    if not bool(keep.all()):  # padding to skip; without any, no boolean indexing (it copies every input)
+        key, value, slots = key[keep], value[keep], slots[keep]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value)
 
 
 class PagedKVCache:
