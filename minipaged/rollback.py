@@ -28,16 +28,21 @@ _ATOMS = (int, float, complex, str, bytes, bool, type(None), type, Enum, torch.d
 ATOM, SEQUENCE, MAPPING, IMMUTABLE, GENERATOR, OBJECT = range(6)  # what the walk does with an object
 _CONTAINERS = ((SEQUENCE, (list, deque, bytearray, set)), (MAPPING, dict), (IMMUTABLE, (tuple, frozenset)),
                (GENERATOR, torch.Generator))  # fmt: skip
-_KINDS: dict[type, int] = {}  # worked out once per type: the walk meets the same few types over and over
 _PLAIN = {int, float, str, bytes, bool, type(None)}  # token ids and times: never pushed on the walk's stack
 
 
-def _kind(cls: type) -> int:
-    if cls not in _KINDS:
+class _Kinds(dict):
+    """type -> what the walk does with its instances, worked out on a type's first lookup (the walk meets the
+    same few types over and over, so a lookup is a plain dict hit)."""
+
+    def __missing__(self, cls: type) -> int:
         frozen = dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen
-        _KINDS[cls] = ATOM if frozen or issubclass(cls, _ATOMS) else next(
+        self[cls] = ATOM if frozen or issubclass(cls, _ATOMS) else next(
             (kind for kind, bases in _CONTAINERS if issubclass(cls, bases)), OBJECT)
-    return _KINDS[cls]
+        return self[cls]
+
+
+_KINDS = _Kinds()
 
 
 class Snapshot:
@@ -49,14 +54,14 @@ class Snapshot:
 
     def __init__(self, root):
         self._saved: dict[int, tuple[object, object]] = {}  # id -> (object, its saved state)
-        stack = [root]
+        saved, stack = self._saved, [root]
         while stack:
             obj = stack.pop()
-            kind = _kind(type(obj))
-            if kind == ATOM or id(obj) in self._saved or kind == OBJECT and getattr(obj, "is_finished", False):
+            kind = _KINDS[type(obj)]
+            if kind == ATOM or id(obj) in saved or kind == OBJECT and getattr(obj, "is_finished", False):
                 continue
             state, children = _save(obj, kind)
-            self._saved[id(obj)] = (obj, state)
+            saved[id(obj)] = (obj, state)
             stack += () if _PLAIN.issuperset(map(type, children)) else [c for c in children if type(c) not in _PLAIN]
 
     def before(self, obj, default=None):
@@ -88,13 +93,13 @@ def _save(obj, kind: int) -> tuple[object, list]:
         return None, list(obj)
     if kind == GENERATOR:
         return obj.get_state(), []
-    skip = getattr(type(obj), "_not_rolled_back", ())
-    attrs = {name: value for name, value in vars(obj).items() if name not in skip}
+    skip = getattr(type(obj), "_not_rolled_back", ())  # most classes have none: then a plain copy
+    attrs = {name: value for name, value in vars(obj).items() if name not in skip} if skip else vars(obj).copy()
     return attrs, list(attrs.values())
 
 
 def _restore(obj, state) -> None:
-    kind = _kind(type(obj))
+    kind = _KINDS[type(obj)]
     if kind in (SEQUENCE, MAPPING):
         obj.clear()
         (obj.update if isinstance(obj, (set, dict)) else obj.extend)(state)

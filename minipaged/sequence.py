@@ -52,9 +52,9 @@ class SequenceStatus(Enum):
     ABORTED = "aborted"
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token, and when to stop (as vLLM's ``SamplingParams``).
+    """How to pick each next token, and when to stop (as vLLM's ``SamplingParams``); frozen, so it can be shared.
 
     Attributes:
         max_tokens: the most output tokens (then ``finish_reason == "length"``).

@@ -566,15 +566,18 @@ def check_sampling_params(params) -> None:
     Args:
         params: the parameters, just constructed; their fields are replaced by their checked values.
     """
-    params.max_tokens = check_int(params.max_tokens, "max_tokens", minimum=1)
-    params.n = check_int(params.n, "n", minimum=1)
+    def put(name, value):  # SamplingParams is frozen: its checked values replace the given ones, once, here
+        object.__setattr__(params, name, value)
+
+    put("max_tokens", check_int(params.max_tokens, "max_tokens", minimum=1))
+    put("n", check_int(params.n, "n", minimum=1))
     check_bool(params.ignore_eos, "ignore_eos")
-    params.temperature = check_real(params.temperature, "temperature", minimum=0)
+    put("temperature", check_real(params.temperature, "temperature", minimum=0))
     if params.seed is not None:
-        params.seed = check_int(params.seed, "seed", minimum=None)
-    params.stop_token_ids = check_token_id_tuple(params.stop_token_ids, "stop_token_ids")
-    params.min_tokens = params.stop_rules().min_tokens  # the rules' own checks: min_tokens within 0..max_tokens
-    params.stop = check_stop_strings(params.stop, "stop")
+        put("seed", check_int(params.seed, "seed", minimum=None))
+    put("stop_token_ids", check_token_id_tuple(params.stop_token_ids, "stop_token_ids"))
+    put("min_tokens", params.stop_rules().min_tokens)  # the rules' own checks: min_tokens within 0..max_tokens
+    put("stop", check_stop_strings(params.stop, "stop"))
     check_bool(params.include_stop_str_in_output, "include_stop_str_in_output")
 
 
