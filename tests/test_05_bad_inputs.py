@@ -1,7 +1,7 @@
 """Issue 11, chapter 05: a request or engine that can never run is refused up front, with the argument named."""
 
 from collections import namedtuple
-from dataclasses import replace
+from dataclasses import FrozenInstanceError, replace
 
 import numpy as np
 import pytest
@@ -103,6 +103,10 @@ def test_sampling_params_types():
         SamplingParams(min_tokens=17)
     with pytest.raises(ValueError, match="min_tokens must be at most max_tokens=2"):  # replace() checks again
         replace(SamplingParams(max_tokens=8, min_tokens=4), max_tokens=2)
+    params = SamplingParams(max_tokens=np.int64(5), stop_token_ids=[3, 4])
+    assert (type(params.max_tokens), params.stop_token_ids) == (int, (3, 4))  # normalised, though frozen
+    with pytest.raises(FrozenInstanceError):  # frozen: a request's rules cannot change behind its stop rules
+        params.max_tokens = 7
 
 
 def test_replay_refuses_arrival_times_that_never_come(model):
