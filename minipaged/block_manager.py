@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter, deque
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
-from minipaged.accounting import blocks_needed
+from minipaged.accounting import ceil_div
 from minipaged.validation import check_allocator_args, check_block_id, check_callable, check_instance, check_int
 
 BOOKKEEPING_BYTES_PER_BLOCK = 64  # an upper bound of the allocator's Python bookkeeping per block
@@ -368,9 +368,10 @@ class BlockTable:
         Args:
             num_tokens: the tokens the append would add.
         """
-        n = check_int(num_tokens, "num_tokens")
-        new = max(0, blocks_needed(self.num_tokens + n, self.block_size) - len(self.blocks))
-        return new + self._shares_last_block(n)
+        return self._num_new_blocks(check_int(num_tokens, "num_tokens"))
+
+    def _num_new_blocks(self, n: int) -> int:  # n checked: called for every sequence at every step
+        return max(0, ceil_div(self.num_tokens + n, self.block_size) - len(self.blocks)) + self._shares_last_block(n)
 
     def append_tokens(self, num_tokens: int) -> torch.Tensor:
         """Make room for ``num_tokens`` more tokens; return their slots (int64) for the cache write.
@@ -380,14 +381,14 @@ class BlockTable:
         """
         self.allocator.check_not_from_subscriber("BlockTable.append_tokens")
         n = check_int(num_tokens, "num_tokens")
-        need = self.num_new_blocks(n)
+        need = self._num_new_blocks(n)
         if need > self.allocator.num_free:
             raise OutOfBlocks(f"appending {n} tokens needs {need} blocks but only "
                               f"{self.allocator.num_free} of {self.allocator.num_blocks} are free")
-        with self.allocator.hold_events():  # subscribers hear of the new blocks once this table holds them
-            if self._shares_last_block(n):
+        with self.allocator.hold_events() if need else nullcontext():  # new blocks are heard of once held
+            if need and self._shares_last_block(n):
                 self._copy_on_write()
-            self.blocks += self.allocator.allocate_many(self.num_new_blocks(n), self.seq_id)
+            self.blocks += self.allocator.allocate_many(self._num_new_blocks(n), self.seq_id) if need else []
             start = self.num_tokens
             self.num_tokens += n
             self.released = False
