@@ -16,7 +16,7 @@ Every path takes a ``backend=``: the name of an :class:`AttentionBackend` in the
 checks (:func:`minipaged.validation.check_paged_attention`, ``check_kv_write``) before they hand
 the call to the backend, so a bad input gets the same error on every backend. Registered here:
 
-- ``"torch"``: vectorised gather through the block table, masked softmax, batched matmul (this module).
+- ``"torch"``: vectorised gather through the block table, then batched matmuls and a masked softmax (this module).
 - ``"loop"``: block by block, one sequence at a time. Slow and obviously right
   (:mod:`minipaged.attention_loop`, loaded when asked for).
 - ``"triton"``: the chapter-04 kernels in :mod:`minipaged.kernels` (loaded when asked for, so an
@@ -247,32 +247,49 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, 
 _workspace: dict = {}  # (device, dtype) -> flat gather buffer, kept between calls
 
 
-def _gather_buffers(num_blocks, k_cache):
-    """K and V gather buffers of ``num_blocks`` blocks each, reused across calls and chunks.
+def _gather_buffers(num_rows, k_cache):
+    """K and V gather buffers of ``num_rows`` rows of ``head_dim`` values each, reused across calls and chunks.
 
     Reused so they stay in the CPU cache, and because a fresh multi-MiB tensor
     per call pays the OS a page fault per 4 KiB on first touch: at batch 1,
     context 1024 that cost more than the attention itself.
     """
-    block_shape = k_cache.shape[1:]
-    numel = num_blocks * block_shape.numel()
+    head_dim, numel = k_cache.shape[-1], num_rows * k_cache.shape[-1]
     key = (k_cache.device, k_cache.dtype)
     buf = _workspace.get(key)
     if buf is None or buf.numel() < 2 * numel:
         # A tensor made under inference_mode could not be written outside it later.
         with torch.inference_mode(False):
             buf = _workspace[key] = torch.empty(2 * numel, dtype=k_cache.dtype, device=k_cache.device)
-    return buf[:numel].view(num_blocks, *block_shape), buf[numel : 2 * numel].view(num_blocks, *block_shape)
+    return buf[:numel].view(num_rows, head_dim), buf[numel : 2 * numel].view(num_rows, head_dim)
+
+
+def gathered_attention(q, k, v, padded=None, out=None):
+    """The torch backend's attention on gathered K/V: scores, softmax, weighted sum, as two batched matmuls.
+
+    Args:
+        q: float ``[num_seqs * num_kv_heads, group, head_dim]``, already multiplied by the softmax
+            scale: the ``group`` query heads that share a KV head, as that head's query rows.
+        k, v: ``[num_seqs * num_kv_heads, context, head_dim]``, each KV head's context contiguous.
+        padded: None, or bool ``[num_seqs, 1, 1, context]``: True where a position is past its
+            sequence's end, whose score becomes ``-inf`` (weight exactly 0; K/V there must be finite).
+        out: where to write the result, ``[num_seqs * num_kv_heads, group, head_dim]`` float (None: a new tensor).
+
+    For a decode step's handful of query rows per KV head, the two matmuls measured faster on a CPU
+    than one ``scaled_dot_product_attention`` call, whose fused kernel pays a fixed cost per head.
+    """
+    scores = torch.bmm(q, k.float().transpose(1, 2))
+    if padded is not None:
+        scores.view(padded.shape[0], -1, q.shape[1], scores.shape[-1]).masked_fill_(padded, -torch.inf)
+    return torch.bmm(scores.softmax(-1), v.float(), out=out)
 
 
 def _paged_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, scale):
-    """The torch backend's decode: each context gathered through its block table, then one fused attention.
+    """The torch backend's decode: each context gathered through its block table, head by head, then attended.
 
     The arguments and the result are :class:`AttentionBackend`'s ``decode``'s.
     """
-    num_seqs, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
+    (num_seqs, num_heads, head_dim), (block_size, num_kv_heads) = q.shape, k_cache.shape[1:3]
     lens = seq_lens.tolist()
     ctx = blocks_needed(max(lens), block_size) * block_size
     # Every position's slot, through the block table. Positions past a sequence's end
@@ -284,27 +301,26 @@ def _paged_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, scale):
     slots = (first + torch.arange(block_size, device=q.device)).flatten(1)  # [num_seqs, ctx]
     valid = torch.arange(ctx, device=q.device) < seq_lens[:, None] if min(lens) < ctx else None  # None: all
     slots = slots if valid is None else torch.where(valid, slots, slots[:, :1])
-    # GQA without copying K/V per query head: the `group` query heads that share a KV
-    # head are that head's `group` query rows, all against the same keys.
-    qg = q.reshape(num_seqs, num_kv_heads, group, head_dim).float()
-    out = torch.empty(num_seqs, num_kv_heads, group, head_dim, device=q.device)
-    # One row per slot. A view of the pool when it is contiguous (always, in the engine); a copy when a
-    # caller passes a strided view, as the loop and Triton paths accept too.
-    rows_k, rows_v = k_cache.reshape(-1, num_kv_heads, head_dim), v_cache.reshape(-1, num_kv_heads, head_dim)
+    # A pool row is one KV head of one slot, so the gather can lay out each KV head's context
+    # contiguously, [num_seqs, num_kv_heads, ctx, head_dim]: what a batched matmul reads.
+    rows = slots[:, None, :] * num_kv_heads + torch.arange(num_kv_heads, device=q.device)[:, None]
+    # GQA without copying K/V per query head: the query heads that share a KV head are its query rows.
+    qg = q.reshape(num_seqs * num_kv_heads, num_heads // num_kv_heads, head_dim).float() * scale
+    out = torch.empty(qg.shape, device=q.device)
+    # A view of the pool when it is contiguous (always, in the engine); a copy when a caller passes
+    # a strided view, as the loop and Triton paths accept too.
+    rows_k, rows_v = k_cache.reshape(-1, head_dim), v_cache.reshape(-1, head_dim)
     chunk = max(1, GATHER_BUDGET_BYTES // (2 * ctx * num_kv_heads * head_dim * k_cache.element_size()))
-    k_buf, v_buf = _gather_buffers(min(chunk, num_seqs) * ctx // block_size, k_cache)
+    k_buf, v_buf = _gather_buffers(min(chunk, num_seqs) * num_kv_heads * ctx, k_cache)
     for start in range(0, num_seqs, chunk):
         end = min(start + chunk, num_seqs)
         n = blocks_needed(max(lens[start:end]), block_size) * block_size  # this chunk's context
-        ids = slots[start:end, :n].flatten()
-        # One index_select per cache: every sequence's context, in logical order, in one buffer.
-        k = torch.index_select(rows_k, 0, ids, out=k_buf.view(-1, num_kv_heads, head_dim)[: len(ids)])
-        v = torch.index_select(rows_v, 0, ids, out=v_buf.view(-1, num_kv_heads, head_dim)[: len(ids)])
-        k = k.view(end - start, n, num_kv_heads, head_dim).transpose(1, 2).float()  # [c, num_kv_heads, n, head_dim]
-        v = v.view(end - start, n, num_kv_heads, head_dim).transpose(1, 2).float()
-        mask = valid[start:end, None, None, :n] if min(lens[start:end]) < n else None
-        # One fused call: scores, masked softmax and the weighted sum of V.
-        out[start:end] = F.scaled_dot_product_attention(qg[start:end], k, v, attn_mask=mask, scale=scale)
+        ids, heads = rows[start:end, :, :n].flatten(), slice(start * num_kv_heads, end * num_kv_heads)
+        # One index_select per cache: every sequence's context, head by head, in logical order.
+        k = torch.index_select(rows_k, 0, ids, out=k_buf[: len(ids)]).view(-1, n, head_dim)
+        v = torch.index_select(rows_v, 0, ids, out=v_buf[: len(ids)]).view(-1, n, head_dim)
+        padded = ~valid[start:end, None, None, :n] if min(lens[start:end]) < n else None
+        gathered_attention(qg[heads], k, v, padded, out=out[heads])
     return out.view(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
@@ -343,8 +359,7 @@ def _paged_prefill_torch(q, k_cache, v_cache, block_tables, seq_lens, query_star
     The arguments and the result are :class:`AttentionBackend`'s ``prefill``'s.
     """
     starts = query_start_loc.tolist()
-    block_size = k_cache.shape[1]
-    num_kv_heads, head_dim = k_cache.shape[2:]
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     out = torch.empty_like(q)
     # In a mixed step (chapter 05: decodes plus prefill chunks) a one-token query is
     # plain decode: those rows take the vectorised decode path in one call instead of

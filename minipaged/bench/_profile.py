@@ -12,7 +12,7 @@ from __future__ import annotations
 import cProfile
 import pstats
 
-from minipaged import cache, engine, model, scheduler, validation
+from minipaged import attention, cache, engine, model, rollback, scheduler, validation
 
 
 def _builtin(name: str) -> tuple:
@@ -29,7 +29,8 @@ def _python(fn) -> tuple:
 # part -> the functions whose time it is. None calls another, so the parts add up.
 PARTS = {
     "linear layers": [_builtin("torch._C._nn.linear"), _builtin("torch._ops.mkldnn._linear_pointwise")],
-    "attention (scaled_dot_product_attention)": [_builtin("torch._C._nn.scaled_dot_product_attention")],
+    "attention (gathered_attention; prefill: SDPA)": [
+        _python(attention.gathered_attention), _builtin("torch._C._nn.scaled_dot_product_attention")],
     "gather of K/V (index_select)": [_builtin("torch.index_select")],
     "K/V write (the torch backend's write)": [_python(cache.write_kv_torch)],
     "input checks (validation)": [_python(f) for f in (validation.check_kv_write, validation.check_paged_attention,
@@ -39,6 +40,7 @@ PARTS = {
     "scheduler (schedule, postprocess)": [_python(scheduler.Scheduler.schedule),
                                           _python(scheduler.Scheduler.postprocess)],
     "sampling": [_python(engine.Engine.sample)],
+    "step snapshot (rollback.Snapshot)": [_python(rollback.Snapshot.__init__)],
 }  # fmt: skip
 STEP = _python(engine.Engine.step)
 REST = "the rest (elementwise ops, the layers' Python, bookkeeping)"

@@ -6,9 +6,10 @@ process, interleaved so that load from other programs hits every method alike:
 - ``sdpa``: the baseline. ``scaled_dot_product_attention`` on K/V that are already
   contiguous per sequence (``[batch, num_kv_heads, context, head_dim]``), the best
   layout a contiguous cache could offer.
-- ``nogather``: the torch backend's own attention call (the query viewed as
-  ``[batch, num_kv_heads, group, head_dim]``, one ``scaled_dot_product_attention``) on
-  K/V laid out as the backend's gather buffer lays them out, but never gathered.
+- ``nogather``: the torch backend's own attention call
+  (:func:`~minipaged.attention.gathered_attention`: the query viewed as each KV head's
+  ``group`` rows, two batched matmuls around a softmax) on K/V laid out as the backend's
+  gather buffer lays them out, but never gathered.
   ``torch / nogather`` is the cost of the gather alone: the same call on the same
   layout, minus the copy through the block tables.
 - ``torch``: ``paged_attention(backend="torch", check=False)`` through a block table whose
@@ -34,7 +35,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from minipaged.attention import paged_attention
+from minipaged.attention import gathered_attention, paged_attention
 from minipaged.bench import positive_int
 from minipaged.testing import make_paged_case
 
@@ -48,7 +49,7 @@ def make_case(batch: int, context: int, dtype=torch.float32, seed: int = 0):
     """A full paged pool with shuffled block tables, and the same K/V per sequence, never paged.
 
     Returns the paged attention's arguments and ``(q, k, v)`` with ``q`` ``[batch, num_heads,
-    head_dim]`` and ``k``, ``v`` ``[batch, context, num_kv_heads, head_dim]`` (the gather buffer's layout).
+    head_dim]`` and ``k``, ``v`` ``[batch, num_kv_heads, context, head_dim]`` (the gather buffer's layout).
 
     Args:
         batch, context: the number of sequences and each one's length.
@@ -67,7 +68,8 @@ def make_case(batch: int, context: int, dtype=torch.float32, seed: int = 0):
         fill=0.0,
         seed=seed,
     )
-    return case.decode_args, (case.q, torch.stack(case.keys), torch.stack(case.values))
+    k, v = (torch.stack(t).transpose(1, 2).contiguous() for t in (case.keys, case.values))
+    return case.decode_args, (case.q, k, v)
 
 
 def without_gather(q, k, v):
@@ -75,11 +77,12 @@ def without_gather(q, k, v):
 
     Args:
         q: ``[batch, num_heads, head_dim]``.
-        k, v: ``[batch, context, num_kv_heads, head_dim]``.
+        k, v: ``[batch, num_kv_heads, context, head_dim]``.
     """
     batch, num_heads, head_dim = q.shape
-    qg = q.view(batch, NUM_KV_HEADS, num_heads // NUM_KV_HEADS, head_dim)
-    return F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2)).view(batch, num_heads, head_dim)
+    qg = q.reshape(batch * NUM_KV_HEADS, num_heads // NUM_KV_HEADS, head_dim) * head_dim**-0.5
+    k, v = (t.reshape(batch * NUM_KV_HEADS, -1, head_dim) for t in (k, v))
+    return gathered_attention(qg, k, v).view(batch, num_heads, head_dim)
 
 
 def time_case(batch: int, context: int, repeats: int, loop_repeats: int) -> dict:
@@ -91,10 +94,10 @@ def time_case(batch: int, context: int, repeats: int, loop_repeats: int) -> dict
         loop_repeats: timed runs of the slow loop backend (0: skip it).
     """
     paged_args, (q, k, v) = make_case(batch, context)
-    # sdpa's own layout: [batch, num_kv_heads, context, head_dim], contiguous, one query per head.
-    q4, k4, v4 = q[:, :, None, :], k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+    # sdpa's own layout, the gather buffer's too: [batch, num_kv_heads, context, head_dim], one query per head.
+    q4 = q[:, :, None, :]
     runs = {
-        "sdpa": lambda: F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True)[:, :, 0],
+        "sdpa": lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)[:, :, 0],
         "nogather": lambda: without_gather(q, k, v),
         "torch": lambda: paged_attention(*paged_args, backend="torch", check=False),
         "loop": lambda: paged_attention(*paged_args, backend="loop"),
