@@ -74,14 +74,8 @@ def contiguous_attention(q, k, v, *, scale=None, causal=True):
         query_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
         mask = torch.arange(kv_len, device=q.device)[None, :] <= query_pos[:, None]
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    out = F.scaled_dot_product_attention(
-        q.to(compute).transpose(0, 1),
-        k.to(compute).transpose(0, 1),
-        v.to(compute).transpose(0, 1),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=True,
-    )
+    qt, kt, vt = (t.to(compute).transpose(0, 1) for t in (q, k, v))  # [heads, tokens, head_dim]
+    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(0, 1).to(q.dtype)
 
 
@@ -284,12 +278,22 @@ def gathered_attention(q, k, v, padded=None, out=None):
     return torch.bmm(scores.softmax(-1), v.float(), out=out)
 
 
-def _paged_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, scale):
-    """The torch backend's decode: each context gathered through its block table, head by head, then attended.
+_last_plan: list = []  # the last decode's metadata (copied) and its gather plan: see _gather_plan
 
-    The arguments and the result are :class:`AttentionBackend`'s ``decode``'s.
+
+def _gather_plan(block_tables, seq_lens, block_size: int, num_kv_heads: int):
+    """Which pool row each gathered position reads, for a decode batch: ``(lens, ctx, padded, rows)``.
+
+    ``lens`` is ``seq_lens`` as a list, ``ctx`` the longest context rounded up to whole blocks,
+    ``padded`` None or bool ``[num_seqs, 1, 1, ctx]`` (True past a sequence's end), and ``rows``
+    ``[num_seqs, num_kv_heads, ctx]``: the pool row (one KV head of one slot) of every position.
+    Every layer of a step asks with the same metadata, so the last plan is kept and given again while
+    the metadata's values are the same: compared, not trusted by identity (a caller may change a table
+    in place, or free it and make another at the same address).
     """
-    (num_seqs, num_heads, head_dim), (block_size, num_kv_heads) = q.shape, k_cache.shape[1:3]
+    key = (block_size, num_kv_heads, block_tables.shape, block_tables.device, seq_lens.shape, seq_lens.dtype)
+    if _last_plan and _last_plan[0] == key and all(map(torch.equal, _last_plan[1:3], (block_tables, seq_lens))):
+        return _last_plan[3]
     lens = seq_lens.tolist()
     ctx = blocks_needed(max(lens), block_size) * block_size
     # Every position's slot, through the block table. Positions past a sequence's end
@@ -298,12 +302,24 @@ def _paged_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, scale):
     # always written, so finite. Their weight is made 0 by the mask; a 0 weight would
     # not cancel whatever else might be there (0 * NaN = NaN).
     first = block_tables[:, : ctx // block_size].long()[:, :, None] * block_size  # each block's first slot
-    slots = (first + torch.arange(block_size, device=q.device)).flatten(1)  # [num_seqs, ctx]
-    valid = torch.arange(ctx, device=q.device) < seq_lens[:, None] if min(lens) < ctx else None  # None: all
+    slots = (first + torch.arange(block_size, device=seq_lens.device)).flatten(1)  # [num_seqs, ctx]
+    valid = torch.arange(ctx, device=seq_lens.device) < seq_lens[:, None] if min(lens) < ctx else None  # None: all
     slots = slots if valid is None else torch.where(valid, slots, slots[:, :1])
     # A pool row is one KV head of one slot, so the gather can lay out each KV head's context
     # contiguously, [num_seqs, num_kv_heads, ctx, head_dim]: what a batched matmul reads.
-    rows = slots[:, None, :] * num_kv_heads + torch.arange(num_kv_heads, device=q.device)[:, None]
+    rows = slots[:, None, :] * num_kv_heads + torch.arange(num_kv_heads, device=seq_lens.device)[:, None]
+    _last_plan[:] = [key, block_tables.clone(), seq_lens.clone(),
+                     (lens, ctx, None if valid is None else ~valid[:, None, None, :], rows)]  # fmt: skip
+    return _last_plan[3]
+
+
+def _paged_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, scale):
+    """The torch backend's decode: each context gathered through its block table, head by head, then attended.
+
+    The arguments and the result are :class:`AttentionBackend`'s ``decode``'s.
+    """
+    (num_seqs, num_heads, head_dim), (block_size, num_kv_heads) = q.shape, k_cache.shape[1:3]
+    lens, ctx, padded, rows = _gather_plan(block_tables, seq_lens, block_size, num_kv_heads)
     # GQA without copying K/V per query head: the query heads that share a KV head are its query rows.
     qg = q.reshape(num_seqs * num_kv_heads, num_heads // num_kv_heads, head_dim).float() * scale
     out = torch.empty(qg.shape, device=q.device)
@@ -319,8 +335,8 @@ def _paged_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, scale):
         # One index_select per cache: every sequence's context, head by head, in logical order.
         k = torch.index_select(rows_k, 0, ids, out=k_buf[: len(ids)]).view(-1, n, head_dim)
         v = torch.index_select(rows_v, 0, ids, out=v_buf[: len(ids)]).view(-1, n, head_dim)
-        padded = ~valid[start:end, None, None, :n] if min(lens[start:end]) < n else None
-        gathered_attention(qg[heads], k, v, padded, out=out[heads])
+        mask = padded[start:end, ..., :n] if min(lens[start:end]) < n else None
+        gathered_attention(qg[heads], k, v, mask, out=out[heads])
     return out.view(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
@@ -366,8 +382,7 @@ def _paged_prefill_torch(q, k_cache, v_cache, block_tables, seq_lens, query_star
     # one small attention call per sequence.
     decoding = [i for i in range(len(starts) - 1) if starts[i + 1] - starts[i] == 1]
     if len(decoding) > 1:
-        rows = torch.tensor([starts[i] for i in decoding], device=q.device)
-        seqs = torch.tensor(decoding, device=q.device)
+        rows, seqs = (torch.tensor(x, device=q.device) for x in ([starts[i] for i in decoding], decoding))
         out[rows] = _paged_decode_torch(q[rows], k_cache, v_cache, block_tables[seqs], seq_lens[seqs], scale)
     done = set(decoding) if len(decoding) > 1 else set()
     for i, seq_len in enumerate(seq_lens.tolist()):

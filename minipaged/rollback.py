@@ -154,14 +154,12 @@ class StepUndo:
         """
         block_size, allocator = self.engine.config.block_size, self.engine.cache.allocator
         targets = set()
-        for seq, slots in zip(out.seqs, out.slot_mappings):
-            own = set(self._attr_before(seq.block_table, "blocks", ()))
-            targets |= {b for b in (slots // block_size).tolist() if b not in own}
+        for seq, slots in zip(out.seqs, out.slot_mappings):  # the blocks it writes, less those it held before
+            targets |= {s // block_size for s in slots.tolist()} - set(self._attr_before(seq.block_table, "blocks", []))
         targets |= {dst for _, dst in out.copies}
         for seq in out.swap_in:
             targets |= set(seq.block_table.blocks)
-        refcounts = self._attr_before(allocator, "_refcounts", ())
-        entries = self._attr_before(allocator, "entries", None)
+        refcounts, entries = (self._attr_before(allocator, name, None) for name in ("_refcounts", "entries"))
         held = sorted(b for b in targets if refcounts[b] > 0 or (entries is not None and entries[b] is not None))
         if held:
             self.saved_kv = (held, self.engine.cache.swap_out(held))
