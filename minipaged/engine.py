@@ -236,7 +236,7 @@ class Engine:
         logits = self.model(ids, pos, self.cache, metadata, backend=self.config.backend, all_logits=spec)
         context = sum(s.num_computed_tokens + n for s, n in zip(out.seqs, out.num_new_tokens))
         self.clock.step(out.num_batched_tokens, context, moved)
-        return logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
+        return logits if rows == list(range(len(logits))) else logits[logits.new_tensor(rows, dtype=torch.long)]
 
     def sample(self, out: SchedulerOutput, logits: torch.Tensor | None) -> tuple[dict, dict]:
         """A token for every sequence whose chunk ended (and the samples about to fork from it); drafts verified.
