@@ -140,8 +140,7 @@ class Engine:
 
     def register(self, seqs: list[Sequence]) -> None:
         """Know a request's sequences (made by :meth:`make_request`) by their ids, once the scheduler has them."""
-        for seq in seqs:
-            self.seqs[seq.seq_id] = seq
+        self.seqs.update((seq.seq_id, seq) for seq in seqs)
         self.requests[seqs[0].request_id] = seqs
         if seqs[0].request_id == self._next_id:  # an automatic id is never handed out again, even once forgotten
             self._next_id += 1

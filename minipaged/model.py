@@ -169,10 +169,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        cos, sin = rope_cos_sin(config)
         # Not in the state dict: derived from the config, like HF's rotary inv_freq.
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        for name, table in zip(("rope_cos", "rope_sin"), rope_cos_sin(config)):
+            self.register_buffer(name, table, persistent=False)
         self.init_weights(seed)
 
     @torch.no_grad()

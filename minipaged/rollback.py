@@ -25,7 +25,7 @@ import torch
 _ATOMS = (int, float, complex, str, bytes, bool, type(None), type, Enum, torch.dtype, torch.device, torch.Tensor,
           torch.nn.Module, types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType,
           partial)  # fmt: skip
-ATOM, SEQUENCE, MAPPING, IMMUTABLE, GENERATOR, OBJECT = range(6)  # what the walk does with an object
+ATOM, NUMBERS, SEQUENCE, MAPPING, IMMUTABLE, GENERATOR, OBJECT = range(7)  # what the walk does with an object
 _CONTAINERS = ((SEQUENCE, (list, deque, bytearray, set)), (MAPPING, dict), (IMMUTABLE, (tuple, frozenset)),
                (GENERATOR, torch.Generator))  # fmt: skip
 _PLAIN = {int, float, str, bytes, bool, type(None)}  # token ids and times: never pushed on the walk's stack
@@ -37,7 +37,8 @@ class _Kinds(dict):
 
     def __missing__(self, cls: type) -> int:
         frozen = dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen
-        self[cls] = ATOM if frozen or issubclass(cls, _ATOMS) else next(
+        numbers = getattr(cls, "_numbers_only", False)  # a list whose items are numbers only, by its class's word
+        self[cls] = ATOM if frozen or issubclass(cls, _ATOMS) else NUMBERS if numbers else next(
             (kind for kind, bases in _CONTAINERS if issubclass(cls, bases)), OBJECT)
         return self[cls]
 
@@ -83,9 +84,9 @@ class Snapshot:
 
 def _save(obj, kind: int) -> tuple[object, list]:
     """``obj``'s state and the objects it holds."""
-    if kind == SEQUENCE:
+    if kind in (NUMBERS, SEQUENCE):  # a list of numbers only (a class's _numbers_only): its items are not walked
         state = list(obj)
-        return state, state
+        return state, state if kind == SEQUENCE else ()
     if kind == MAPPING:
         items = list(obj.items())
         return items, [x for item in items for x in item]
@@ -100,7 +101,7 @@ def _save(obj, kind: int) -> tuple[object, list]:
 
 def _restore(obj, state) -> None:
     kind = _KINDS[type(obj)]
-    if kind in (SEQUENCE, MAPPING):
+    if kind in (NUMBERS, SEQUENCE, MAPPING):
         obj.clear()
         (obj.update if isinstance(obj, (set, dict)) else obj.extend)(state)
     elif kind == GENERATOR:

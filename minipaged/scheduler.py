@@ -371,8 +371,7 @@ class Scheduler:
             accepted: seq_id -> the drafts it accepted, for each sequence that verified drafts (None: no drafts).
         """
         self.allocator.check_not_from_subscriber("Scheduler.postprocess")
-        accepted = accepted or {}
-        finished = []
+        accepted, finished = accepted or {}, []
         with self.allocator.hold_events():
             for seq, n in zip(out.seqs, out.num_new_tokens):
                 drafts = out.spec_token_ids.get(seq.seq_id)

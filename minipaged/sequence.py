@@ -95,6 +95,12 @@ class SamplingParams:
                                  vocab_size)  # fmt: skip
 
 
+class TokenList(list):
+    """A list of numbers only (a sequence's token ids, their times): an engine step's snapshot copies it whole."""
+
+    _numbers_only = True  # minipaged.rollback: no item needs a state of its own
+
+
 class Sequence:
     """One sequence: its prompt, the tokens generated so far, its block table and its timings.
 
@@ -131,14 +137,14 @@ class Sequence:
         self.request_id = seq_id if request_id is None else request_id
         self.cache_salt = cache_salt
         self.pending_forks: list[Sequence] = []  # samples that fork from this one when its prompt is computed
-        self.token_ids = list(prompt_token_ids)
+        self.token_ids = TokenList(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.sampling_params = sampling_params
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table = None  # a minipaged.block_manager.BlockTable while it holds blocks
         self.arrival_time = arrival_time
-        self.token_times: list[float] = []  # when each output token was sampled
+        self.token_times: list[float] = TokenList()  # when each output token was sampled
         self.finish_time: float | None = None
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None
