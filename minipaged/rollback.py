@@ -9,7 +9,10 @@ state again. What is not bookkeeping is not walked: tensors (the K/V pools, whos
 :meth:`StepUndo.protect_kv`'s), modules, functions, classes, and instances of frozen dataclasses
 (immutable by contract). A class may name attributes that a rollback must leave alone (event
 plumbing, the step's own flags) in ``_not_rolled_back``, and an object whose ``is_finished`` is True
-(a finished sequence: no step changes it again) is not walked.
+(a finished sequence: no step changes it again) is not walked. A list whose class says
+``_numbers_only = True`` (a sequence's :class:`~minipaged.sequence.TokenList` of token ids or times)
+is copied whole without a look at each item: the walk's cost per step is mostly per object, and
+those lists hold most of the items.
 """
 
 from __future__ import annotations
