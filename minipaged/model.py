@@ -108,8 +108,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, cos, sin, attend, layer: int):
         q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in self.qkv(x))  # [num_tokens, heads, head_dim]
-        # K is cached after RoPE, so a cached key never needs its position again. Q and K turn in one pass.
-        q, k = apply_rope(torch.cat([q, k], 1), cos, sin).split([self.num_heads, self.num_kv_heads], 1)
+        # K is cached after RoPE, so a cached key never needs its position again.
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return self.o_proj(attend(layer, q, k, v).flatten(1))
 
 
