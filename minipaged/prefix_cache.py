@@ -59,7 +59,7 @@ def block_tokens(token_ids: Sequence[int], block_index: int, block_size: int) ->
     """The token ids of logical block ``block_index``, as a tuple of Python ints (TypeError for non-ints)."""
     chunk = token_ids[block_index * block_size:(block_index + 1) * block_size]
     try:
-        return tuple(operator.index(t) for t in chunk)
+        return tuple(map(operator.index, chunk))
     except TypeError:
         raise TypeError(f"token_ids must hold ints, got {[type(t).__name__ for t in chunk]}") from None
 
