@@ -64,9 +64,23 @@ class Snapshot:
             kind = _KINDS[type(obj)]
             if kind == ATOM or id(obj) in saved or kind == OBJECT and getattr(obj, "is_finished", False):
                 continue
-            state, children = _save(obj, kind)
+            # Its state (what restore() puts back) and the objects it holds, most frequent kinds first.
+            if kind == OBJECT:  # most classes name nothing to leave alone: then a plain copy of the attributes
+                skip = getattr(type(obj), "_not_rolled_back", ())
+                state = {n: v for n, v in vars(obj).items() if n not in skip} if skip else vars(obj).copy()
+                children = state.values()
+            elif kind in (NUMBERS, SEQUENCE):  # a list of numbers only (its class's _numbers_only): items not walked
+                state = list(obj)
+                children = state if kind == SEQUENCE else ()
+            elif kind == MAPPING:
+                state = list(obj.items())
+                children = [x for item in state for x in item]
+            else:  # a tuple or frozenset holds no state of its own; a generator holds no objects
+                state, children = (None, obj) if kind == IMMUTABLE else (obj.get_state(), ())
             saved[id(obj)] = (obj, state)
-            stack += () if _PLAIN.issuperset(map(type, children)) else [c for c in children if type(c) not in _PLAIN]
+            for child in children:  # token ids, times and other plain values never go on the stack
+                if type(child) not in _PLAIN:
+                    stack.append(child)
 
     def before(self, obj, default=None):
         """``obj``'s saved state: a container's contents (a list, a dict's items) or an object's attributes.
@@ -83,23 +97,6 @@ class Snapshot:
         """Put every saved object back as it was, in place."""
         for obj, state in self._saved.values():
             _restore(obj, state)
-
-
-def _save(obj, kind: int) -> tuple[object, list]:
-    """``obj``'s state and the objects it holds."""
-    if kind in (NUMBERS, SEQUENCE):  # a list of numbers only (a class's _numbers_only): its items are not walked
-        state = list(obj)
-        return state, state if kind == SEQUENCE else ()
-    if kind == MAPPING:
-        items = list(obj.items())
-        return items, [x for item in items for x in item]
-    if kind == IMMUTABLE:
-        return None, list(obj)
-    if kind == GENERATOR:
-        return obj.get_state(), []
-    skip = getattr(type(obj), "_not_rolled_back", ())  # most classes have none: then a plain copy
-    attrs = {name: value for name, value in vars(obj).items() if name not in skip} if skip else vars(obj).copy()
-    return attrs, list(attrs.values())
 
 
 def _restore(obj, state) -> None:
