@@ -322,7 +322,7 @@ def _paged_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, scale):
     lens, ctx, padded, rows = _gather_plan(block_tables, seq_lens, block_size, num_kv_heads)
     # GQA without copying K/V per query head: the query heads that share a KV head are its query rows.
     qg = q.reshape(num_seqs * num_kv_heads, num_heads // num_kv_heads, head_dim).float() * scale
-    out = torch.empty(qg.shape, device=q.device)
+    out = torch.empty_like(qg)
     # A view of the pool when it is contiguous (always, in the engine); a copy when a caller passes
     # a strided view, as the loop and Triton paths accept too.
     rows_k, rows_v = k_cache.reshape(-1, head_dim), v_cache.reshape(-1, head_dim)

@@ -160,7 +160,8 @@ class StepUndo:
         targets |= {dst for _, dst in out.copies}
         for seq in out.swap_in:
             targets |= set(seq.block_table.blocks)
-        refcounts, entries = (self._attr_before(allocator, name, None) for name in ("_refcounts", "entries"))
+        refcounts = self._attr_before(allocator, "_refcounts", ())
+        entries = self._attr_before(allocator, "entries", None)  # None: no prefix cache
         held = sorted(b for b in targets if refcounts[b] > 0 or (entries is not None and entries[b] is not None))
         if held:
             self.saved_kv = (held, self.engine.cache.swap_out(held))
