@@ -18,6 +18,7 @@ those lists hold most of the items.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import types
 from collections import deque
 from enum import Enum
@@ -106,12 +107,10 @@ def _restore(obj, state) -> None:
         (obj.update if isinstance(obj, (set, dict)) else obj.extend)(state)
     elif kind == GENERATOR:
         obj.set_state(state)
-    elif state is not None:
-        skip = getattr(type(obj), "_not_rolled_back", ())
-        for name in [n for n in vars(obj) if n not in state and n not in skip]:  # made during the step
-            delattr(obj, name)
-        for name, value in state.items():
-            setattr(obj, name, value)
+    elif state is not None:  # its attributes as they were (one the step made goes), less those left alone
+        kept = {n: v for n, v in vars(obj).items() if n in getattr(type(obj), "_not_rolled_back", ())}
+        vars(obj).clear()
+        vars(obj).update(state, **kept)
 
 
 class StepUndo:
@@ -136,10 +135,14 @@ class StepUndo:
                 self.restore()
         finally:
             self.engine._in_step, self.engine.cache.allocator.subscriber_guard = False, None
+            self._gc_back()
             self.engine._apply_deferred_aborts()
 
     def __init__(self, engine):
-        self.engine = engine
+        self.engine, self._gc_back = engine, gc.enable if gc.isenabled() else gc.disable  # GC as it was
+        # The walk and the step make thousands of short-lived containers, none in a cycle: a collection
+        # they trigger would only pause the step (vLLM's engine freezes the collector's view for the same reason).
+        gc.disable()
         self.snapshot = Snapshot(engine)
         self.saved_kv = None  # (block ids, their K/V) that the step may overwrite although they hold K/V
 
@@ -158,8 +161,7 @@ class StepUndo:
         for seq, slots in zip(out.seqs, out.slot_mappings):  # the blocks it writes, less those it held before
             targets |= {s // block_size for s in slots.tolist()} - set(self._attr_before(seq.block_table, "blocks", []))
         targets |= {dst for _, dst in out.copies}
-        for seq in out.swap_in:
-            targets |= set(seq.block_table.blocks)
+        targets.update(*(seq.block_table.blocks for seq in out.swap_in))
         refcounts = self._attr_before(allocator, "_refcounts", ())
         entries = self._attr_before(allocator, "entries", None)  # None: no prefix cache
         held = sorted(b for b in targets if refcounts[b] > 0 or (entries is not None and entries[b] is not None))

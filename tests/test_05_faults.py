@@ -8,6 +8,7 @@ Issue 25 adds the stop handling's stages: the stop check, the ``min_tokens`` mas
 ``finish_reason`` bookkeeping as a request stops, and the release of a finished request's blocks.
 """
 
+import gc
 import os
 import random
 
@@ -158,6 +159,34 @@ def test_keyboard_interrupt_in_the_forward_pass_then_the_engine_goes_on(model, m
         engine.step()
     expected = [generate_contiguous(model, p, 6) for p in prompts]
     assert [engine.seqs[i].output_token_ids for i in range(2)] == expected
+
+
+@pytest.mark.parametrize("collecting", [True, False])
+def test_the_garbage_collector_is_off_during_a_step_and_as_it_was_after_one_that_fails(model, collecting,
+                                                                                      monkeypatch):  # fmt: skip
+    engine = Engine(model, EngineConfig(num_blocks=16, block_size=4))
+    engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=4))
+    seen = []
+    forward = engine.model.forward
+
+    def watch(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return forward(*args, **kwargs)
+
+    def boom(*args, **kwargs):
+        raise Boom
+
+    (gc.enable if collecting else gc.disable)()
+    try:
+        monkeypatch.setattr(engine.model, "forward", watch)
+        engine.step()
+        assert seen == [False] and gc.isenabled() == collecting
+        monkeypatch.setattr(engine.model, "forward", boom)
+        with pytest.raises(Boom):
+            engine.step()
+        assert gc.isenabled() == collecting
+    finally:
+        gc.enable()
 
 
 def _stop_fault(owner, name: str, when: str):
