@@ -3,29 +3,23 @@
 The KV tensors themselves live in :mod:`minipaged.cache`; this module is pure
 bookkeeping over block ids, so allocation never touches device memory.
 
-Every state change is published as a :class:`BlockEvent`. Widgets, metrics
-and higher layers (the scheduler, prefix sharing) subscribe to the allocator
-instead of polling its internals. An event is delivered only once the whole
-operation that caused it is complete (a table's growth, release or fork, a
-scheduling pass): a subscriber always sees consistent state, may call back
-into the allocator, and cannot break the operation by raising (see
-:meth:`AllocatorBase.subscribe`).
+Every state change is published as a :class:`~minipaged.events.BlockEvent`. Widgets and metrics
+subscribe to the allocator instead of polling its internals; :mod:`minipaged.events` says when
+an event reaches them (once the operation that caused it is over).
 """
 
 from __future__ import annotations
 
-import warnings
 from collections import Counter, deque
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from contextlib import nullcontext
 
 import torch
 
 from minipaged.accounting import ceil_div
-from minipaged.validation import check_allocator_args, check_block_id, check_callable, check_instance, check_int
+from minipaged.events import EventBus
+from minipaged.validation import check_allocator_args, check_block_id, check_instance, check_int
 
 BOOKKEEPING_BYTES_PER_BLOCK = 64  # an upper bound of the allocator's Python bookkeeping per block
-SUBSCRIBER_ERRORS_KEPT = 16  # the latest subscriber errors an allocator keeps (all are counted)
 
 
 class OutOfBlocks(RuntimeError):
@@ -41,63 +35,23 @@ class BlockError(ValueError):
     """
 
 
-class ReentrantCallError(RuntimeError):
-    """A call that may not run now: an event subscriber calling back in to change state mid-operation.
-
-    While an engine steps (:attr:`AllocatorBase.subscriber_guard` is set), a subscriber may read
-    everything and call ``Engine.abort`` (which waits for the step's end); a call that would change
-    the pool, a table, the scheduler or the engine raises this, before changing anything.
-    """
-
-
-@dataclass(frozen=True)
-class BlockEvent:
-    # "allocate", "free" (back in the pool), "incref", "decref", "fork", "cow", "preempt", ...
-    kind: str
-    block_id: int | None = None
-    seq_id: object = None
-    info: dict = field(default_factory=dict)
-
-
-class AllocatorBase:
-    """What every block allocator carries and no chapter builds: the pool's size, checked, and its event bus.
+class AllocatorBase(EventBus):
+    """What every block allocator carries and no chapter builds: the pool's size, checked, and its events.
 
     :class:`BlockAllocator` (and exercise 02's allocator) subclass it and own the free blocks and
     the reference counts; a subclass provides :attr:`num_free`, from which :attr:`num_used` and
-    :meth:`can_allocate` follow. The rest is event delivery: :meth:`subscribe`, :meth:`emit`,
-    :meth:`hold_events`, and the guard against a subscriber that calls back in mid-step
-    (:attr:`subscriber_guard`, :meth:`check_not_from_subscriber`).
+    :meth:`can_allocate` follow. The events (:meth:`subscribe`, :meth:`emit`, :meth:`hold_events`)
+    are :class:`~minipaged.events.EventBus`'s.
 
     Args:
         num_blocks: blocks in the pool.
         block_size: token slots per block.
     """
 
-    # Event plumbing, which a rolled-back step leaves as it is (see minipaged.rollback).
-    _not_rolled_back = ("_subscribers", "_held_events", "subscriber_errors", "num_subscriber_errors",
-                        "subscriber_guard", "_delivering")  # fmt: skip
-
     def __init__(self, num_blocks: int, block_size: int):
+        super().__init__()
         # Python ints in a deque plus a refcount list: ~50 bytes a block. Refuse a pool that could never fit.
         self.num_blocks, self.block_size = check_allocator_args(num_blocks, block_size, BOOKKEEPING_BYTES_PER_BLOCK)
-        self._subscribers: list = []
-        self._held_events: list[BlockEvent] | None = None  # events of the operation in progress (see hold_events)
-        self.subscriber_errors: deque[tuple[BlockEvent, object, Exception]] = deque(maxlen=SUBSCRIBER_ERRORS_KEPT)
-        self.num_subscriber_errors = 0
-        # What runs now (an engine step sets it): meanwhile a subscriber's change raises ReentrantCallError.
-        self.subscriber_guard: str | None = None
-        self._delivering = False  # subscribers are being called
-
-    def check_not_from_subscriber(self, call: str) -> None:
-        """A :class:`ReentrantCallError` naming ``call`` if a subscriber makes it while :attr:`subscriber_guard` is set.
-
-        Args:
-            call: the call that would change state, for the message.
-        """
-        if self._delivering and self.subscriber_guard is not None:
-            raise ReentrantCallError(f"{call}: not from an event subscriber during {self.subscriber_guard} (it would "
-                                     "change state mid-operation); a subscriber may read, and call Engine.abort, "
-                                     "which waits for the step's end")  # fmt: skip
 
     @property
     def num_used(self) -> int:
@@ -107,80 +61,6 @@ class AllocatorBase:
         """Whether ``num_blocks`` blocks are free right now."""
         return check_int(num_blocks, "num_blocks") <= self.num_free
 
-    def subscribe(self, callback):
-        """Call ``callback(event)`` on every event; returns a function that unsubscribes.
-
-        Events arrive once the operation that caused them is complete (see :meth:`hold_events`),
-        so the callback sees consistent state and may call back into the allocator, a table, the
-        scheduler or the engine (an engine defers an abort made during its step to the step's end).
-
-        A callback that raises an ``Exception`` is isolated: the exception is recorded in
-        :attr:`subscriber_errors` (the latest :data:`SUBSCRIBER_ERRORS_KEPT`; all are counted in
-        :attr:`num_subscriber_errors`) and reported with a ``RuntimeWarning``; the other callbacks
-        still get the event, and the operation that emitted it is unaffected. A ``BaseException``
-        that is not an ``Exception`` (``KeyboardInterrupt``, ``SystemExit``) is re-raised once every
-        callback has had the event; the state is already consistent by then.
-
-        Args:
-            callback: a function of one :class:`BlockEvent`.
-        """
-        check_callable(callback, "callback", "callable (BlockEvent -> None)")
-        self._subscribers.append(callback)
-
-        def unsubscribe():
-            if callback in self._subscribers:
-                self._subscribers.remove(callback)
-
-        return unsubscribe
-
-    def emit(self, kind: str, block_id: int | None = None, seq_id=None, **info) -> None:
-        """Publish an event; higher layers use this for their own kinds ("preempt", "cow").
-
-        Inside :meth:`hold_events` the event waits for the end of the operation.
-        """
-        event = BlockEvent(kind, block_id, seq_id, info)
-        if self._held_events is not None:
-            self._held_events.append(event)
-        else:
-            self._deliver([event])
-
-    @contextmanager
-    def hold_events(self):
-        """Hold the events emitted inside the block; deliver them, in order, when the outermost block ends.
-
-        An operation made of several changes (a table that grows by many blocks, a release, a
-        scheduling pass) runs inside one, so that subscribers hear of it only once it is complete.
-        The events are delivered even if the block raises: they describe changes that happened.
-        """
-        if self._held_events is not None:  # nested: the outermost block delivers
-            yield
-            return
-        self._held_events = []
-        try:
-            yield
-        finally:
-            events, self._held_events = self._held_events, None
-            self._deliver(events)
-
-    def _deliver(self, events: list[BlockEvent]) -> None:
-        interrupt, delivering, self._delivering = None, self._delivering, True
-        try:
-            for event in events:
-                for callback in list(self._subscribers):  # a callback may unsubscribe itself
-                    try:
-                        callback(event)
-                    except Exception as exc:  # isolated: recorded and reported, never breaks the emitter
-                        self.subscriber_errors.append((event, callback, exc))
-                        self.num_subscriber_errors += 1
-                        warnings.warn(f"event subscriber {callback!r} raised {exc!r} on a {event.kind!r} event; it "
-                                      "was skipped (see AllocatorBase.subscriber_errors)", RuntimeWarning,
-                                      stacklevel=2)  # fmt: skip
-                    except BaseException as exc:  # KeyboardInterrupt and the like: after every callback has the event
-                        interrupt = interrupt or exc
-        finally:
-            self._delivering = delivering
-        if interrupt is not None:
-            raise interrupt
 
 class BlockAllocator(AllocatorBase):
     """A pool of ``num_blocks`` blocks of ``block_size`` token slots, with reference counts.
@@ -211,7 +91,6 @@ class BlockAllocator(AllocatorBase):
 
     def allocate(self, seq_id=None) -> int:
         """Take one free block for ``seq_id`` (refcount 1), or raise OutOfBlocks."""
-        self.check_not_from_subscriber(f"{type(self).__name__}.allocate")
         if not self.num_free:
             raise OutOfBlocks(f"no free block: all {self.num_blocks} blocks are in use")
         with self.hold_events():  # a subclass's events of taking the block (an eviction) come after it is held
@@ -260,14 +139,12 @@ class BlockAllocator(AllocatorBase):
 
     def incref(self, block_id: int, seq_id=None) -> None:
         """One more holder of ``block_id`` (a forked sequence sharing it)."""
-        self.check_not_from_subscriber("BlockAllocator.incref")
         block_id = self._check_allocated(block_id, "incref")
         self._refcounts[block_id] += 1
         self.emit("incref", block_id, seq_id, refcount=self._refcounts[block_id])
 
     def free(self, block_id: int, seq_id=None) -> None:
         """Drop one reference; the block returns to the pool when nobody holds it."""
-        self.check_not_from_subscriber(f"{type(self).__name__}.free")
         block_id = self._check_allocated(block_id, "free")
         self._refcounts[block_id] -= 1
         if self._refcounts[block_id] == 0:
@@ -379,7 +256,6 @@ class BlockTable:
         All or nothing: if the pool is short, OutOfBlocks is raised and the table is
         unchanged. A write into a shared last block first gets a copy of it (chapter 06).
         """
-        self.allocator.check_not_from_subscriber("BlockTable.append_tokens")
         n = check_int(num_tokens, "num_tokens")
         need = self._num_new_blocks(n)
         if need > self.allocator.num_free:
@@ -410,7 +286,6 @@ class BlockTable:
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """The (src, dst) block copies recorded since the last call, oldest first; clears them."""
-        self.allocator.check_not_from_subscriber("BlockTable.take_pending_copies")
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
@@ -440,7 +315,6 @@ class BlockTable:
 
         Pending copies are dropped too: their destination blocks went back with the rest.
         """
-        self.allocator.check_not_from_subscriber("BlockTable.release")
         with self.allocator.hold_events():  # subscribers hear of the frees once the table is empty
             blocks, self.blocks = self.blocks, []
             self.num_tokens = 0
@@ -461,7 +335,6 @@ class BlockTable:
             ValueError: this table was released (it holds nothing to share any more).
             BlockError: one of its blocks was freed behind its back (through the allocator).
         """
-        self.allocator.check_not_from_subscriber("BlockTable.fork")
         if self.released:
             raise ValueError(f"cannot fork the block table of sequence {self.seq_id!r}: it was released")
         for block_id in self.blocks:  # all checked before any incref: a block freed behind the table's back leaks none

@@ -188,9 +188,7 @@ def take_prefilled(engine: Engine, request_id) -> Sequence:
         TypeError: ``request_id`` is not hashable.
         KeyError: no such request.
         ValueError: it has several samples, or is not in that state (waiting, mid-prefill, decoding).
-        ReentrantCallError: called during a step (by an event subscriber).
     """
-    engine._refuse_during_step("take_prefilled")
     check_hashable(request_id, "request_id")
     if request_id not in engine.requests:
         raise KeyError(f"take_prefilled: no request with id {request_id!r}")
@@ -223,9 +221,7 @@ def add_prefilled(engine: Engine, seq: Sequence) -> None:
         TypeError: ``seq`` is not a Sequence.
         ValueError: its state or table does not fit (another pool, wrong length, released), its id
             is in use, no seat is free (``max_num_seqs``), or it could never fit this pool.
-        ReentrantCallError: called during a step (by an event subscriber).
     """
-    engine._refuse_during_step("add_prefilled")
     if not isinstance(seq, Sequence):
         raise TypeError(f"seq must be a Sequence, got {type(seq).__name__}")
     table = seq.block_table

@@ -23,7 +23,7 @@ from dataclasses import replace
 import torch
 
 from minipaged.attention import AttentionMetadata, get_backend
-from minipaged.block_manager import BlockAllocator, BlockTable, ReentrantCallError
+from minipaged.block_manager import BlockAllocator, BlockTable
 from minipaged.cache import PagedKVCache
 from minipaged.clock import VirtualClock
 from minipaged.metrics import HISTORY_WINDOW, Metrics
@@ -39,9 +39,8 @@ from minipaged.validation import check_abort_args, check_engine_args, check_prom
 class Engine:
     """A continuous-batching engine over one paged KV cache.
 
-    An event subscriber called during a step may read everything and call :meth:`abort`, which
-    waits for the step's end; any call that would change the engine, its scheduler, its pool or
-    a table raises :class:`~minipaged.block_manager.ReentrantCallError` and changes nothing.
+    The allocator's event subscribers hear of a step once it is over (see :mod:`minipaged.events`),
+    so they may call anything, :meth:`step` included.
 
     Args:
         model: a :class:`~minipaged.model.LlamaForCausalLM` (its config sizes the cache).
@@ -74,20 +73,14 @@ class Engine:
         self.speculator = speculator
         self.metrics = Metrics(self.config.num_blocks, self.config.block_size,
                                None if self.config.keep_finished else HISTORY_WINDOW)  # fmt: skip
-        self.metrics.attach(self.cache.allocator)
+        self.metrics.attach(self.cache.allocator)  # its prefix-cache counters; the step hands it its events
         self.clock = clock or VirtualClock()
         self.seqs: dict = {}  # seq_id -> Sequence
         self.requests: dict = {}  # request_id -> its sequences, in sample order
         self.swap_space: dict = {}  # seq_id -> per-layer (k, v) of its saved blocks, in CPU memory
         self._next_id = 0
-        self._in_step = False  # during a step: abort waits for its end, other changes raise ReentrantCallError
+        self._in_step = False  # during a step, an abort (from another thread, say) waits for the step's end
         self._deferred_aborts: list = []
-
-    def _refuse_during_step(self, call: str) -> None:
-        """A :class:`ReentrantCallError` naming ``call`` if a step is running (a subscriber called back in)."""
-        if self._in_step:
-            raise ReentrantCallError(f"{call}: not during a step (an event subscriber called it); a subscriber may "
-                                     "read the engine and call abort(), which waits for the step's end")  # fmt: skip
 
     # -- requests ---------------------------------------------------------
 
@@ -110,9 +103,7 @@ class Engine:
         Raises:
             TypeError: a wrong type (an unhashable ``request_id`` included).
             ValueError: a bad value, an arrival in the future, an id in use, or a request the pool could never hold.
-            ReentrantCallError: called during a step (by an event subscriber).
         """
-        self._refuse_during_step("add_request")
         seqs = self.make_request(prompt_token_ids, sampling_params, request_id, arrival_time, cache_salt)
         self.scheduler.add(seqs[0])  # raises if the request could never fit the pool
         self.register(seqs)
@@ -148,7 +139,7 @@ class Engine:
     def abort(self, request_id, sample: int | None = None) -> None:
         """Drop a waiting or running request (all its samples, or one); its blocks and swapped-out K/V are freed.
 
-        Now, or at the end of the step when an event subscriber calls it during one. Unless
+        Now, or at the end of the step when it is called during one. Unless
         ``keep_finished``, the engine then forgets the request once none of its samples is unfinished.
 
         Args:
@@ -167,13 +158,14 @@ class Engine:
         if self._in_step:
             self._deferred_aborts.append((request_id, sample))
             return
-        for seq in (s for s in targets if not s.is_finished):
-            if seq.status is SequenceStatus.WAITING and seq in seqs[0].pending_forks:  # not forked yet: no blocks
-                seqs[0].pending_forks.remove(seq)
-                seq.abort()
-            else:  # a pending sample is aborted with the sample it would fork from
-                self.scheduler.abort(seq)
-            self.swap_space.pop(seq.seq_id, None)
+        with self.cache.allocator.hold_events():  # subscribers hear of the frees once the request is aborted
+            for seq in (s for s in targets if not s.is_finished):
+                if seq.status is SequenceStatus.WAITING and seq in seqs[0].pending_forks:  # not forked yet: no blocks
+                    seqs[0].pending_forks.remove(seq)
+                    seq.abort()
+                else:  # a pending sample is aborted with the sample it would fork from
+                    self.scheduler.abort(seq)
+                self.swap_space.pop(seq.seq_id, None)
         if not self.config.keep_finished and all(s.is_finished for s in seqs):
             self.forget(request_id)
 
@@ -191,20 +183,20 @@ class Engine:
         """Schedule, execute, sample, postprocess; record the step and hand over the requests it finished.
 
         All or nothing: if anything raises, :class:`~minipaged.rollback.StepUndo` puts the bookkeeping
-        back as it was and the exception propagates; the next ``step()`` works. Raises
-        :class:`ReentrantCallError` when an event subscriber calls it during a step.
+        back as it was and the exception propagates; the next ``step()`` works. The allocator's
+        subscribers hear of the step's events once it is over (of a failed step: one "rollback" event).
         """
-        self._refuse_during_step("step")
-        with StepUndo(self) as undo:
+        with self.cache.allocator.hold_events() as events, StepUndo(self, events) as undo:
             out = self.scheduler.schedule()
             undo.protect_kv(out)
             logits = self.execute(out)
             sampled, accepted = self.sample(out, logits)
             finished = self.scheduler.postprocess(out, sampled, self.clock.now(), accepted)
+            self.metrics.count_events(events[undo.num_events_before :])
             return self._record(out, sampled, accepted, finished)
 
     def _apply_deferred_aborts(self) -> None:
-        """The aborts event subscribers asked for during the step, unless the step finished those requests."""
+        """The aborts asked for during the step (from another thread, say), unless the step finished those requests."""
         aborts, self._deferred_aborts = self._deferred_aborts, []
         for request_id, sample_index in aborts:
             seqs = self.requests.get(request_id, ())
@@ -283,7 +275,6 @@ class Engine:
         """
         from minipaged.replay import Replay  # the replay drives the engine; the engine does not need it to step
 
-        self._refuse_during_step("run")
         return Replay(self, workload, seed, prompts).run(progress)
 
     def generate(self, prompts: list[list[int]], sampling_params: SamplingParams | None = None) -> list[list[int]]:
@@ -296,7 +287,6 @@ class Engine:
             prompts: the prompts' token ids; every one is checked before any is queued.
             sampling_params: the same for every prompt (:class:`SamplingParams` defaults if None).
         """
-        self._refuse_during_step("generate")
         check_prompts(self.model.config, prompts, (sampling_params or SamplingParams()).max_tokens)  # before queueing
         from minipaged.replay import add_all  # all or none, as every batch of requests is added
 

@@ -14,7 +14,7 @@ Per step, :class:`Metrics` keeps a ``history`` of :class:`StepRecord` (queue
 lengths, the cache's memory use, preemptions): every step, or only the latest
 ``window`` of them (a long-running engine's memory stays bounded), with running
 totals (``num_steps``, ``num_finished``, ``num_preemptions``) that count every step. It learns about
-preemptions, swaps and copies by subscribing to the allocator's events, not by polling; the blocks in use
+preemptions, swaps and copies from the step's allocator events, not by polling; the blocks in use
 it reads from the allocator itself (``allocator.num_used``: one count, kept by its owner). Memory
 use is two fractions of the pool, never to be confused with chapter 01's
 utilisation U (tokens / *allocated* slots):
@@ -56,7 +56,7 @@ class StepRecord:
 
 @dataclass
 class Metrics:
-    """Step history plus counters fed by allocator events. ``attach(allocator)`` subscribes.
+    """Step history plus counters fed by the step's allocator events (:meth:`count_events`).
 
     A record's blocks in use are the attached allocator's ``num_used`` (0 while none is attached).
     ``num_blocks`` and ``block_size`` are the pool's, the denominators of KV usage and token occupancy.
@@ -130,20 +130,25 @@ class Metrics:
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted_tokens
 
-    def attach(self, allocator):
-        """Follow ``allocator``'s events (and read its prefix-cache counters); returns the unsubscribe function."""
+    def attach(self, allocator) -> None:
+        """Read ``allocator``'s blocks in use and its prefix-cache counters from now on."""
         self._allocator = allocator
-        return allocator.subscribe(self.on_event)
 
-    def on_event(self, event) -> None:
-        if event.kind == "preempt":
-            self.num_preemptions += 1
-            self._step_preemptions += 1
-            self.swapped_out_blocks += event.info.get("swapped_blocks", 0)
-        elif event.kind == "swap_in":
-            self.swapped_in_blocks += event.info["swapped_blocks"]
-        elif event.kind == "cow":
-            self.num_cow += 1
+    def count_events(self, events) -> None:
+        """Count a step's preemptions, swaps and copies-on-write from its events (before :meth:`record_step`).
+
+        Args:
+            events: the step's :class:`~minipaged.events.BlockEvent` list, in order.
+        """
+        for event in events:
+            if event.kind == "preempt":
+                self.num_preemptions += 1
+                self._step_preemptions += 1
+                self.swapped_out_blocks += event.info.get("swapped_blocks", 0)
+            elif event.kind == "swap_in":
+                self.swapped_in_blocks += event.info["swapped_blocks"]
+            elif event.kind == "cow":
+                self.num_cow += 1
 
     def record_step(self, time: float, running: list[Sequence], num_waiting: int, num_new_tokens: list[int],
                     num_prefill_tokens: int, num_finished: int) -> StepRecord:

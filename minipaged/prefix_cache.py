@@ -394,7 +394,6 @@ class PrefixCachingAllocator(BlockAllocator):
                 is stale (one of its blocks lost its key since).
             TypeError: ``preempted`` is not a bool.
         """
-        self.check_not_from_subscriber("PrefixCachingAllocator.share_prefix")
         preempted = check_bool(preempted, "preempted")
         if table.allocator is not self:
             raise ValueError("table belongs to another allocator")
@@ -439,7 +438,6 @@ class PrefixCachingAllocator(BlockAllocator):
                 ``len(token_ids)`` and ``table.num_tokens``).
             cache_salt: the request's salt, the same one given to :meth:`match_prefix`.
         """
-        self.check_not_from_subscriber("PrefixCachingAllocator.cache_full_blocks")
         cache_salt = check_salt(cache_salt)
         if table.allocator is not self:
             raise ValueError("table belongs to another allocator")
@@ -477,7 +475,6 @@ class PrefixCachingAllocator(BlockAllocator):
                 held block cannot lose its key: its holder may be shared into), so new requests
                 would still hit K/V of the old state. vLLM refuses too (it returns False).
         """
-        self.check_not_from_subscriber("PrefixCachingAllocator.reset_prefix_cache")
         if self.num_used:
             raise ValueError(f"cannot reset the prefix cache: {self.num_used} blocks are still held by sequences, "
                              "and their keys would survive the reset; finish or abort them first")

@@ -116,17 +116,18 @@ def _restore(obj, state) -> None:
 class StepUndo:
     """What :meth:`~minipaged.engine.Engine.step` changes, saved before it starts, so that a failed step can be undone.
 
-    Used as ``with StepUndo(engine) as undo:`` around a step: inside it the engine is *in its step*
-    (an event subscriber's change raises ``ReentrantCallError``, its abort waits); if the block
-    raises, :meth:`restore` runs and the exception propagates; either way the aborts that
-    subscribers asked for then run.
+    Used as ``with StepUndo(engine, events) as undo:`` around a step, inside the allocator's
+    ``hold_events()``: inside it the engine is *in its step* (an abort waits for its end); if the
+    block raises, :meth:`restore` runs and the exception propagates; either way the aborts asked
+    for during the step then run.
 
     Args:
         engine: the engine about to step.
+        events: the allocator's held events (what ``hold_events()`` yielded): a failed step's are dropped.
     """
 
     def __enter__(self) -> StepUndo:
-        self.engine._in_step, self.engine.cache.allocator.subscriber_guard = True, "Engine.step"
+        self.engine._in_step = True
         return self
 
     def __exit__(self, kind, exc, traceback) -> None:
@@ -134,12 +135,13 @@ class StepUndo:
             if exc is not None:
                 self.restore()
         finally:
-            self.engine._in_step, self.engine.cache.allocator.subscriber_guard = False, None
+            self.engine._in_step = False
             self._gc_back()
             self.engine._apply_deferred_aborts()
 
-    def __init__(self, engine):
+    def __init__(self, engine, events: list):
         self.engine, self._gc_back = engine, gc.enable if gc.isenabled() else gc.disable  # GC as it was
+        self.events, self.num_events_before = events, len(events)
         # The walk and the step make thousands of short-lived containers, none in a cycle: a collection
         # they trigger would only pause the step (vLLM's engine freezes the collector's view for the same reason).
         gc.disable()
@@ -174,8 +176,9 @@ class StepUndo:
         return self.snapshot.before(value, value)
 
     def restore(self) -> None:
-        """Put the bookkeeping and the protected K/V back; tell the allocator's subscribers (a ``"rollback"`` event)."""
+        """Put the bookkeeping and the protected K/V back; the step's events give way to one ``"rollback"`` event."""
         if self.saved_kv is not None:
             self.engine.cache.swap_in(*self.saved_kv)
         self.snapshot.restore()
+        del self.events[self.num_events_before :]
         self.engine.cache.allocator.emit("rollback")

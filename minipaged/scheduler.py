@@ -201,7 +201,6 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request, after checking that it could ever run alone (see :func:`check_fits_pool`)."""
-        self.allocator.check_not_from_subscriber("Scheduler.add")
         check_num_samples(1 + len(seq.pending_forks), self.config.max_num_seqs, f"request {seq.seq_id!r}")
         check_fits_pool(self.config, seq.num_prompt_tokens, seq.sampling_params.max_tokens, f"request {seq.seq_id!r}")
         seq.status = SequenceStatus.WAITING
@@ -224,22 +223,17 @@ class Scheduler:
         return n
 
     def schedule(self) -> SchedulerOutput:
-        """This step's plan (see the module docstring): blocks allocated, victims preempted, sequences admitted.
-
-        The allocator's subscribers hear of the pass's events once the whole plan is made.
-        """
-        self.allocator.check_not_from_subscriber("Scheduler.schedule")
-        with self.allocator.hold_events():
-            out = SchedulerOutput()
-            budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-            for seq, n in zip(out.seqs, out.num_new_tokens):  # no victim can be taken back from here on
-                self._cache_blocks(seq, seq.num_computed_tokens + n)
-            if self.speculator is not None:
-                budget = self.speculator.schedule_drafts(self, out, budget)
-            if not out.preempted:
-                self._admit(out, budget)
-            out.copies = [c for s in out.seqs for c in s.block_table.take_pending_copies()]
-            return out
+        """This step's plan (see the module docstring): blocks allocated, victims preempted, sequences admitted."""
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        for seq, n in zip(out.seqs, out.num_new_tokens):  # no victim can be taken back from here on
+            self._cache_blocks(seq, seq.num_computed_tokens + n)
+        if self.speculator is not None:
+            budget = self.speculator.schedule_drafts(self, out, budget)
+        if not out.preempted:
+            self._admit(out, budget)
+        out.copies = [c for s in out.seqs for c in s.block_table.take_pending_copies()]
+        return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Plan the running sequences, decodes first, preempting where the pool runs out; return the budget left."""
@@ -360,8 +354,7 @@ class Scheduler:
         at (its ``finish_reason`` and ``stop_reason`` then say why) and frees its blocks at once.
         With speculative decoding, the accepted drafts are appended before the sampled token (up
         to the first stop among them: the tokens after it are dropped), and the counter rolls back
-        over the rejected ones (``speculator.rollback``). The allocator's subscribers hear of the
-        frees and forks once every sequence has advanced.
+        over the rejected ones (``speculator.rollback``).
 
         Args:
             out: this step's plan, as :meth:`schedule` made it.
@@ -370,21 +363,19 @@ class Scheduler:
             now: the time of the step's end, in the engine's clock (the tokens' and finishes' time).
             accepted: seq_id -> the drafts it accepted, for each sequence that verified drafts (None: no drafts).
         """
-        self.allocator.check_not_from_subscriber("Scheduler.postprocess")
         accepted, finished = accepted or {}, []
-        with self.allocator.hold_events():
-            for seq, n in zip(out.seqs, out.num_new_tokens):
-                drafts = out.spec_token_ids.get(seq.seq_id)
-                if drafts:  # chapter 08: keep the verified prefix only; its slots beyond are overwritten next step
-                    j = len(accepted[seq.seq_id])
-                    seq.num_computed_tokens = self.speculator.rollback(seq.block_table, seq.num_computed_tokens,
-                                                                       len(drafts), j)  # fmt: skip
-                else:
-                    seq.num_computed_tokens += n
-                if seq.seq_id in sampled:
-                    for sample in [seq, *self._fork(seq)]:
-                        if self._append(sample, [*accepted.get(sample.seq_id, ()), sampled[sample.seq_id]], now):
-                            finished.append(sample)
+        for seq, n in zip(out.seqs, out.num_new_tokens):
+            drafts = out.spec_token_ids.get(seq.seq_id)
+            if drafts:  # chapter 08: keep the verified prefix only; its slots beyond are overwritten next step
+                j = len(accepted[seq.seq_id])
+                seq.num_computed_tokens = self.speculator.rollback(seq.block_table, seq.num_computed_tokens,
+                                                                   len(drafts), j)  # fmt: skip
+            else:
+                seq.num_computed_tokens += n
+            if seq.seq_id in sampled:
+                for sample in [seq, *self._fork(seq)]:
+                    if self._append(sample, [*accepted.get(sample.seq_id, ()), sampled[sample.seq_id]], now):
+                        finished.append(sample)
         return finished
 
     def _append(self, seq: Sequence, tokens: list[int], now: float) -> bool:
@@ -415,16 +406,14 @@ class Scheduler:
 
     def abort(self, seq: Sequence) -> None:
         """Drop a waiting or running sequence now (with the samples it has yet to fork); its blocks return at once."""
-        self.allocator.check_not_from_subscriber("Scheduler.abort")
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         else:
             raise ValueError(f"request {seq.seq_id!r} is neither waiting nor running ({seq.status.value})")
-        with self.allocator.hold_events():  # subscribers hear of the frees once the sequence is aborted
-            for child in seq.pending_forks:
-                child.abort()
-            seq.pending_forks = []
-            seq.abort()
-            self._release(seq)
+        for child in seq.pending_forks:
+            child.abort()
+        seq.pending_forks = []
+        seq.abort()
+        self._release(seq)

@@ -68,21 +68,19 @@ class StaticBatchScheduler(Scheduler):
 
     def schedule(self) -> SchedulerOutput:
         """Start the next batch if the last one is over; every running member computes all it has uncomputed."""
-        self.allocator.check_not_from_subscriber("StaticBatchScheduler.schedule")
         out = SchedulerOutput()
-        with self.allocator.hold_events():  # subscribers hear of the reservations once the plan is made
-            if not self.batch:  # the previous batch is over: start the next
-                while self.waiting and len(self.batch) < self.batch_size:
-                    seq = self.waiting.popleft()
-                    seq.block_table = self.block_table(self.allocator, seq.seq_id)
-                    seq.block_table.blocks = self.allocator.allocate_many(self.blocks_per_reservation, seq.seq_id)
-                    seq.status = SequenceStatus.RUNNING
-                    self.batch.append(seq)
-                    self.running.append(seq)
-                    out.admitted.append(seq)
-            for seq in self.running:  # whole prompts at once, then one token each: no budget, no chunks
-                n = seq.num_uncomputed_tokens
-                out.add(seq, n, seq.block_table.append_tokens(n))  # inside the reservation: allocates nothing
+        if not self.batch:  # the previous batch is over: start the next
+            while self.waiting and len(self.batch) < self.batch_size:
+                seq = self.waiting.popleft()
+                seq.block_table = self.block_table(self.allocator, seq.seq_id)
+                seq.block_table.blocks = self.allocator.allocate_many(self.blocks_per_reservation, seq.seq_id)
+                seq.status = SequenceStatus.RUNNING
+                self.batch.append(seq)
+                self.running.append(seq)
+                out.admitted.append(seq)
+        for seq in self.running:  # whole prompts at once, then one token each: no budget, no chunks
+            n = seq.num_uncomputed_tokens
+            out.add(seq, n, seq.block_table.append_tokens(n))  # inside the reservation: allocates nothing
         return out
 
     def _release(self, seq: Sequence) -> None:

@@ -11,11 +11,11 @@ from minipaged.accounting import blocks_needed
 from minipaged.block_manager import (
     BlockAllocator,
     BlockError,
-    BlockEvent,
     BlockTable,
     OutOfBlocks,
     block_tables_tensor,
 )
+from minipaged.events import BlockEvent
 
 pytestmark = pytest.mark.ch02
 

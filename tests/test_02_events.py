@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minipaged.block_manager import SUBSCRIBER_ERRORS_KEPT, BlockAllocator, BlockTable
+from minipaged.block_manager import BlockAllocator, BlockTable
+from minipaged.events import SUBSCRIBER_ERRORS_KEPT
 
 pytestmark = pytest.mark.ch02
 
