@@ -17,6 +17,7 @@ import torch
 
 from minipaged.accounting import ceil_div
 from minipaged.events import EventBus
+from minipaged.step_state import StepState
 from minipaged.validation import check_allocator_args, check_block_id, check_instance, check_int
 
 BOOKKEEPING_BYTES_PER_BLOCK = 64  # an upper bound of the allocator's Python bookkeeping per block
@@ -35,18 +36,21 @@ class BlockError(ValueError):
     """
 
 
-class AllocatorBase(EventBus):
+class AllocatorBase(EventBus, StepState):
     """What every block allocator carries and no chapter builds: the pool's size, checked, and its events.
 
     :class:`BlockAllocator` (and exercise 02's allocator) subclass it and own the free blocks and
     the reference counts; a subclass provides :attr:`num_free`, from which :attr:`num_used` and
     :meth:`can_allocate` follow. The events (:meth:`subscribe`, :meth:`emit`, :meth:`hold_events`)
-    are :class:`~minipaged.events.EventBus`'s.
+    are :class:`~minipaged.events.EventBus`'s. A failed engine step puts back the free queue and the
+    refcounts (:class:`~minipaged.step_state.StepState`), under the names a subclass keeps them in.
 
     Args:
         num_blocks: blocks in the pool.
         block_size: token slots per block.
     """
+
+    _step_containers = ("free_block_ids", "_refcounts")
 
     def __init__(self, num_blocks: int, block_size: int):
         super().__init__()
@@ -78,6 +82,8 @@ class BlockAllocator(AllocatorBase):
         num_blocks: blocks in the pool.
         block_size: token slots per block.
     """
+
+    _step_containers = ("_ever_allocated",)
 
     def __init__(self, num_blocks: int, block_size: int):
         super().__init__(num_blocks, block_size)
@@ -194,7 +200,7 @@ class BlockAllocator(AllocatorBase):
         return f"BlockAllocator(num_blocks={self.num_blocks}, block_size={self.block_size}, free={self.num_free})"
 
 
-class BlockTable:
+class BlockTable(StepState):
     """One sequence's map from logical block i (tokens i*B .. i*B+B-1) to a physical block id.
 
     Copy-on-write lives here, in :meth:`append_tokens`, next to :meth:`fork`: the table is
@@ -210,6 +216,9 @@ class BlockTable:
             come from.
         seq_id: the sequence, for the events.
     """
+
+    # What a failed engine step puts back (a table of the learner's own keeps these names: see minipaged.rollback).
+    _step_containers = ("blocks", "pending_copies")
 
     def __init__(self, allocator: AllocatorBase, seq_id=None):
         if not isinstance(allocator, AllocatorBase):

@@ -19,6 +19,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from minipaged.step_state import StepState
+
 
 @dataclass(frozen=True)
 class StepCost:
@@ -45,7 +47,7 @@ class StepCost:
         )
 
 
-class VirtualClock:
+class VirtualClock(StepState):
     """Deterministic time: each step costs ``cost(tokens, context)``; idle gaps are skipped over."""
 
     def __init__(self, cost: StepCost = StepCost()):
@@ -64,7 +66,7 @@ class VirtualClock:
         self.t = max(self.t, t)
 
 
-class WallClock:
+class WallClock(StepState):
     """Real seconds since the clock was made; a step costs whatever the forward pass really took."""
 
     def __init__(self):

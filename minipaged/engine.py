@@ -32,11 +32,12 @@ from minipaged.outputs import RequestOutput, StepOutput
 from minipaged.rollback import StepUndo
 from minipaged.scheduler import EngineConfig, Scheduler, SchedulerOutput
 from minipaged.sequence import SamplingParams, Sequence, SequenceStatus, sample
+from minipaged.step_state import StepState
 from minipaged.stopping import mask_stop_tokens
 from minipaged.validation import check_abort_args, check_engine_args, check_prompts, check_request_args, errors_named
 
 
-class Engine:
+class Engine(StepState):
     """A continuous-batching engine over one paged KV cache.
 
     The allocator's event subscribers hear of a step once it is over (see :mod:`minipaged.events`),
@@ -55,7 +56,7 @@ class Engine:
         speculator: speculative decoding, e.g. :class:`~minipaged.speculative.NgramSpeculator` (None: off).
     """
 
-    _not_rolled_back = ("_in_step", "_deferred_aborts")  # the step's own flags (see minipaged.rollback)
+    _step_containers = ("seqs", "requests", "swap_space")  # see minipaged.step_state
 
     def __init__(self, model, config: EngineConfig | None = None, clock=None, *, allocator=BlockAllocator,
                  block_table=BlockTable, scheduler=Scheduler, speculator=None):  # fmt: skip

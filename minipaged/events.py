@@ -45,9 +45,6 @@ class EventBus:
             subscriber errors; :attr:`num_subscriber_errors` counts them all.
     """
 
-    # Event plumbing, which a rolled-back step leaves as it is (see minipaged.rollback).
-    _not_rolled_back = ("_subscribers", "_held_events", "subscriber_errors", "num_subscriber_errors")
-
     def __init__(self):
         self._subscribers: list = []
         self._held_events: list[BlockEvent] | None = None  # while an operation is in progress (see hold_events)

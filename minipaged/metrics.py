@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from minipaged.accounting import kv_usage, token_occupancy
 from minipaged.sequence import Sequence, SequenceStatus
+from minipaged.step_state import StepState
 from minipaged.validation import check_int
 
 PERCENTILES = (50, 90, 99)
@@ -55,7 +56,7 @@ class StepRecord:
 
 
 @dataclass
-class Metrics:
+class Metrics(StepState):
     """Step history plus counters fed by the step's allocator events (:meth:`count_events`).
 
     A record's blocks in use are the attached allocator's ``num_used`` (0 while none is attached).
@@ -63,6 +64,8 @@ class Metrics:
     ``window`` bounds the history to the latest ``window`` records (the oldest is dropped as a
     new one comes); None keeps every record. The counters always count every step.
     """
+
+    _step_containers = ("history", "num_accepted_tokens_per_pos")  # see minipaged.step_state
 
     num_blocks: int
     block_size: int

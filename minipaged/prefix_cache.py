@@ -255,13 +255,15 @@ class PrefixCachingAllocator(BlockAllocator):
         hash_fn: bytes -> bytes for the block keys; :func:`sha256` by default.
     """
 
+    _step_containers = ("evictable_block_ids", "entries", "blocks_by_key", "_stats")  # see minipaged.step_state
+
     def __init__(self, num_blocks: int, block_size: int, hash_fn: HashFn = sha256):
         check_hash_fn(hash_fn)
         super().__init__(num_blocks, block_size)
         self.hash_fn = hash_fn
         self.evictable_block_ids: OrderedDict[int, None] = OrderedDict()  # free and cached, LRU first
         self.entries: list[CachedBlock | None] = [None] * self.num_blocks  # by block id
-        self.blocks_by_key: dict[bytes, list[int]] = {}  # more than one only after a collision or a duplicate
+        self.blocks_by_key: dict[bytes, tuple[int, ...]] = {}  # more than one only after a collision or a duplicate
         self._next_serial = 0
         self._stats = PrefixCacheStats()  # the one set of counters; stats() hands out copies
 
@@ -323,9 +325,10 @@ class PrefixCachingAllocator(BlockAllocator):
     def _drop_key(self, block_id: int) -> CachedBlock:
         entry = self.entries[block_id]
         self.entries[block_id] = None
-        holders = self.blocks_by_key[entry.key]
-        holders.remove(block_id)
-        if not holders:
+        holders = tuple(b for b in self.blocks_by_key[entry.key] if b != block_id)
+        if holders:
+            self.blocks_by_key[entry.key] = holders
+        else:
             del self.blocks_by_key[entry.key]
         return entry
 
@@ -459,7 +462,7 @@ class PrefixCachingAllocator(BlockAllocator):
             new.append((blocks[i], parent))
         for block_id, entry in new:
             self.entries[block_id] = entry
-            self.blocks_by_key.setdefault(entry.key, []).append(block_id)
+            self.blocks_by_key[entry.key] = (*self.blocks_by_key.get(entry.key, ()), block_id)
         self._next_serial += len(new)
         for block_id, _ in new:
             self.emit("cache", block_id, table.seq_id)

@@ -62,6 +62,7 @@ from minipaged.accounting import blocks_needed
 from minipaged.block_manager import BlockTable
 from minipaged.request_queue import create_request_queue
 from minipaged.sequence import Sequence, SequenceStatus
+from minipaged.step_state import StepState
 from minipaged.validation import check_engine_config, check_fits_pool, check_num_samples
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -178,7 +179,7 @@ def can_admit(num_free_blocks: int, num_needed_blocks: int, watermark_blocks: in
     return num_running < max_num_seqs and num_free_blocks - num_needed_blocks >= watermark_blocks
 
 
-class Scheduler:
+class Scheduler(StepState):
     """Continuous batching over one block pool (the rules are in the module docstring).
 
     Args:
@@ -189,6 +190,8 @@ class Scheduler:
         speculator: speculative decoding (chapter 08), with ``schedule_drafts(scheduler, out, budget)``
             and ``rollback(table, num_computed_tokens, num_draft_tokens, num_accepted_tokens)``; None: off.
     """
+
+    _step_containers = ("waiting", "running")  # see minipaged.step_state
 
     def __init__(self, config: EngineConfig, allocator, block_table=BlockTable, speculator=None):
         self.config = config
@@ -208,6 +211,11 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def sequences(self) -> list[Sequence]:
+        """Every sequence a step may change: the waiting and running ones, and the samples they will fork."""
+        seqs = [*self.waiting, *self.running]
+        return seqs + [child for seq in seqs for child in seq.pending_forks]
 
     @property
     def num_seats(self) -> int:

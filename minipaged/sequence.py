@@ -40,6 +40,7 @@ from enum import Enum
 
 import torch
 
+from minipaged.step_state import StepState
 from minipaged.stopping import StopRules
 from minipaged.validation import check_sampling_params
 
@@ -95,13 +96,7 @@ class SamplingParams:
                                  vocab_size)  # fmt: skip
 
 
-class TokenList(list):
-    """A list of numbers only (a sequence's token ids, their times): an engine step's snapshot copies it whole."""
-
-    _numbers_only = True  # minipaged.rollback: no item needs a state of its own
-
-
-class Sequence:
+class Sequence(StepState):
     """One sequence: its prompt, the tokens generated so far, its block table and its timings.
 
     With one sample per request, a request is one sequence and the engine's
@@ -128,6 +123,8 @@ class Sequence:
         stop_reason: the stop token that ended it (None for the EOS, a length or an abort).
     """
 
+    _step_containers = ("token_ids", "token_times", "pending_forks", "generator")  # see minipaged.step_state
+
     def __init__(self, seq_id, prompt_token_ids: list[int], sampling_params: SamplingParams, arrival_time: float = 0.0,
                  cache_salt: str | bytes | None = None, request_id=None, eos_token_id=None):  # fmt: skip
         if not prompt_token_ids:
@@ -137,14 +134,14 @@ class Sequence:
         self.request_id = seq_id if request_id is None else request_id
         self.cache_salt = cache_salt
         self.pending_forks: list[Sequence] = []  # samples that fork from this one when its prompt is computed
-        self.token_ids = TokenList(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.sampling_params = sampling_params
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table = None  # a minipaged.block_manager.BlockTable while it holds blocks
         self.arrival_time = arrival_time
-        self.token_times: list[float] = TokenList()  # when each output token was sampled
+        self.token_times: list[float] = []  # when each output token was sampled
         self.finish_time: float | None = None
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None
@@ -191,7 +188,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        """Finished or aborted: no engine step changes it again (so a rollback need not save it)."""
+        """Finished or aborted: no engine step changes it again."""
         return self.status in (SequenceStatus.FINISHED, SequenceStatus.ABORTED)
 
     @property

@@ -40,6 +40,8 @@ class StaticBatchScheduler(Scheduler):
         max_model_len: the tokens each request reserves, prompt and output together.
     """
 
+    _step_containers = ("batch",)  # see minipaged.step_state
+
     def __init__(self, config: EngineConfig, allocator, block_table=BlockTable, speculator=None, *,
                  max_model_len: int):  # fmt: skip
         if speculator is not None:
@@ -82,6 +84,10 @@ class StaticBatchScheduler(Scheduler):
             n = seq.num_uncomputed_tokens
             out.add(seq, n, seq.block_table.append_tokens(n))  # inside the reservation: allocates nothing
         return out
+
+    def sequences(self) -> list[Sequence]:
+        """Every sequence a step may change: the batch's finished members too, whose reservations it may free."""
+        return [*super().sequences(), *(s for s in self.batch if s.is_finished)]
 
     def _release(self, seq: Sequence) -> None:
         # A member that finishes or is aborted stops computing, but its reservation

@@ -9,8 +9,16 @@ checks a finished sequence's ``finish_reason`` and ``stop_reason`` against its o
 """
 
 import copy
+import dataclasses
+import functools
+import types
+from collections import deque
 from dataclasses import replace
+from enum import Enum
+from pathlib import Path
 
+import nbformat
+import torch
 from hypothesis import strategies as st
 
 from minipaged.engine import Engine
@@ -24,7 +32,7 @@ def snapshot(engine: Engine) -> dict:
     seqs = sorted(engine.seqs.values(), key=lambda s: str(s.seq_id))
     return {
         "free_queue": alloc.free_queue() if hasattr(alloc, "free_queue") else list(alloc.free_block_ids),
-        "refcounts": alloc.refcounts,
+        "refcounts": list(alloc._refcounts),  # the seam's name (a learner's allocator has no .refcounts)
         "keys": [alloc.block_key(b) for b in range(alloc.num_blocks)] if hasattr(alloc, "block_key") else None,
         "waiting": [s.seq_id for s in sched.waiting],
         "running": [s.seq_id for s in sched.running],
@@ -38,6 +46,64 @@ def snapshot(engine: Engine) -> dict:
                     if k not in ("history", "_allocator") and not callable(v)},
         "history": list(engine.metrics.history),
     }
+
+
+_LEAVES = (torch.Tensor, torch.nn.Module, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
+           types.ModuleType, type, functools.partial)  # fmt: skip
+
+
+def object_graph(root) -> list:
+    """Everything reachable from ``root`` as plain values, to compare before and after a failed step.
+
+    Each object becomes its type and contents, in the order a breadth-first walk meets it; an object
+    met again is its first index. Tensors, modules and functions are leaves, compared by identity
+    (the K/V pools are :meth:`~minipaged.rollback.StepUndo.protect_kv`'s). This is the generic walk
+    the explicit step state (``_step_containers``) replaced: a field a class forgets to name shows
+    up here as a difference.
+    """
+    index, order = {}, [root]
+
+    def ref(x):
+        if isinstance(x, (int, float, str, bytes, bool, type(None), Enum, torch.dtype, torch.device)):
+            return x
+        if isinstance(x, _LEAVES):
+            return ("leaf", id(x))
+        if dataclasses.is_dataclass(x) and x.__dataclass_params__.frozen:
+            return ("frozen", repr(x))
+        if id(x) not in index:
+            index[id(x)] = len(order)
+            order.append(x)
+        return ("object", index[id(x)])
+
+    index[id(root)], described, i = 0, [], 0
+    while i < len(order):
+        obj, i = order[i], i + 1
+        if isinstance(obj, (list, tuple, deque)):
+            described.append((type(obj).__name__, [ref(x) for x in obj]))
+        elif isinstance(obj, dict):
+            described.append((type(obj).__name__, [(ref(k), ref(v)) for k, v in obj.items()]))
+        elif isinstance(obj, (set, frozenset)):
+            described.append((type(obj).__name__, sorted(repr(ref(x)) for x in obj)))
+        elif isinstance(obj, bytearray):
+            described.append(bytes(obj))
+        elif isinstance(obj, torch.Generator):
+            described.append(obj.get_state().tolist())
+        elif hasattr(obj, "__dict__"):
+            described.append((type(obj).__name__, [(k, ref(v)) for k, v in sorted(vars(obj).items())]))
+        else:
+            described.append(("leaf", id(obj)))
+    return described
+
+
+SOLUTIONS = Path(__file__).resolve().parent.parent / "solutions"
+
+
+def solution_namespace(notebook: str, cell_ids: tuple[str, ...]) -> dict:
+    """What the given code cells of a solution notebook define (the model solution's classes), run in order."""
+    namespace, cells = {}, {c.id: c for c in nbformat.read(SOLUTIONS / notebook, as_version=4).cells}
+    for cell_id in cell_ids:
+        exec(compile(cells[cell_id].source, f"{notebook} cell {cell_id}", "exec"), namespace)
+    return namespace
 
 
 def drive(engine: Engine, requests: list, rng, add, abort_prob: float = 0.0, step=None, arrivals_per_step: int = 2):

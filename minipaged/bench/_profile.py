@@ -40,7 +40,7 @@ PARTS = {
     "scheduler (schedule, postprocess)": [_python(scheduler.Scheduler.schedule),
                                           _python(scheduler.Scheduler.postprocess)],
     "sampling": [_python(engine.Engine.sample)],
-    "step snapshot (rollback.Snapshot)": [_python(rollback.Snapshot.__init__)],
+    "step state saved (rollback.StepUndo)": [_python(rollback.StepUndo.__init__)],
 }  # fmt: skip
 STEP = _python(engine.Engine.step)
 REST = "the rest (elementwise ops, the layers' Python, bookkeeping)"
