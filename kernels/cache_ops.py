@@ -60,7 +60,7 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
 
     ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]``; ``slot_mapping[i]``
     is token ``i``'s slot ``block_id * block_size + offset``, and ``-1`` skips the token. The
-    inputs are checked like :func:`minipaged.cache.write_kv`'s, plus the kernels' layout limits
+    inputs are checked like :func:`minipaged.attention.write_kv`'s, plus the kernels' layout limits
     (``block_size`` up to 256, ``head_dim`` a multiple of 8 from 16 to 256).
     """
     _check_write_inputs(key, value, k_cache, v_cache, slot_mapping)

@@ -25,6 +25,7 @@ from numbers import Integral
 
 import numpy as np
 
+from minipaged.block_math import blocks_needed
 from minipaged.validation import check_int
 from minipaged.workload import MAX_DRAWS, WorkloadPreset, check_num_draws, get_length_preset
 
@@ -151,16 +152,8 @@ def kv_bytes(model: ModelSpec | str, num_tokens: int, dtype=None) -> int:
 # ----------------------------------------------------------------------------
 
 
-def ceil_div(a: int, b: int) -> int:
-    """ceil(a / b) for ints, exact at any size (``math.ceil(a / b)`` rounds through a float)."""
-    return -(-a // b)
 
 
-def blocks_needed(num_tokens: int, block_size: int) -> int:
-    """ceil(n / B): a partly filled last block is still a whole block. 0 tokens need 0 blocks."""
-    n = check_int(num_tokens, "num_tokens")
-    b = check_int(block_size, "block_size", minimum=1)
-    return ceil_div(n, b)
 
 
 def allocated_slots(num_tokens: int, block_size: int) -> int:
@@ -210,24 +203,8 @@ def slot_utilisation(num_tokens: int, num_slots: int) -> float:
     return num_tokens / num_slots if num_slots else 0.0
 
 
-def kv_usage(used_blocks: int, num_blocks: int) -> float:
-    """KV usage: blocks in use / blocks in the pool (vLLM's ``kv_cache_usage_perc``).
-
-    Args:
-        used_blocks: blocks the pool has handed out.
-        num_blocks: blocks in the pool (>= 1).
-    """
-    return check_int(used_blocks, "used_blocks") / check_int(num_blocks, "num_blocks", minimum=1)
 
 
-def token_occupancy(num_tokens: int, pool_slots: int) -> float:
-    """Token occupancy: tokens held / token slots in the pool (``kv_usage`` × utilisation).
-
-    Args:
-        num_tokens: tokens the sequences hold.
-        pool_slots: slots in the pool, ``num_blocks * block_size`` (>= 1).
-    """
-    return check_int(num_tokens, "num_tokens") / check_int(pool_slots, "pool_slots", minimum=1)
 
 
 def utilisation(lengths: Sequence[int], block_size: int) -> float:

@@ -4,7 +4,8 @@ Per layer the cache is ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads
 A sequence's logical token ``t`` lives in physical block ``block_tables[s, t // block_size]``
 at offset ``t % block_size``; its *slot* is ``block_id * block_size + offset``.
 
-- The write path, new tokens' K/V to their slots, is chapter 02's :func:`minipaged.cache.write_kv`.
+- The write path, new tokens' K/V to their slots, is :func:`write_kv`, by the same backends (chapter 02's
+  :func:`minipaged.cache.write_kv_torch` for ``"torch"``).
 - :func:`paged_attention` is the decode read path: one query token per sequence.
 - :func:`paged_prefill_attention` is the prefill / chunked-prefill read path: several
   query tokens per sequence, packed, each attending causally over the paged context.
@@ -32,15 +33,14 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
-from minipaged.accounting import blocks_needed
 from minipaged.block_manager import BlockTable, block_tables_tensor
+from minipaged.block_math import blocks_needed
 from minipaged.cache import write_kv_torch
 from minipaged.validation import (
-    check_backend_fields,
-    check_backend_registration,
+    check_callable,
     check_choice,
     check_contiguous_attention,
-    check_loaded_backend,
+    check_kv_write,
     check_paged_attention,
     check_scale,
 )
@@ -84,6 +84,72 @@ def contiguous_attention(q, k, v, *, scale=None, causal=True):
 
 def no_limits(block_size: int, head_dim: int, dtype: torch.dtype) -> None:
     """The ``check`` of a backend that runs any cache shape and dtype: it accepts everything."""
+
+
+def check_backend_registration(name, backend, replace, registry: dict, backend_class: type) -> None:
+    """The arguments of ``attention.register_backend``, checked before the registry changes.
+
+    Args:
+        name: the key, a non-empty str not in ``registry`` (unless ``replace``).
+        backend: a ``backend_class`` instance named ``name``, or a function (a loader that returns one).
+        replace: a bool; True allows replacing a registered name.
+        registry: the registry as it is now.
+        backend_class: :class:`~minipaged.attention.AttentionBackend`.
+
+    Raises:
+        TypeError: ``name`` is not a str, ``replace`` not a bool, or ``backend`` neither a backend nor a function.
+        ValueError: ``name`` is empty or taken (without ``replace``), or ``backend`` carries another name.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__} {name!r:.60}")
+    if not name:
+        raise ValueError("name must not be empty")
+    if not isinstance(replace, bool):
+        raise TypeError(f"replace must be a bool, got {type(replace).__name__}")
+    if isinstance(backend, backend_class):
+        if backend.name != name:
+            raise ValueError(f"backend is named {backend.name!r}, but it is being registered as {name!r}")
+    elif not callable(backend):
+        raise TypeError(f"backend must be an AttentionBackend or a function that returns one, "
+                        f"got {type(backend).__name__}")  # fmt: skip
+    if name in registry and not replace:
+        raise ValueError(f"backend {name!r} is already registered; pass replace=True to replace it")
+
+
+def check_loaded_backend(entry, name: str, backend_class: type) -> None:
+    """A ``TypeError`` unless a backend loader returned a ``backend_class`` named ``name``.
+
+    Args:
+        entry: what the loader registered as ``name`` returned.
+        name: the registered name.
+        backend_class: :class:`~minipaged.attention.AttentionBackend`.
+    """
+    if not isinstance(entry, backend_class) or entry.name != name:
+        raise TypeError(f"the loader of backend {name!r} must return an AttentionBackend named {name!r}, "
+                        f"got {entry!r:.80}")  # fmt: skip
+
+
+def check_backend_fields(backend) -> None:
+    """A ``TypeError`` unless an attention backend's ``name`` is a non-empty str and its four functions are callable.
+
+    Args:
+        backend: the :class:`~minipaged.attention.AttentionBackend`, just constructed.
+    """
+    if not isinstance(backend.name, str) or not backend.name:
+        raise TypeError(f"AttentionBackend.name must be a non-empty str, got {backend.name!r:.60}")
+    check_functions(backend, "AttentionBackend", ("decode", "prefill", "write", "check"))
+
+
+def check_functions(obj, prefix: str, names: tuple[str, ...]) -> None:
+    """A ``TypeError`` for the first attribute ``names`` of ``obj`` that is not callable.
+
+    Args:
+        obj: the object holding functions (an attention backend).
+        prefix: its class name, for the message (``"AttentionBackend"``).
+        names: the attributes that must be functions, checked in this order.
+    """
+    for name in names:
+        check_callable(getattr(obj, name), f"{prefix}.{name}", "a function")
 
 
 @dataclass(frozen=True)
@@ -214,6 +280,29 @@ def _load_triton() -> AttentionBackend:
 # --------------------------------------------------------------------------- decode
 
 
+def write_kv(key, value, k_cache, v_cache, slot_mapping, *, backend="torch", check=True) -> None:
+    """Store token ``i``'s K and V at slot ``slot_mapping[i]`` of ``k_cache`` and ``v_cache``, in place.
+
+    Args:
+        key, value: ``[num_tokens, num_kv_heads, head_dim]``, the new tokens' K and V.
+        k_cache, v_cache: one layer's pools, ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        slot_mapping: int64 (or int32) ``[num_tokens]``: ``block_id * block_size + offset``,
+            or ``-1`` to skip the token (a padding token).
+        backend: the attention backend whose ``write`` stores them (a registered name, see
+            :class:`AttentionBackend`, or a backend itself): ``"torch"`` and ``"loop"`` use
+            :func:`~minipaged.cache.write_kv_torch`; ``"triton"``, chapter 04's scatter kernel.
+        check: False skips the checks, for a caller that has checked the same slots and shapes
+            already (the model's forward checks its first layer's write, once per step).
+
+    The inputs are checked here with :func:`minipaged.validation.check_kv_write`, for every
+    backend, and a bad one raises before anything is written.
+    """
+    impl = resolve_backend(backend)
+    if check:
+        check_kv_write(key, value, k_cache, v_cache, slot_mapping)
+    impl.write(key, value, k_cache, v_cache, slot_mapping)
+
+
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, backend="torch", check=True):
     """Decode attention: each sequence's one new query against its whole paged context.
 
@@ -235,7 +324,17 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, 
     scale = check_scale(scale, q.shape[-1])
     if q.shape[0] == 0:
         return torch.empty_like(q)
-    return impl.decode(q, k_cache, v_cache, block_tables, seq_lens, scale=scale)
+    return _checked_output(impl.decode(q, k_cache, v_cache, block_tables, seq_lens, scale=scale), q, impl, "decode")
+
+
+def _checked_output(out, q, backend: AttentionBackend, call: str):
+    """``out``, what ``backend``'s ``call`` returned, if it is a tensor of ``q``'s shape and dtype; else an error."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"attention backend {backend.name!r}: its {call} returned a {type(out).__name__}, not a tensor")
+    if out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError(f"attention backend {backend.name!r}: its {call} returned a {out.dtype} tensor of shape "
+                         f"{tuple(out.shape)}; expected q's, {q.dtype} {tuple(q.shape)}")  # fmt: skip
+    return out
 
 
 _workspace: dict = {}  # (device, dtype) -> flat gather buffer, kept between calls
@@ -366,7 +465,8 @@ def paged_prefill_attention(
     scale = check_scale(scale, q.shape[-1])
     if q.shape[0] == 0:
         return torch.empty_like(q)
-    return impl.prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=scale)
+    out = impl.prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=scale)
+    return _checked_output(out, q, impl, "prefill")
 
 
 def _paged_prefill_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
@@ -448,4 +548,3 @@ class AttentionMetadata:
         first = torch.repeat_interleave(self.seq_lens.long() - num_new_tokens, num_new_tokens)
         starts = torch.repeat_interleave(self.query_start_loc[:-1].long(), num_new_tokens)
         return first + torch.arange(len(first), device=first.device) - starts
-

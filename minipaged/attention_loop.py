@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from minipaged.accounting import blocks_needed
 from minipaged.attention import AttentionBackend
+from minipaged.block_math import blocks_needed
 from minipaged.cache import write_kv_torch
 
 

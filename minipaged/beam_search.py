@@ -40,12 +40,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minipaged.accounting import blocks_needed
 from minipaged.block_manager import BlockTable
+from minipaged.block_math import blocks_needed
 from minipaged.cache import PagedKVCache
 from minipaged.generate import build_metadata
-from minipaged.model import LlamaForCausalLM
-from minipaged.validation import check_bool, check_int, check_prompt, check_real
+from minipaged.model import LlamaForCausalLM, check_prompt
+from minipaged.validation import check_bool, check_int, check_real
 
 
 @dataclass

@@ -15,10 +15,10 @@ from contextlib import nullcontext
 
 import torch
 
-from minipaged.accounting import ceil_div
+from minipaged.block_math import ceil_div
 from minipaged.events import EventBus
 from minipaged.step_state import StepState
-from minipaged.validation import check_allocator_args, check_block_id, check_instance, check_int
+from minipaged.validation import check_fits_memory, check_instance, check_int
 
 BOOKKEEPING_BYTES_PER_BLOCK = 64  # an upper bound of the allocator's Python bookkeeping per block
 
@@ -249,7 +249,7 @@ class BlockTable(StepState):
 
         One per block boundary crossed, plus one when the write lands in a shared,
         partly filled last block (copy-on-write gives this table its own copy).
-        Not chapter 01's :func:`~minipaged.accounting.blocks_needed` (``ceil(n / B)``).
+        Not chapter 01's :func:`~minipaged.block_math.blocks_needed` (``ceil(n / B)``).
 
         Args:
             num_tokens: the tokens the append would add.
@@ -273,7 +273,8 @@ class BlockTable(StepState):
         with self.allocator.hold_events() if need else nullcontext():  # new blocks are heard of once held
             if need and self._shares_last_block(n):
                 self._copy_on_write()
-            self.blocks += self.allocator.allocate_many(self._num_new_blocks(n), self.seq_id) if need else []
+            if need:
+                self.blocks += _taken(self.allocator.allocate_many(k := self._num_new_blocks(n), self.seq_id), k)
             start = self.num_tokens
             self.num_tokens += n
             self.released = False
@@ -361,6 +362,14 @@ class BlockTable(StepState):
         return f"BlockTable(seq_id={self.seq_id!r}, num_tokens={self.num_tokens}, blocks={self.blocks})"
 
 
+def _taken(block_ids, num_blocks: int) -> list[int]:
+    """``block_ids``, what the allocator's ``allocate_many(num_blocks)`` returned, if it is that many ids."""
+    if not isinstance(block_ids, list) or len(block_ids) != num_blocks or not all(type(b) is int for b in block_ids):
+        raise TypeError(f"allocator.allocate_many({num_blocks}) returned {block_ids!r:.60}: expected a list of "
+                        f"{num_blocks} block ids (ints)")  # fmt: skip
+    return block_ids
+
+
 def block_tables_tensor(tables: list[BlockTable]) -> torch.Tensor:
     """Stack tables into the kernel's ``int32 [num_seqs, max_blocks_per_seq]``, padded with 0.
 
@@ -372,3 +381,34 @@ def block_tables_tensor(tables: list[BlockTable]) -> torch.Tensor:
     # op per row cost more than the rows' contents.
     rows = [table.blocks + [0] * (width - len(table.blocks)) for table in tables]
     return torch.tensor(rows, dtype=torch.int32).view(len(tables), width)
+
+
+def check_block_id(block_id, action: str, num_blocks: int) -> int:
+    """``block_id`` as an int in ``[0, num_blocks)``, or an error that says which ``action`` it was for.
+
+    Args:
+        block_id: the block id.
+        action: what the caller was about to do, for the message (``"free"``, ``"read the refcount of"``).
+        num_blocks: the pool's size.
+
+    Raises:
+        TypeError: ``block_id`` is not an int.
+        IndexError: it lies outside the pool.
+    """
+    block_id = check_int(block_id, "block_id", minimum=None)
+    if not 0 <= block_id < num_blocks:
+        raise IndexError(f"cannot {action} block {block_id}: block_id runs from 0 to {num_blocks - 1}")
+    return block_id
+
+
+def check_allocator_args(num_blocks, block_size, bytes_per_block: int) -> tuple[int, int]:
+    """A block allocator's pool size as ints ``(num_blocks, block_size)``, checked, and its bookkeeping fits memory.
+
+    Args:
+        num_blocks, block_size: the pool, each an int >= 1.
+        bytes_per_block: an upper bound of the allocator's bookkeeping per block, in bytes.
+    """
+    num_blocks = check_int(num_blocks, "num_blocks", minimum=1)
+    block_size = check_int(block_size, "block_size", minimum=1)
+    check_fits_memory(num_blocks * bytes_per_block, f"BlockAllocator(num_blocks={num_blocks})")
+    return num_blocks, block_size

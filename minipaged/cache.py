@@ -5,10 +5,10 @@ Viewed as ``[num_blocks * block_size, num_kv_heads, head_dim]``, a token's row
 index is its slot, ``block_id * block_size + offset``, so a write is one
 ``index_copy_`` and a read is one ``index_select``.
 
-- :func:`write_kv` is the write path on raw cache tensors: new tokens' K/V go to
-  their slots (``-1`` = skip). Chapter 03's model calls it for every layer; it checks the
-  inputs and hands the write to the attention backend's ``write`` (for ``"torch"``,
-  :func:`write_kv_torch`: one ``index_copy_`` per pool).
+- :func:`write_kv_torch` is the write path on raw cache tensors: new tokens' K/V go to
+  their slots (``-1`` = skip), one ``index_copy_`` per pool. Chapter 03's
+  :func:`minipaged.attention.write_kv` checks the inputs and hands the write to an attention
+  backend's ``write`` (this one, for ``"torch"``).
 - :class:`PagedKVCache` owns the pools of every layer and their allocator.
 """
 
@@ -16,39 +16,14 @@ from __future__ import annotations
 
 import torch
 
-from minipaged.block_manager import BlockAllocator, BlockTable
-from minipaged.validation import check_block_ids, check_index, check_kv_write, check_pool_args, check_saved_kv
-
-
-def write_kv(key, value, k_cache, v_cache, slot_mapping, *, backend="torch", check=True) -> None:
-    """Store token ``i``'s K and V at slot ``slot_mapping[i]`` of ``k_cache`` and ``v_cache``, in place.
-
-    Args:
-        key, value: ``[num_tokens, num_kv_heads, head_dim]``, the new tokens' K and V.
-        k_cache, v_cache: one layer's pools, ``[num_blocks, block_size, num_kv_heads, head_dim]``.
-        slot_mapping: int64 (or int32) ``[num_tokens]``: ``block_id * block_size + offset``,
-            or ``-1`` to skip the token (a padding token).
-        backend: the attention backend whose ``write`` stores them (a registered name, see
-            :class:`minipaged.attention.AttentionBackend`, or a backend itself): ``"torch"`` and
-            ``"loop"`` use :func:`write_kv_torch`; ``"triton"``, chapter 04's scatter kernel.
-        check: False skips the checks, for a caller that has checked the same slots and shapes
-            already (the model's forward checks its first layer's write, once per step).
-
-    The inputs are checked here with :func:`minipaged.validation.check_kv_write`, for every
-    backend, and a bad one raises before anything is written.
-    """
-    from minipaged.attention import resolve_backend  # chapter 03's backend registry, reached by name only
-
-    impl = resolve_backend(backend)
-    if check:
-        check_kv_write(key, value, k_cache, v_cache, slot_mapping)
-    impl.write(key, value, k_cache, v_cache, slot_mapping)
+from minipaged.block_manager import AllocatorBase, BlockAllocator, BlockTable
+from minipaged.validation import check_fits_memory, check_int, check_kv_write
 
 
 def write_kv_torch(key, value, k_cache, v_cache, slot_mapping) -> None:
     """The torch write: one ``index_copy_`` per pool on its flattened view, where a slot is a row number.
 
-    The arguments are :func:`write_kv`'s, already checked; ``-1`` slots are skipped.
+    The arguments are :func:`minipaged.attention.write_kv`'s, already checked; ``-1`` slots are skipped.
     """
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous: a slot is a row of their flattened view")
@@ -86,6 +61,9 @@ class PagedKVCache:
         num_layers, num_blocks, block_size, num_kv_heads, head_dim = check_pool_args(
             num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
         self.allocator = allocator(num_blocks, block_size)
+        if not isinstance(self.allocator, AllocatorBase):  # a seam's result, checked where it is received
+            raise TypeError(f"allocator={allocator!r:.60} returned a {type(self.allocator).__name__}: a block "
+                            "allocator must subclass minipaged.block_manager.AllocatorBase")  # fmt: skip
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
@@ -103,18 +81,21 @@ class PagedKVCache:
     def new_table(self, seq_id=None) -> BlockTable:
         return BlockTable(self.allocator, seq_id)
 
-    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, *,
-              backend="torch") -> None:  # fmt: skip
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store token ``i``'s K/V of ``layer`` at ``slot_mapping[i]``; a slot of -1 is skipped (padding).
+
+        The inputs are checked first (:func:`minipaged.validation.check_kv_write`). Chapter 03's
+        :func:`minipaged.attention.write_kv` is the same write on raw pools, by any attention backend.
 
         Args:
             layer: which layer's pools.
             key, value: ``[num_tokens, num_kv_heads, head_dim]``, the new tokens' K and V.
             slot_mapping: int64 (or int32) ``[num_tokens]``, each token's slot.
-            backend: the attention backend whose ``write`` stores them, as for :func:`write_kv`.
         """
         layer = check_index(layer, "layer", self.num_layers, f"the cache has {self.num_layers} layers")
-        write_kv(key, value, self.k_caches[layer], self.v_caches[layer], slot_mapping, backend=backend)
+        k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
+        check_kv_write(key, value, k_cache, v_cache, slot_mapping)
+        write_kv_torch(key, value, k_cache, v_cache, slot_mapping)
 
     def gather(self, layer: int, table: BlockTable) -> tuple[torch.Tensor, torch.Tensor]:
         """The reference read: one sequence's K and V as contiguous ``[num_tokens, heads, head_dim]``."""
@@ -210,3 +191,99 @@ class PagedKVCache:
                 self.swap_in(seq.block_table.blocks[num_hit_blocks : len(saved[0][0])], rest)
                 moved += seq.num_computed_tokens - num_hit_blocks * self.block_size
         return moved
+
+
+def check_pool_args(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device) -> tuple[int, ...]:
+    """A paged KV cache's sizes as ints ``(num_layers, num_blocks, block_size, num_kv_heads, head_dim)``, checked.
+
+    Args:
+        num_layers, num_blocks, block_size, num_kv_heads, head_dim: the pools' sizes, each an int >= 1.
+        dtype: the pools' ``torch.dtype``.
+        device: where they would live; the K/V pools must fit its total memory (:func:`check_fits_memory`).
+
+    Raises:
+        TypeError: a size that is not an int, or a ``dtype`` that is not a ``torch.dtype``.
+        ValueError: a size below 1, or pools larger than the device's memory.
+    """
+    num_layers = check_int(num_layers, "num_layers", minimum=1)
+    num_kv_heads = check_int(num_kv_heads, "num_kv_heads", minimum=1)
+    head_dim = check_int(head_dim, "head_dim", minimum=1)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+    num_blocks = check_int(num_blocks, "num_blocks", minimum=1)
+    block_size = check_int(block_size, "block_size", minimum=1)
+    pool_bytes = 2 * num_layers * num_blocks * block_size * num_kv_heads * head_dim * dtype.itemsize
+    check_fits_memory(pool_bytes, f"PagedKVCache(num_blocks={num_blocks}, block_size={block_size})'s K/V pools",
+                      device)  # fmt: skip
+    return num_layers, num_blocks, block_size, num_kv_heads, head_dim
+
+
+def check_saved_kv(saved, num_layers: int, shape: tuple[int, ...]) -> None:
+    """K/V saved block by block (what ``PagedKVCache.swap_out`` returns), before it is copied back.
+
+    Args:
+        saved: per layer, a ``(k, v)`` pair of tensors.
+        num_layers: the layers it must hold.
+        shape: each tensor's shape, ``[num_saved_blocks, block_size, num_kv_heads, head_dim]``.
+
+    Raises:
+        TypeError: ``saved`` is not a list or tuple, or an entry is not a tensor.
+        ValueError: the wrong number of layers, an entry that is not a pair, or a tensor of another shape.
+    """
+    if not isinstance(saved, (list, tuple)):
+        raise TypeError(f"saved must be the list swap_out returned, got {type(saved).__name__}")
+    if len(saved) != num_layers:
+        raise ValueError(f"saved must hold one (k, v) pair per layer: {num_layers}, got {len(saved)}")
+    for layer, pair in enumerate(saved):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise ValueError(f"saved[{layer}] must be a (k, v) pair of tensors")
+        for name, t in zip("kv", pair):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"saved[{layer}] {name} must be a torch.Tensor, got {type(t).__name__}")
+            if tuple(t.shape) != shape:
+                raise ValueError(f"saved[{layer}] {name} has shape {tuple(t.shape)}; {shape[0]} blocks need {shape}")
+
+
+def check_block_ids(block_ids, name: str, num_blocks: int, unique: bool = False) -> list[int]:
+    """``block_ids`` as a list of ints in ``[0, num_blocks)``, or an error that names ``name``.
+
+    Args:
+        block_ids: an iterable of block ids (not a string).
+        name: the argument's name, as the caller's signature spells it.
+        num_blocks: the pool's size.
+        unique: refuse an id that appears twice (two copies into one block would race for it).
+
+    Raises:
+        TypeError: ``block_ids`` is not an iterable of ints.
+        IndexError: an id outside the pool.
+        ValueError: a repeated id, with ``unique``.
+    """
+    if isinstance(block_ids, (str, bytes)) or not hasattr(block_ids, "__iter__"):
+        raise TypeError(f"{name} must be a list of block ids, got {type(block_ids).__name__}")
+    ids = [check_int(b, f"{name}[{i}]", minimum=None) for i, b in enumerate(block_ids)]
+    for i, b in enumerate(ids):
+        if not 0 <= b < num_blocks:
+            raise IndexError(f"{name}[{i}] = {b} is outside the pool of {num_blocks} blocks")
+    if unique and len(set(ids)) != len(ids):
+        raise ValueError(f"{name} must not repeat a block id (two copies would race for it), got {ids}")
+    return ids
+
+
+def check_index(value, name: str, size: int, what: str) -> int:
+    """``value`` as an int in ``[0, size)``, or an error that names ``name``.
+
+    Args:
+        value: the index.
+        name: the argument's name, as the caller's signature spells it.
+        size: the number of entries it indexes.
+        what: what holds them, for the message (``"the cache has 2 layers"``).
+
+    Raises:
+        TypeError: ``value`` is not an int.
+        ValueError: ``value`` is negative.
+        IndexError: ``value`` is ``size`` or more.
+    """
+    value = check_int(value, name)
+    if value >= size:
+        raise IndexError(f"{name} {value} is out of range: {what}")
+    return value

@@ -87,17 +87,18 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from minipaged.accounting import blocks_needed, kv_bytes_per_token
+from minipaged.accounting import kv_bytes_per_token
 from minipaged.block_manager import BlockTable, OutOfBlocks
+from minipaged.block_math import blocks_needed
 from minipaged.cache import PagedKVCache
 from minipaged.clock import StepCost, VirtualClock
 from minipaged.engine import Engine, RequestOutput, StepOutput
 from minipaged.metrics import request_latencies, summarize
 from minipaged.prefix_cache import PrefixCachingAllocator
-from minipaged.replay import add_all, workload_request
+from minipaged.replay import add_all, check_workload, workload_request
 from minipaged.scheduler import EngineConfig, check_fits_pool
 from minipaged.sequence import SamplingParams, Sequence, SequenceStatus
-from minipaged.validation import check_hashable, check_int, check_real, check_workload
+from minipaged.validation import check_hashable, check_int, check_real
 from minipaged.workload import LogNormal, RequestSpec, WorkloadPreset, prompt_token_ids
 
 LLAMA_2_7B_KV_BYTES_PER_TOKEN = kv_bytes_per_token("Llama-2-7B")  # 2 * 32 layers * 32 heads * 128 * 2 B = 512 KiB

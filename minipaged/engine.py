@@ -26,6 +26,15 @@ from minipaged.attention import AttentionMetadata, get_backend
 from minipaged.block_manager import BlockAllocator, BlockTable
 from minipaged.cache import PagedKVCache
 from minipaged.clock import VirtualClock
+from minipaged.engine_args import (
+    SCHEDULER_METHODS,
+    check_abort_args,
+    check_built,
+    check_engine_args,
+    check_plan,
+    check_prompts,
+    check_request_args,
+)
 from minipaged.metrics import HISTORY_WINDOW, Metrics
 from minipaged.model import LlamaConfig
 from minipaged.outputs import RequestOutput, StepOutput
@@ -34,7 +43,7 @@ from minipaged.scheduler import EngineConfig, Scheduler, SchedulerOutput
 from minipaged.sequence import SamplingParams, Sequence, SequenceStatus, sample
 from minipaged.step_state import StepState
 from minipaged.stopping import mask_stop_tokens
-from minipaged.validation import check_abort_args, check_engine_args, check_prompts, check_request_args, errors_named
+from minipaged.validation import errors_named
 
 
 class Engine(StepState):
@@ -70,7 +79,8 @@ class Engine(StepState):
         cfg = self.config
         self.cache = PagedKVCache(mc.num_hidden_layers, cfg.num_blocks, cfg.block_size, mc.num_key_value_heads,
                                   mc.head_dim, model.dtype, model.device, allocator)  # fmt: skip
-        self.scheduler = scheduler(self.config, self.cache.allocator, block_table, speculator)
+        self.scheduler = check_built(scheduler(self.config, self.cache.allocator, block_table, speculator), "scheduler",
+                                     scheduler, SCHEDULER_METHODS)  # fmt: skip
         self.speculator = speculator
         self.metrics = Metrics(self.config.num_blocks, self.config.block_size,
                                None if self.config.keep_finished else HISTORY_WINDOW)  # fmt: skip
@@ -137,7 +147,7 @@ class Engine(StepState):
         if seqs[0].request_id == self._next_id:  # an automatic id is never handed out again, even once forgotten
             self._next_id += 1
 
-    def abort(self, request_id, sample: int | None = None) -> None:
+    def abort(self, request_id, sample_index: int | None = None) -> None:
         """Drop a waiting or running request (all its samples, or one); its blocks and swapped-out K/V are freed.
 
         Now, or at the end of the step when it is called during one. Unless
@@ -145,19 +155,19 @@ class Engine(StepState):
 
         Args:
             request_id: the request.
-            sample: None: every sample; an index in ``[0, n)``: only that sample (the LLM front end stops
+            sample_index: None: every sample; an index in ``[0, n)``: only that sample (the LLM front end stops
                 one at a stop string; sample 0 before its prompt is computed takes its pending forks along).
 
         Raises:
-            TypeError: ``request_id`` is not hashable, or ``sample`` is not an int.
+            TypeError: ``request_id`` is not hashable, or ``sample_index`` is not an int.
             KeyError: no such request (a finished one is forgotten unless ``keep_finished``).
-            IndexError: ``sample`` is not one of the request's samples.
+            IndexError: ``sample_index`` is not one of the request's samples.
             ValueError: the request (or that sample) has already finished or been aborted.
         """
-        targets = check_abort_args(request_id, sample, self.requests)
+        targets = check_abort_args(request_id, sample_index, self.requests)
         seqs = self.requests[request_id]
         if self._in_step:
-            self._deferred_aborts.append((request_id, sample))
+            self._deferred_aborts.append((request_id, sample_index))
             return
         with self.cache.allocator.hold_events():  # subscribers hear of the frees once the request is aborted
             for seq in (s for s in targets if not s.is_finished):
@@ -188,7 +198,7 @@ class Engine(StepState):
         subscribers hear of the step's events once it is over (of a failed step: one "rollback" event).
         """
         with self.cache.allocator.hold_events() as events, StepUndo(self, events) as undo:
-            out = self.scheduler.schedule()
+            out = check_plan(self.scheduler.schedule())
             undo.protect_kv(out)
             logits = self.execute(out)
             sampled, accepted = self.sample(out, logits)
@@ -259,7 +269,7 @@ class Engine(StepState):
                                  out.num_prefill_tokens, len(finished))  # fmt: skip
         for request_id in dict.fromkeys(s.request_id for s in finished):
             seqs = self.requests[request_id]
-            if all(s.is_finished for s in seqs):  # a sample aborted alone (abort(..., sample=i)) comes along
+            if all(s.is_finished for s in seqs):  # a sample aborted alone (abort(..., sample_index=i)) comes along
                 result.outputs.append(RequestOutput(request_id, seqs))
                 if not self.config.keep_finished:
                     self.forget(request_id)

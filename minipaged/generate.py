@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import torch
 
-from minipaged.accounting import blocks_needed
 from minipaged.attention import AttentionMetadata
 from minipaged.block_manager import BlockTable, OutOfBlocks
+from minipaged.block_math import blocks_needed
 from minipaged.cache import PagedKVCache
-from minipaged.model import LlamaForCausalLM
+from minipaged.model import LlamaForCausalLM, check_prompt
 from minipaged.stopping import StopRules
-from minipaged.validation import check_bool, check_int, check_prompt
+from minipaged.validation import check_bool, check_int
 
 
 def build_metadata(tables: list[BlockTable], num_new_tokens: list[int], device="cpu") -> AttentionMetadata:

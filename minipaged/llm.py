@@ -30,12 +30,12 @@ from minipaged.block_manager import BlockAllocator
 from minipaged.chat_template import apply_chat_template
 from minipaged.detokenizer import IncrementalDetokenizer
 from minipaged.engine import Engine
-from minipaged.model import LlamaForCausalLM
+from minipaged.model import LlamaForCausalLM, check_prompt
 from minipaged.prepack import prepack as prepack_model
 from minipaged.pretrained import load_model, load_tokenizer
 from minipaged.scheduler import EngineConfig
 from minipaged.sequence import SamplingParams, Sequence
-from minipaged.validation import check_bool, check_prompt
+from minipaged.validation import check_bool
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from minipaged.accounting import kv_usage, token_occupancy
+from minipaged.block_math import kv_usage, token_occupancy
 from minipaged.sequence import Sequence, SequenceStatus
 from minipaged.step_state import StepState
 from minipaged.validation import check_int

@@ -36,9 +36,18 @@ from minipaged.attention import (
     get_backend,
     paged_attention,
     paged_prefill_attention,
+    write_kv,
 )
-from minipaged.cache import write_kv
-from minipaged.validation import check_llama_config, check_packed_batch
+from minipaged.stopping import eos_token_ids
+from minipaged.validation import (
+    check_fields,
+    check_int,
+    check_multiple,
+    check_packed_batch,
+    check_real,
+    check_token_ids,
+    errors_named,
+)
 
 
 @dataclass
@@ -255,3 +264,68 @@ class LlamaForCausalLM(nn.Module):
 
         hidden = self.model(input_ids, positions, self.rope_cos, self.rope_sin, attend)
         return self.lm_head(hidden), present
+
+
+def check_llama_config(config) -> None:
+    """Check a :class:`~minipaged.model.LlamaConfig`'s fields in place, normalising them (ints, floats, EOS ids).
+
+    Every size must be an int >= 1; ``rope_theta`` a number > 1 and ``rms_norm_eps`` one >= 0; the
+    query heads a multiple of the KV heads; ``head_dim`` even (RoPE rotates pairs). ``eos_token_id``
+    becomes None, an int or a tuple of ints (see :func:`minipaged.stopping.eos_token_ids`), and it
+    and ``bos_token_id`` must lie in the vocabulary.
+
+    Args:
+        config: the config, just constructed; its fields are replaced by their checked values.
+    """
+    check_fields(config, "LlamaConfig", ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"), check_int,
+                 minimum=1)  # fmt: skip
+    check_fields(config, "LlamaConfig", ("rope_theta", "rms_norm_eps"), check_real, minimum=0)
+    if config.rope_theta <= 1:
+        raise ValueError(f"LlamaConfig.rope_theta must be > 1, got {config.rope_theta!r}")
+    check_multiple(config.num_attention_heads, "num_attention_heads", config.num_key_value_heads,
+                   "num_key_value_heads")  # fmt: skip
+    if config.head_dim % 2:
+        raise ValueError(f"head_dim must be even for RoPE, got {config.head_dim}")
+    with errors_named("LlamaConfig."):
+        eos = eos_token_ids(config.eos_token_id)
+    config.eos_token_id = None if not eos else eos[0] if len(eos) == 1 else eos
+    if config.bos_token_id is not None:
+        config.bos_token_id = check_int(config.bos_token_id, "LlamaConfig.bos_token_id")
+    bos = () if config.bos_token_id is None else (config.bos_token_id,)
+    for name, ids in (("eos_token_id", eos), ("bos_token_id", bos)):
+        for t in ids:
+            if t >= config.vocab_size:
+                raise ValueError(f"LlamaConfig.{name} holds {t}, outside the vocabulary [0, {config.vocab_size})")
+
+
+def check_prompt(config, prompt_token_ids, max_new_tokens: int, name: str) -> list[int]:
+    """A prompt as a list of ints, or an error naming ``name``: ids in the vocabulary, and room for the output.
+
+    Args:
+        config: the model's :class:`~minipaged.model.LlamaConfig` (``vocab_size``, ``max_position_embeddings``).
+        prompt_token_ids: the prompt's token ids (at least one).
+        max_new_tokens: the tokens to generate after it; prompt and output together must fit
+            ``max_position_embeddings`` (RoPE has no angle for a later position).
+        name: the argument's name in the caller, for the messages.
+    """
+    ids = check_token_ids(prompt_token_ids, name, config.vocab_size)
+    check_positions(config, len(ids), max_new_tokens, name)
+    return ids
+
+
+def check_positions(config, num_prompt_tokens: int, max_new_tokens: int, name: str) -> None:
+    """A ``ValueError`` naming ``name`` if a prompt and its output would not fit ``max_position_embeddings``.
+
+    Args:
+        config: the model's :class:`~minipaged.model.LlamaConfig`.
+        num_prompt_tokens: the prompt's length.
+        max_new_tokens: the tokens to generate after it.
+        name: the prompt's name in the caller, for the message.
+    """
+    if num_prompt_tokens + max_new_tokens > config.max_position_embeddings:
+        raise ValueError(
+            f"{name} has {num_prompt_tokens} tokens and {max_new_tokens} more are asked for: "
+            f"{num_prompt_tokens + max_new_tokens} exceeds the model's max_position_embeddings="
+            f"{config.max_position_embeddings}"
+        )

@@ -2,7 +2,7 @@
 
 :meth:`minipaged.engine.Engine.run` steps a :class:`Replay` to the end, and chapter 05's dashboard
 steps one on every click. Chapter 08's disaggregated engine, which schedules arrivals as events of
-its own, shares the checks (:func:`~minipaged.validation.check_workload`), the requests as sent
+its own, shares the checks (:func:`check_workload`), the requests as sent
 (:func:`workload_request`) and the all-or-none adding (:func:`add_all`).
 """
 
@@ -12,8 +12,10 @@ from collections import deque
 
 from tqdm.auto import tqdm
 
+from minipaged.model import check_positions, check_prompt
+from minipaged.scheduler import check_fits_pool
 from minipaged.sequence import SamplingParams, Sequence
-from minipaged.validation import check_workload
+from minipaged.validation import check_instance, check_real
 from minipaged.workload import RequestSpec, prompt_token_ids
 
 
@@ -121,3 +123,31 @@ class Replay:
                 self.step()
                 bar.update(self.engine.metrics.history[-1].finished)
         return self.seqs
+
+
+def check_workload(engine, workload: list, prompts: list[list[int]] | None = None) -> None:
+    """Check every request of a workload before any runs: arrival time, prompt, and that the pool could hold it.
+
+    Args:
+        engine: the engine (its model's positions and vocabulary, its pool) the workload will run on.
+        workload: the requests, :class:`~minipaged.workload.RequestSpec` s.
+        prompts: None, or each request's prompt token ids (``workload[i].num_prompt_tokens`` of them).
+
+    Raises:
+        TypeError: an entry is not a RequestSpec, or a prompt holds a non-int.
+        ValueError: a bad arrival time, a prompt of the wrong length or outside the vocabulary, or a
+            request that the model's positions or the engine's pool could never hold.
+    """
+    for i, r in enumerate(workload):
+        check_instance(r, f"workload[{i}]", RequestSpec, "a RequestSpec")
+        check_real(r.arrival_time, f"workload[{i}].arrival_time", minimum=0)  # NaN would never arrive
+        check_positions(engine.model.config, r.num_prompt_tokens, r.num_output_tokens, f"workload[{i}]'s prompt")
+        check_fits_pool(engine.config, r.num_prompt_tokens, r.num_output_tokens, f"workload[{i}]")  # not mid-run
+    if prompts is not None:
+        if len(prompts) != len(workload):
+            raise ValueError(f"prompts must hold one prompt per request: {len(workload)}, got {len(prompts)}")
+        for i, (p, r) in enumerate(zip(prompts, workload)):
+            check_prompt(engine.model.config, p, r.num_output_tokens, f"prompts[{i}]")
+            if len(p) != r.num_prompt_tokens:
+                raise ValueError(f"prompts[{i}] has {len(p)} tokens but workload[{i}].num_prompt_tokens is "
+                                 f"{r.num_prompt_tokens}")

@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections import deque
 
 from minipaged.sequence import Sequence, SequenceStatus
-from minipaged.validation import check_policy_registration
 
 
 class FCFSQueue(deque):
@@ -70,3 +69,24 @@ def create_request_queue(policy: str) -> deque:
     if policy not in SCHEDULING_POLICIES:
         raise ValueError(f"scheduling_policy must be one of {sorted(SCHEDULING_POLICIES)}, got {policy!r}")
     return SCHEDULING_POLICIES[policy]()
+
+
+def check_policy_registration(name, queue_class, registry: dict) -> None:
+    """The arguments of ``request_queue.register_policy``, checked before the registry changes.
+
+    Args:
+        name: a str not in ``registry``.
+        queue_class: a :class:`collections.deque` subclass with a ``victim(running)`` method.
+        registry: the policies registered now, name -> queue class.
+
+    Raises:
+        TypeError: ``name`` is not a str, or ``queue_class`` is not such a class.
+        ValueError: ``name`` is already registered.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    if name in registry:
+        raise ValueError(f"scheduling policy {name!r} is already registered")
+    victim = getattr(queue_class, "victim", None)
+    if not (isinstance(queue_class, type) and issubclass(queue_class, deque) and callable(victim)):
+        raise TypeError(f"queue_class must be a deque subclass with a victim(running) method, got {queue_class!r:.60}")

@@ -58,12 +58,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minipaged.accounting import blocks_needed
+from minipaged.attention import get_backend
 from minipaged.block_manager import BlockTable
-from minipaged.request_queue import create_request_queue
+from minipaged.block_math import ceil_div  # the step's own counts, already checked: no check per call
+from minipaged.request_queue import SCHEDULING_POLICIES, create_request_queue
 from minipaged.sequence import Sequence, SequenceStatus
 from minipaged.step_state import StepState
-from minipaged.validation import check_engine_config, check_fits_pool, check_num_samples
+from minipaged.validation import check_bool, check_choice, check_fields, check_in_interval, check_int, errors_named
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -298,7 +299,7 @@ class Scheduler(StepState):
         hit_blocks = match.block_ids if match else []
         touched = self.allocator.num_free_among(hit_blocks) if match else 0
         return can_admit(self.allocator.num_free - touched,
-                         blocks_needed(num_tokens, self.config.block_size) - len(hit_blocks),
+                         ceil_div(num_tokens, self.config.block_size) - len(hit_blocks),
                          self.config.watermark_blocks, self.num_seats + len(seq.pending_forks) + num_other_seats,
                          self.config.max_num_seqs)  # fmt: skip
 
@@ -312,7 +313,7 @@ class Scheduler(StepState):
             table.append_tokens(start - hit_blocks * self.config.block_size)
             out.swap_in.append(seq)
             out.swap_in_hit_blocks.append(hit_blocks)
-            swapped = max(0, blocks_needed(seq.num_computed_tokens, self.config.block_size) - hit_blocks)
+            swapped = max(0, ceil_div(seq.num_computed_tokens, self.config.block_size) - hit_blocks)
             self.allocator.emit("swap_in", None, seq.seq_id, swapped_blocks=swapped, hit_blocks=hit_blocks)
         seq.num_computed_tokens = start
         seq.block_table = table
@@ -329,7 +330,7 @@ class Scheduler(StepState):
         """Free the victim's blocks, keep its tokens, queue it at the front; swap mode saves its K/V first."""
         swap = self.config.preemption_mode == "swap" and seq.num_computed_tokens > 0
         # Only the blocks holding computed K/V are saved (a chunk reserved this step is not written yet).
-        saved = seq.block_table.blocks[: blocks_needed(seq.num_computed_tokens, self.config.block_size)] if swap else []
+        saved = seq.block_table.blocks[: ceil_div(seq.num_computed_tokens, self.config.block_size)] if swap else []
         # A copy-on-write made this step has not been carried out: its source still holds the K/V to save.
         sources = {dst: src for src, dst in seq.block_table.take_pending_copies()}
         saved = [sources.get(b, b) for b in saved]
@@ -425,3 +426,68 @@ class Scheduler(StepState):
         seq.pending_forks = []
         seq.abort()
         self._release(seq)
+
+
+def check_engine_config(config) -> None:
+    """Check an :class:`~minipaged.scheduler.EngineConfig`'s fields in place (sizes as ints, the watermark as a float).
+
+    The sizes must be ints >= 1, the watermark a fraction in ``[0, 1)``, the flags bools, and the
+    preemption mode, scheduling policy and attention backend registered names.
+
+    Args:
+        config: the config, just constructed; its fields are replaced by their checked values.
+    """
+    check_fields(config, "EngineConfig", ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"),
+                 check_int, minimum=1)  # fmt: skip
+    config.watermark = check_in_interval(config.watermark, "EngineConfig.watermark", 0, 1)
+    check_bool(config.chunked_prefill, "EngineConfig.chunked_prefill")
+    check_bool(config.keep_finished, "EngineConfig.keep_finished")
+    check_choice(config.preemption_mode, "EngineConfig.preemption_mode", PREEMPTION_MODES)
+    check_choice(config.scheduling_policy, "EngineConfig.scheduling_policy", tuple(SCHEDULING_POLICIES))
+    with errors_named("EngineConfig."):
+        get_backend(config.backend)  # a name of the attention registry (loaded on first use)
+
+
+def check_fits_pool(config, num_prompt_tokens: int, max_tokens: int, request: str, pool: str = "the pool") -> None:
+    """A ``ValueError`` for a request that could never run, even alone in an empty pool.
+
+    The most K/V a request holds is prompt + max_tokens - 1 tokens (the last sampled token is
+    never fed back). If those blocks exceed the pool minus the watermark, it could never be
+    admitted; without chunked prefill, a recompute of all of them must also fit one step's budget.
+
+    Args:
+        config: the pool and the scheduler's knobs (an :class:`~minipaged.scheduler.EngineConfig`).
+        num_prompt_tokens: the request's prompt length.
+        max_tokens: the most tokens it may generate.
+        request: the request, for the message (``"request 'a'"``).
+        pool: the pool, for the message.
+    """
+    longest = num_prompt_tokens + max_tokens - 1
+    need = ceil_div(longest, config.block_size)
+    room = config.num_blocks - config.watermark_blocks
+    if need > room:
+        raise ValueError(
+            f"{request} needs up to {need} blocks ({num_prompt_tokens} prompt + {max_tokens} max_tokens, block_size "
+            f"{config.block_size}) but {pool} has {config.num_blocks} blocks, {room} after the watermark: raise "
+            "num_blocks or lower max_tokens"
+        )
+    if not config.chunked_prefill and longest > config.max_num_batched_tokens:
+        raise ValueError(
+            f"{request} may need to (re)compute {longest} tokens in one step, more than "
+            f"max_num_batched_tokens={config.max_num_batched_tokens}: enable chunked_prefill or raise the budget"
+        )
+
+
+def check_num_samples(num_samples: int, max_num_seqs: int, request: str) -> None:
+    """A ``ValueError`` for a request whose samples, which run together, could never all have a seat.
+
+    Args:
+        num_samples: the request's samples (its ``SamplingParams.n``).
+        max_num_seqs: the most sequences the engine runs at once.
+        request: the request, for the message (``"request 'a'"``).
+    """
+    if num_samples > max_num_seqs:
+        raise ValueError(
+            f"{request}: SamplingParams.n = {num_samples} samples must run together, but "
+            f"max_num_seqs is {max_num_seqs}: lower n or raise max_num_seqs"
+        )

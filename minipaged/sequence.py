@@ -42,7 +42,7 @@ import torch
 
 from minipaged.step_state import StepState
 from minipaged.stopping import StopRules
-from minipaged.validation import check_sampling_params
+from minipaged.validation import check_bool, check_int, check_real
 
 
 class SequenceStatus(Enum):
@@ -238,3 +238,73 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
             probs = torch.softmax(logits[i].float() / t, dim=-1)
             tokens[i] = int(torch.multinomial(probs, 1, generator=seq.generator))
     return tokens
+
+
+def check_sampling_params(params) -> None:
+    """Check a :class:`~minipaged.sequence.SamplingParams`' fields in place, normalising them (ints, floats, tuples).
+
+    ``max_tokens`` and ``n`` are ints >= 1, ``temperature`` a number >= 0, ``seed`` None or an int,
+    the stop tokens and stop strings tuples (see :func:`check_token_id_tuple`, :func:`check_stop_strings`),
+    ``min_tokens`` within ``0 .. max_tokens`` (the stopping rules' own check), the flags bools.
+
+    Args:
+        params: the parameters, just constructed; their fields are replaced by their checked values.
+    """
+    def put(name, value):  # SamplingParams is frozen: its checked values replace the given ones, once, here
+        object.__setattr__(params, name, value)
+
+    put("max_tokens", check_int(params.max_tokens, "max_tokens", minimum=1))
+    put("n", check_int(params.n, "n", minimum=1))
+    check_bool(params.ignore_eos, "ignore_eos")
+    put("temperature", check_real(params.temperature, "temperature", minimum=0))
+    if params.seed is not None:
+        put("seed", check_int(params.seed, "seed", minimum=None))
+    put("stop_token_ids", check_token_id_tuple(params.stop_token_ids, "stop_token_ids"))
+    put("min_tokens", params.stop_rules().min_tokens)  # the rules' own checks: min_tokens within 0..max_tokens
+    put("stop", check_stop_strings(params.stop, "stop"))
+    check_bool(params.include_stop_str_in_output, "include_stop_str_in_output")
+
+
+def check_token_id_tuple(value, name: str) -> tuple[int, ...]:
+    """``value`` as a tuple of token ids (ints >= 0): None is none, an int is one.
+
+    Args:
+        value: None, an int, or a list, tuple or set of ints.
+        name: the argument's name, as the caller's signature spells it.
+
+    Raises:
+        TypeError: ``value`` is another kind, or an id is not an int.
+        ValueError: an id is negative.
+    """
+    if value is None:  # vLLM's default spelling of "none"
+        return ()
+    if isinstance(value, int):
+        value = (value,)
+    if not isinstance(value, (list, tuple, set, frozenset)):
+        raise TypeError(f"{name} must be a tuple of token ids, got {type(value).__name__}")
+    return tuple(check_int(t, f"{name}[{i}]") for i, t in enumerate(value))
+
+
+def check_stop_strings(value, name: str) -> tuple[str, ...]:
+    """``value`` as a tuple of non-empty stop strings: None is none, a str is one.
+
+    Args:
+        value: None, a str, or a list or tuple of str.
+        name: the argument's name, as the caller's signature spells it.
+
+    Raises:
+        TypeError: ``value`` is another kind, or an entry is not a str.
+        ValueError: an entry is empty (it would match before any text).
+    """
+    if value is None:  # vLLM's default spelling of "none"
+        return ()
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a str or a tuple of str, got {type(value).__name__}")
+    for i, s in enumerate(value):
+        if not isinstance(s, str):
+            raise TypeError(f"{name}[{i}] must be a str, got {type(s).__name__} {s!r}")
+        if not s:
+            raise ValueError(f"{name}[{i}] must not be empty (an empty stop string would match before any text)")
+    return tuple(value)

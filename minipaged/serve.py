@@ -32,10 +32,10 @@ import time
 from minipaged.chat_template import ChatTemplateError, NoChatTemplate
 from minipaged.engine import Engine
 from minipaged.llm import DEFAULT_MODEL, LLM
+from minipaged.model import check_prompt
 from minipaged.pretrained import checkpoint_dir, load_model, load_tokenizer
 from minipaged.scheduler import EngineConfig, check_fits_pool
 from minipaged.sequence import SamplingParams
-from minipaged.validation import check_prompt
 
 CHAT_MAX_TOKENS = 256  # enough for a short answer to end at EOS by itself
 PROMPT_MAX_TOKENS = 64

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minipaged.validation import check_int, check_stop_rule_args
+from minipaged.validation import check_ids_below, check_int
 
 
 def eos_token_ids(eos_token_id) -> tuple[int, ...]:
@@ -159,3 +159,28 @@ def mask_stop_tokens(logits: torch.Tensor, seqs: list, spec: dict) -> torch.Tens
         blocks.append(seq.stop_rules.mask(logits[start : start + n], seq.num_output_tokens))
         start += n
     return torch.cat(blocks)
+
+
+def check_stop_rule_args(max_tokens, min_tokens, eos_token_id, stop_token_ids, vocab_size):
+    """The arguments of ``StopRules.resolve`` (see it), checked; returns them as ints and tuples.
+
+    Args:
+        max_tokens: an int >= 0.
+        min_tokens: an int in ``[0, max_tokens]``.
+        eos_token_id: the model's EOS ids (None, an int or a list; see :func:`minipaged.stopping.eos_token_ids`).
+        stop_token_ids: ints >= 0.
+        vocab_size: every id must lie below it (None: not checked).
+
+    Returns:
+        ``(max_tokens, min_tokens, the EOS ids as a tuple, the stop token ids as a list)``.
+    """
+    max_tokens = check_int(max_tokens, "max_tokens")
+    min_tokens = check_int(min_tokens, "min_tokens")
+    if min_tokens > max_tokens:
+        raise ValueError(f"min_tokens must be at most max_tokens={max_tokens}, got {min_tokens}")
+    eos = eos_token_ids(eos_token_id)
+    stop_ids = [check_int(t, f"stop_token_ids[{i}]") for i, t in enumerate(stop_token_ids)]
+    if vocab_size is not None:
+        check_ids_below(stop_ids, "stop_token_ids", vocab_size, "the model")
+        check_ids_below(eos, "eos_token_id", vocab_size, "the model")
+    return max_tokens, min_tokens, eos, stop_ids

@@ -19,9 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from minipaged.accounting import blocks_needed
-from minipaged.attention import contiguous_attention
-from minipaged.cache import write_kv
+from minipaged.attention import contiguous_attention, write_kv
+from minipaged.block_math import blocks_needed
 from minipaged.validation import check_int
 
 

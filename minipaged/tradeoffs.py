@@ -36,17 +36,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from minipaged.accounting import (
-    BLOCK_TABLE_ENTRY_BYTES,
-    blocks_needed,
-    ceil_div,
-    kv_usage,
-    slot_utilisation,
-    tail_waste,
-    token_occupancy,
-    utilisation,
-)
+from minipaged.accounting import BLOCK_TABLE_ENTRY_BYTES, slot_utilisation, tail_waste, utilisation
 from minipaged.block_manager import BlockAllocator, BlockTable
+from minipaged.block_math import blocks_needed, ceil_div, kv_usage, token_occupancy
 from minipaged.clock import StepCost, VirtualClock
 from minipaged.engine import Engine
 from minipaged.metrics import percentiles, request_latencies, summarize

@@ -53,8 +53,8 @@ import torch.nn.functional as F
 
 from minipaged import tokenizer
 from minipaged.checkpoint import load_pretrained, save_pretrained
-from minipaged.model import LlamaConfig, LlamaForCausalLM
-from minipaged.validation import check_int, check_prompt, check_real
+from minipaged.model import LlamaConfig, LlamaForCausalLM, check_prompt
+from minipaged.validation import check_int, check_real
 
 MIX = {"code": 0.795, "docs": 0.2, "zen": 0.005}
 HELD_OUT_EVERY = 20  # one file (or topic) in twenty is held out

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 import minipaged.validation
+from minipaged.attention import write_kv
 from minipaged.block_manager import BOOKKEEPING_BYTES_PER_BLOCK, BlockAllocator, BlockError, BlockTable
-from minipaged.cache import PagedKVCache, write_kv
+from minipaged.cache import PagedKVCache
 
 pytestmark = pytest.mark.ch02
 

@@ -7,7 +7,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minipaged.accounting import blocks_needed
 from minipaged.block_manager import (
     BlockAllocator,
     BlockError,
@@ -15,6 +14,7 @@ from minipaged.block_manager import (
     OutOfBlocks,
     block_tables_tensor,
 )
+from minipaged.block_math import blocks_needed
 from minipaged.events import BlockEvent
 
 pytestmark = pytest.mark.ch02

@@ -6,8 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minipaged.accounting import memory_report
+from minipaged.attention import write_kv
 from minipaged.block_manager import OutOfBlocks
-from minipaged.cache import PagedKVCache, write_kv
+from minipaged.cache import PagedKVCache
 
 pytestmark = pytest.mark.ch02
 

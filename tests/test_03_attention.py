@@ -11,8 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minipaged._triton import HAVE_TRITON
-from minipaged.attention import contiguous_attention, paged_attention, paged_prefill_attention
-from minipaged.cache import write_kv
+from minipaged.attention import contiguous_attention, paged_attention, paged_prefill_attention, write_kv
 from minipaged.testing import make_paged_case
 
 pytestmark = pytest.mark.ch03

@@ -16,8 +16,15 @@ import pytest
 import torch
 
 import minipaged.attention as attention
-from minipaged.attention import AttentionBackend, backend_names, get_backend, paged_attention, register_backend
-from minipaged.cache import PagedKVCache, write_kv
+from minipaged.attention import (
+    AttentionBackend,
+    backend_names,
+    get_backend,
+    paged_attention,
+    register_backend,
+    write_kv,
+)
+from minipaged.cache import PagedKVCache
 from minipaged.generate import generate_paged
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 from minipaged.testing import make_paged_case
@@ -174,11 +181,12 @@ def test_a_backend_that_is_not_a_name_is_a_type_error(model, bad):
 def test_a_kv_cache_write_with_a_bad_backend_writes_nothing():
     cache = PagedKVCache(1, 4, 4, 2, 16)
     key = torch.ones(2, 2, 16)
+    pools = cache.k_caches[0], cache.v_caches[0]
     for bad, error in (("cuda", ValueError), (1, TypeError)):
         with pytest.raises(error, match="backend must be one of"):
-            cache.write(0, key, key, torch.tensor([0, 1]), backend=bad)
+            write_kv(key, key, *pools, torch.tensor([0, 1]), backend=bad)
     assert not cache.k_caches[0].any() and not cache.v_caches[0].any()
-    cache.write(0, key, key, torch.tensor([0, 5]), backend="toy")
+    write_kv(key, key, *pools, torch.tensor([0, 5]), backend="toy")
     assert cache.k_caches[0][0, 0].eq(1).all() and cache.k_caches[0][1, 1].eq(1).all()
 
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from minipaged.cache import write_kv
+from minipaged.attention import write_kv
 from minipaged.kernels import check_supported, paged_decode_attention, supports
 from minipaged.kernels import write_kv as triton_write_kv
 from minipaged.testing import make_paged_case

@@ -9,8 +9,7 @@ launched: every input here is rejected before that.
 import pytest
 import torch
 
-from minipaged.attention import paged_attention, paged_prefill_attention
-from minipaged.cache import write_kv
+from minipaged.attention import paged_attention, paged_prefill_attention, write_kv
 from minipaged.kernels import paged_decode_attention
 from minipaged.kernels import paged_prefill_attention as triton_prefill
 from minipaged.kernels import write_kv as triton_write_kv

@@ -279,7 +279,7 @@ def test_abort_one_sample_lets_the_others_run_on(model):
     engine = Engine(model)
     params = SamplingParams(max_tokens=10, n=3, temperature=1.0, seed=3, ignore_eos=True)
     rid = engine.add_request([5, 6, 7, 8, 9], params)
-    with pytest.raises(IndexError, match=r"sample must be in \[0, 3\)"):
+    with pytest.raises(IndexError, match=r"sample_index must be in \[0, 3\)"):
         engine.abort(rid, 3)
     with pytest.raises(TypeError, match="sample"):
         engine.abort(rid, True)

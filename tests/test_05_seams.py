@@ -3,17 +3,20 @@
 Each seam is one constructor argument (allocator, block table, scheduler, speculator) or one registry
 name (the scheduling policy, the attention backend, whose toy is in test_03_backends.py). A toy policy
 registered from this file alone changes the admission order; drop-in subclasses are called, and the
-tokens stay those of contiguous generation. The rollback snapshot is generic: state a new class adds
-(a dict of sets, a heap) is put back after a failed step without anyone listing it.
+tokens stay those of contiguous generation. A class's own state is put back after a failed step once it
+names it (``_step_containers``). What a seam returns is checked where the engine receives it: a wrong
+kind or size is an error that names the seam, and the step that met it is undone.
 """
 
 import subprocess
 import sys
 from collections import deque
 
+import engine_helpers
 import pytest
 import torch
 
+from minipaged.attention import AttentionBackend, get_backend, paged_attention, paged_prefill_attention
 from minipaged.block_manager import BlockAllocator, BlockTable
 from minipaged.engine import Engine
 from minipaged.generate import generate_contiguous
@@ -22,6 +25,7 @@ from minipaged.request_queue import SCHEDULING_POLICIES, FCFSQueue, register_pol
 from minipaged.scheduler import EngineConfig, Scheduler
 from minipaged.sequence import SamplingParams
 from minipaged.speculative import NgramSpeculator
+from minipaged.testing import make_paged_case
 
 pytestmark = pytest.mark.ch05
 
@@ -172,3 +176,69 @@ def test_chapter_05s_engine_imports_no_later_chapter():
     for later in ("prefix_cache", "speculative", "disagg", "checkpoint", "generate", "kernels", "attention_loop"):
         assert f"minipaged.{later}" not in loaded
     assert "minipaged.engine" in loaded
+
+
+# -- what a seam returns is checked where the engine receives it (issue 39) ------------------------------
+
+
+class PlanIsNone(Scheduler):
+    def schedule(self):
+        super().schedule()
+        return None
+
+
+class SlotShort(Scheduler):
+    def schedule(self):
+        out = super().schedule()
+        if out.slot_mappings:
+            out.slot_mappings[0] = out.slot_mappings[0][:-1]
+        return out
+
+
+class StringBlocks(BlockAllocator):
+    def allocate_many(self, num_blocks, seq_id=None):
+        return [str(b) for b in super().allocate_many(num_blocks, seq_id)]
+
+
+@pytest.mark.parametrize("seams, error, message", [
+    ({"scheduler": lambda *args: None}, TypeError, r"scheduler=.* returned a NoneType without add\(\), schedule"),
+    ({"allocator": lambda num_blocks, block_size: object()}, TypeError, "allocator=.* returned a object: a block"),
+])  # fmt: skip
+def test_a_seam_factory_that_returns_the_wrong_kind_is_named_at_construction(model, seams, error, message):
+    with pytest.raises(error, match=message):
+        Engine(model, EngineConfig(num_blocks=24, block_size=4), **seams)
+
+
+@pytest.mark.parametrize("seams, error, message", [
+    ({"scheduler": PlanIsNone}, TypeError, r"scheduler.schedule\(\) returned a NoneType, not a SchedulerOutput"),
+    ({"scheduler": SlotShort}, ValueError,
+     r"scheduler.schedule\(\) returned slot mappings of \[6, 2\] slots .* for \[7, 2\] scheduled tokens"),
+    ({"allocator": StringBlocks}, TypeError, r"allocator.allocate_many\(2\) returned \['0', '1'\]"),
+])  # fmt: skip
+def test_a_seam_that_returns_the_wrong_thing_is_named_and_the_step_undone(model, seams, error, message):
+    """Was: 'can only concatenate str', 'list index out of range', or an AttributeError deep in the step."""
+    engine = Engine(model, EngineConfig(num_blocks=24, block_size=4), **seams)
+    for p in PROMPTS[:2]:
+        engine.add_request(p, SamplingParams(max_tokens=3))
+    before = engine_helpers.snapshot(engine)
+    with pytest.raises(error, match=message):
+        engine.step()
+    assert engine_helpers.snapshot(engine) == before
+
+
+@pytest.mark.parametrize("call", ["decode", "prefill"])
+@pytest.mark.parametrize("result, error, message", [
+    (lambda q: None, TypeError, "returned a NoneType, not a tensor"),
+    (lambda q: q[:, :1], ValueError, r"returned a torch.float32 tensor of shape \(\d+, 1, 16\); expected q's"),
+    (lambda q: q.double(), ValueError, "returned a torch.float64 tensor"),
+])  # fmt: skip
+def test_an_attention_backend_that_returns_the_wrong_tensor_is_named(call, result, error, message):
+    case = make_paged_case([5, 9], num_new_tokens=[1, 1] if call == "decode" else [2, 4], block_size=4, num_heads=4,
+                           num_kv_heads=2, head_dim=16)  # fmt: skip
+    torch_backend = get_backend("torch")
+    wrong = AttentionBackend("wrong", decode=lambda q, *args, **kw: result(q), prefill=lambda q, *args, **kw: result(q),
+                             write=torch_backend.write)  # fmt: skip
+    run = paged_attention if call == "decode" else paged_prefill_attention
+    args = case.decode_args if call == "decode" else case.prefill_args
+    with pytest.raises(error, match=f"attention backend 'wrong': its {call} " + message):
+        run(*args, backend=wrong)

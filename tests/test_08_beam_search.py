@@ -5,9 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minipaged.accounting import blocks_needed
 from minipaged.beam_search import beam_search, beam_search_contiguous
 from minipaged.block_manager import BlockTable, OutOfBlocks
+from minipaged.block_math import blocks_needed
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 
 pytestmark = pytest.mark.ch08

@@ -1,24 +1,30 @@
 """Issue 22's size targets, kept by every later change: chapter 05's engine stays readable.
 
 - ``engine.py`` is at most 350 lines;
-- the core (every module chapter 05's ``Engine`` imports, directly or not, imports inside functions
-  included, apart from validation, accounting, workload, clock and metrics) has at most 1,500 code
-  lines (no blank lines, comments or docstrings);
+- the modules the engine loads to take one step (counted from ``sys.modules``) have at most
+  :data:`MAX_LOADED_CODE_LINES` code lines (no blank lines, comments or docstrings), chapter 01's
+  accounting and workload not among them (issue 39);
+- the core's imports form a tree, imports inside functions included (issue 39), the attention
+  registry's loading of its own backends aside;
 - no function in ``minipaged/`` is longer than 60 lines, not counting its docstring (the Triton
   kernels in ``kernels/`` read as one story each and are excepted).
 """
 
 import ast
 import io
+import json
+import os
+import subprocess
+import sys
 import tokenize
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "minipaged"
-NOT_CORE = {"validation", "accounting", "workload", "clock", "metrics"}
+NOT_CORE = {"validation", "accounting", "workload", "clock", "metrics"}  # reached, but not chapter 05's logic
 MAX_ENGINE_LINES = 350
-MAX_CORE_CODE_LINES = 1500
+MAX_LOADED_CODE_LINES = 2200  # issue 39 measured 2,645 before; its goal is 1,800
 MAX_FUNCTION_LINES = 60
 
 
@@ -101,17 +107,68 @@ def test_engine_py_reads_on_a_few_screens():
     assert n <= MAX_ENGINE_LINES, f"minipaged/engine.py has {n} lines, more than {MAX_ENGINE_LINES}"
 
 
-def test_the_core_stays_small():
-    core = core_modules()
+def loaded_core() -> dict[str, int]:
+    """The ``minipaged`` modules loaded after ``import minipaged.engine`` and one step of the torch backend, and
+    their code lines (counted from ``sys.modules`` in a fresh interpreter, so a lazy import counts once it runs)."""
+    script = (
+        "import json, sys\n"
+        "from minipaged.engine import Engine\n"
+        "from minipaged.model import LlamaConfig, LlamaForCausalLM\n"
+        "from minipaged.scheduler import EngineConfig\n"
+        "engine = Engine(LlamaForCausalLM(LlamaConfig(), seed=0).eval(), EngineConfig(num_blocks=16, block_size=4))\n"
+        "engine.add_request([1, 2, 3])\n"
+        "engine.step()\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.startswith('minipaged.'))))\n"
+    )
+    names = json.loads(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                                      env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout)  # fmt: skip
+    return {name: code_lines(module_file(name)) for name in names if module_file(name) is not None}
+
+
+def test_the_engine_loads_a_small_core():
+    core = loaded_core()
     total = sum(core.values())
-    table = "\n".join(f"{name:<32}{n:>6}" for name, n in core.items())
-    assert total <= MAX_CORE_CODE_LINES, f"the core has {total} code lines, over {MAX_CORE_CODE_LINES}:\n{table}"
+    table = "\n".join(f"{name:<32}{n:>6}" for name, n in sorted(core.items(), key=lambda item: -item[1]))
+    limit = MAX_LOADED_CODE_LINES
+    assert total <= limit, f"the engine loads {total} code lines, over {limit}:\n{table}"
+    for chapter_01 in ("accounting", "workload"):  # the engine needs their block arithmetic only (block_math)
+        assert f"minipaged.{chapter_01}" not in core
 
 
 def test_chapter_05s_engine_does_not_reach_later_chapters():
     core = core_modules()
     for later in ("prefix_cache", "speculative", "disagg", "checkpoint", "generate", "beam_search", "llm"):
         assert f"minipaged.{later}" not in core, f"chapter 05's engine imports minipaged.{later}"
+
+
+# The one allowed circle: the attention registry loads its own backends by name, inside functions.
+REGISTRY_LOADS = {("minipaged.attention", "minipaged.attention_loop"), ("minipaged.attention", "minipaged.kernels")}
+
+
+def import_circles() -> list[list[str]]:
+    """The circles among the core's imports (imports inside functions included), registry loads aside."""
+    core = set(core_modules()) | {f"minipaged.{name}" for name in NOT_CORE}
+    graph = {n: {m for m in imported_modules(module_file(n)) if m in core and (n, m) not in REGISTRY_LOADS}
+             for n in core if module_file(n)}  # fmt: skip
+    circles, done = [], set()
+
+    def visit(node, path):
+        if node in path:
+            circles.append(path[path.index(node):] + [node])
+            return
+        if node in done:
+            return
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt, path + [node])
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node, [])
+    return circles
+
+
+def test_the_core_imports_form_a_tree():
+    assert import_circles() == []
 
 
 def test_no_function_is_longer_than_a_screen():

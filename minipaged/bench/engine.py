@@ -18,8 +18,8 @@ import argparse
 
 import torch
 
-from minipaged.accounting import blocks_needed
 from minipaged.bench import best_runs, fraction, positive_int, positive_rate
+from minipaged.block_math import blocks_needed
 from minipaged.clock import WallClock
 from minipaged.engine import Engine
 from minipaged.metrics import format_summary

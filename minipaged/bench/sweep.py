@@ -28,9 +28,10 @@ from pathlib import Path
 import torch
 
 from minipaged import tradeoffs as T
-from minipaged.accounting import blocks_needed, format_table
+from minipaged.accounting import format_table
 from minipaged.attention import paged_attention
 from minipaged.bench import best_runs, positive_int
+from minipaged.block_math import blocks_needed
 from minipaged.cache import PagedKVCache
 from minipaged.clock import StepCost, WallClock
 from minipaged.engine import Engine

@@ -59,9 +59,9 @@ from pathlib import Path
 import torch
 
 from minipaged import tokenizer
-from minipaged.accounting import blocks_needed
 from minipaged.bench import positive_int
 from minipaged.bench._profile import format_shares, profile_shares
+from minipaged.block_math import blocks_needed
 from minipaged.chat_template import apply_chat_template
 from minipaged.checkpoint import load_course_model, load_pretrained, save_pretrained
 from minipaged.engine import Engine

@@ -6,7 +6,7 @@ The references and the hidden cases are on the instructor's side (``minipaged.ch
 
 from __future__ import annotations
 
-from minipaged.accounting import ceil_div
+from minipaged.block_math import ceil_div
 from minipaged.checks import CheckFailed, check, expect_equal, expect_int
 
 # The package modules this exercise rebuilds: none (its tasks are arithmetic on the package's sizes)

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from collections import Counter, deque
 
-from minipaged.accounting import blocks_needed
 from minipaged.block_manager import AllocatorBase
+from minipaged.block_math import blocks_needed
 from minipaged.checks import CheckFailed, _where, check, outcome, plain, same
 from minipaged.checks.engine_run import first_divergence, first_token_divergence, run_engine
 from minipaged.checks.op_count import instrument, judge_growth, measured

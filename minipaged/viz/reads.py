@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from matplotlib.figure import Figure
 
-from minipaged.accounting import blocks_needed
+from minipaged.block_math import blocks_needed
 from minipaged.viz import style
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import random
 
-from minipaged.accounting import blocks_needed
 from minipaged.block_manager import BlockAllocator, BlockTable
+from minipaged.block_math import blocks_needed
 from minipaged.checks.ch02 import run_script
 from minipaged.checks.engine_run import seeded_requests
 from minipaged.checks.instructor import Side
