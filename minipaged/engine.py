@@ -3,7 +3,8 @@
 One :meth:`Engine.step` is four calls, all or nothing (:mod:`minipaged.rollback` undoes a failed one):
 
 1. ``scheduler.schedule()``: who runs, how many tokens each computes, and the slots their K/V goes to;
-2. :meth:`Engine.execute`: the plan's K/V moves, then one forward pass over every scheduled token;
+2. :meth:`Engine.execute`: the plan's K/V moves, then one forward pass over every scheduled token
+   (:meth:`Engine.prepare_inputs` packs them);
 3. :meth:`Engine.sample`: a token for every sequence whose chunk reached its end;
 4. ``scheduler.postprocess()``: advance counters, finish sequences (:mod:`minipaged.stopping`), free blocks.
 
@@ -44,6 +45,10 @@ from minipaged.sequence import SamplingParams, Sequence, SequenceStatus, sample
 from minipaged.step_state import StepState
 from minipaged.stopping import mask_stop_tokens
 from minipaged.validation import errors_named
+
+
+class NonFiniteLogits(RuntimeError):
+    """A step's logits hold a NaN or an infinity (a broken backend or model); the step is undone."""
 
 
 class Engine(StepState):
@@ -214,16 +219,13 @@ class Engine(StepState):
             if seqs and not all(s.is_finished for s in (seqs if sample_index is None else [seqs[sample_index]])):
                 self.abort(request_id, sample_index)
 
-    @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
-        """Carry out the plan ``out``'s K/V moves, then one forward pass; the clock advances by the step's cost.
+    def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list]:
+        """The forward pass's inputs for the plan ``out``: token ids, positions, attention metadata, logits rows.
 
-        Returns the logits rows to sample from (None: nothing ran): one per sequence whose chunk reaches
-        its last token, or, for one that verifies ``k`` drafts (``out.spec_token_ids``), its last ``k + 1``.
+        Every scheduled token is packed into one batch, sequence by sequence (vLLM's ``_prepare_inputs``).
+        The rows are the logits to sample from: one per sequence whose chunk reaches its last token, or,
+        for one that verifies ``k`` drafts (``out.spec_token_ids``, chapter 08), its last ``k + 1``.
         """
-        moved = self.cache.move_kv(out, self.swap_space)  # before anything lands in the new blocks
-        if not out.seqs:  # nothing to run (every sequence waits, or was preempted)
-            return None
         spec = bool(out.spec_token_ids)  # drafts: every token's logits; else each sequence's last token's
         input_ids, positions, rows, end = [], [], [], 0
         for i, (seq, n, ends) in enumerate(zip(out.seqs, out.num_new_tokens, out.ends_sequence())):
@@ -235,7 +237,20 @@ class Engine(StepState):
         tables = [s.block_table for s in out.seqs]  # the scheduler already appended this step's tokens to them
         metadata = AttentionMetadata.pack(tables, out.num_new_tokens, torch.cat(out.slot_mappings), self.cache.device)
         ids, pos = (torch.tensor(x, dtype=torch.int64, device=self.cache.device) for x in (input_ids, positions))
-        logits = self.model(ids, pos, self.cache, metadata, backend=self.config.backend, all_logits=spec)
+        return ids, pos, metadata, rows
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """Carry out the plan ``out``'s K/V moves, then one forward pass; the clock advances by the step's cost.
+
+        Returns the logits rows to sample from (None: nothing ran), as :meth:`prepare_inputs` picks them.
+        """
+        moved = self.cache.move_kv(out, self.swap_space)  # before anything lands in the new blocks
+        if not out.seqs:  # nothing to run (every sequence waits, or was preempted)
+            return None
+        ids, pos, metadata, rows = self.prepare_inputs(out)
+        logits = self.model(ids, pos, self.cache, metadata, backend=self.config.backend,
+                            all_logits=bool(out.spec_token_ids))  # fmt: skip
         context = sum(s.num_computed_tokens + n for s, n in zip(out.seqs, out.num_new_tokens))
         self.clock.step(out.num_batched_tokens, context, moved)
         return logits if rows == list(range(len(logits))) else logits[logits.new_tensor(rows, dtype=torch.long)]
@@ -250,6 +265,9 @@ class Engine(StepState):
         if logits is None:
             return {}, {}
         ending = [s for s, ends in zip(out.seqs, out.ends_sequence()) if ends]
+        if not bool(logits.isfinite().all()):  # one reduction a step: a NaN would be sampled as token 0
+            raise NonFiniteLogits(f"the forward pass (attention backend {self.config.backend!r}) gave NaN or inf "
+                                  f"logits for the rows of {[s.seq_id for s in ending]}: nothing was sampled")
         logits = mask_stop_tokens(logits, ending, out.spec_token_ids)  # min_tokens: before verification
         accepted, decided = {}, {}  # decided: seq_id -> the token a sampled sequence's verification drew
         if out.spec_token_ids:

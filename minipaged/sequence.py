@@ -44,6 +44,8 @@ from minipaged.step_state import StepState
 from minipaged.stopping import StopRules
 from minipaged.validation import check_bool, check_int, check_real
 
+MAX_SEED = 2**64 - 1  # the largest seed torch.Generator.manual_seed takes
+
 
 class SequenceStatus(Enum):
     WAITING = "waiting"
@@ -123,7 +125,6 @@ class Sequence(StepState):
         stop_reason: the stop token that ended it (None for the EOS, a length or an abort).
     """
 
-    _step_containers = ("token_ids", "token_times", "pending_forks", "generator")  # see minipaged.step_state
 
     def __init__(self, seq_id, prompt_token_ids: list[int], sampling_params: SamplingParams, arrival_time: float = 0.0,
                  cache_salt: str | bytes | None = None, request_id=None, eos_token_id=None):  # fmt: skip
@@ -149,6 +150,26 @@ class Sequence(StepState):
         self.generator = None
         if sampling_params.temperature > 0 and sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)
+
+    def save_state(self) -> tuple:
+        """Its attributes, its forks, its generator's state, and the lengths of its token lists.
+
+        A step only appends to ``token_ids`` and ``token_times``, so their lengths say all a rollback
+        needs (the object-graph walk in ``tests/test_05_faults.py`` checks it), and a step costs no copy
+        of every sequence's tokens. See :mod:`minipaged.step_state`.
+        """
+        gen = None if self.generator is None else self.generator.get_state()
+        return vars(self).copy(), len(self.token_ids), len(self.token_times), list(self.pending_forks), gen
+
+    def restore_state(self, state: tuple) -> None:
+        """Put back what :meth:`save_state` returned, in place."""
+        attrs, num_tokens, num_times, forks, gen = state
+        vars(self).clear()
+        vars(self).update(attrs)
+        del self.token_ids[num_tokens:], self.token_times[num_times:]
+        self.pending_forks[:] = forks
+        if gen is not None:
+            self.generator.set_state(gen)
 
     @property
     def sampling_params(self) -> SamplingParams:
@@ -243,7 +264,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
 def check_sampling_params(params) -> None:
     """Check a :class:`~minipaged.sequence.SamplingParams`' fields in place, normalising them (ints, floats, tuples).
 
-    ``max_tokens`` and ``n`` are ints >= 1, ``temperature`` a number >= 0, ``seed`` None or an int,
+    ``max_tokens`` and ``n`` are ints >= 1, ``temperature`` a number >= 0, ``seed`` None or an int in
+    ``[0, MAX_SEED - n + 1]`` (sample i draws with ``seed + i``, a ``torch.Generator`` seed),
     the stop tokens and stop strings tuples (see :func:`check_token_id_tuple`, :func:`check_stop_strings`),
     ``min_tokens`` within ``0 .. max_tokens`` (the stopping rules' own check), the flags bools.
 
@@ -257,8 +279,11 @@ def check_sampling_params(params) -> None:
     put("n", check_int(params.n, "n", minimum=1))
     check_bool(params.ignore_eos, "ignore_eos")
     put("temperature", check_real(params.temperature, "temperature", minimum=0))
-    if params.seed is not None:
-        put("seed", check_int(params.seed, "seed", minimum=None))
+    if params.seed is not None:  # sample i draws with seed + i: every one must be a torch.Generator seed
+        put("seed", check_int(params.seed, "seed"))
+        if params.seed + params.n - 1 > MAX_SEED:
+            raise ValueError(f"seed must be at most {MAX_SEED} - (n - 1) = {MAX_SEED - params.n + 1} (sample i "
+                             f"draws with seed + i, n = {params.n}), got {params.seed}")
     put("stop_token_ids", check_token_id_tuple(params.stop_token_ids, "stop_token_ids"))
     put("min_tokens", params.stop_rules().min_tokens)  # the rules' own checks: min_tokens within 0..max_tokens
     put("stop", check_stop_strings(params.stop, "stop"))

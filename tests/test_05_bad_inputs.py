@@ -280,3 +280,20 @@ def test_outside_a_step_a_subscriber_may_still_change_the_pool(model):
     engine.cache.allocator.subscribe(lambda event: event.kind == "free" and other.append_tokens(1))
     table.release()
     assert other.num_tokens == 1 and engine.cache.allocator.num_subscriber_errors == 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"seed": -1}, "seed must be >= 0"),
+    ({"seed": 2**64}, r"seed must be at most 18446744073709551615 - \(n - 1\)"),
+    ({"seed": 2**64 - 1, "n": 2}, r"= 18446744073709551614 \(sample i draws with seed \+ i, n = 2\), got"),
+])  # fmt: skip
+def test_a_seed_torch_cannot_take_is_named(kwargs, message):
+    """Issue 43: seed=2**64 failed inside torch without naming seed; a negative seed aliased a non-negative one."""
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(temperature=1.0, **kwargs)
+
+
+def test_the_largest_seed_samples(model):
+    engine = Engine(model, EngineConfig(num_blocks=16, block_size=4))
+    [out] = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=1.0, seed=2**64 - 1))
+    assert len(out) == 2

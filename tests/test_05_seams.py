@@ -16,9 +16,16 @@ import engine_helpers
 import pytest
 import torch
 
-from minipaged.attention import AttentionBackend, get_backend, paged_attention, paged_prefill_attention
+from minipaged import attention
+from minipaged.attention import (
+    AttentionBackend,
+    get_backend,
+    paged_attention,
+    paged_prefill_attention,
+    register_backend,
+)
 from minipaged.block_manager import BlockAllocator, BlockTable
-from minipaged.engine import Engine
+from minipaged.engine import Engine, NonFiniteLogits
 from minipaged.generate import generate_contiguous
 from minipaged.model import LlamaForCausalLM
 from minipaged.request_queue import SCHEDULING_POLICIES, FCFSQueue, register_policy
@@ -242,3 +249,20 @@ def test_an_attention_backend_that_returns_the_wrong_tensor_is_named(call, resul
     args = case.decode_args if call == "decode" else case.prefill_args
     with pytest.raises(error, match=f"attention backend 'wrong': its {call} " + message):
         run(*args, backend=wrong)
+
+
+def test_a_backend_that_gives_nan_is_named_before_anything_is_sampled(model, monkeypatch):
+    """Issue 43: was sampled silently as token 0."""
+    monkeypatch.setattr(attention, "_REGISTRY", dict(attention._REGISTRY))
+    torch_backend = get_backend("torch")
+    register_backend("nan_decode", AttentionBackend(
+        "nan_decode", decode=lambda q, *args, **kw: torch.full_like(q, float("nan")), prefill=torch_backend.prefill,
+        write=torch_backend.write))  # fmt: skip
+    engine = Engine(model, EngineConfig(num_blocks=24, block_size=4, backend="nan_decode"))
+    engine.add_request(PROMPTS[0], SamplingParams(max_tokens=3))
+    engine.step()  # the prefill runs the torch backend's prefill
+    before = engine_helpers.snapshot(engine)
+    with pytest.raises(NonFiniteLogits, match=r"attention backend 'nan_decode'\) gave NaN or inf logits for the "
+                                              r"rows of \[0\]: nothing was sampled"):  # fmt: skip
+        engine.step()
+    assert engine_helpers.snapshot(engine) == before
