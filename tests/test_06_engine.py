@@ -343,3 +343,21 @@ def test_bad_input_is_named_and_changes_nothing(model):
     engine.add_request([1, 2], SamplingParams(n=4), request_id="ok")  # n == max_num_seqs is fine
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request([1, 2], request_id="ok")
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--requests", "0"], "--requests: must be >= 1, got 0"),
+    (["--block-size", "0"], "--block-size: must be >= 1, got 0"),
+    (["--repeats", "0"], "--repeats: must be >= 1, got 0"),
+    (["--rate", "-5"], "--rate: must be a number > 0"),
+    (["--rate", "nan"], "--rate: must be a number > 0"),
+    (["--suffix-len", "32", "8"], "--suffix-len LOW must be at most HIGH, got 32 8"),
+    (["--output-len", "0", "8"], "--output-len: must be >= 1, got 0"),
+])  # fmt: skip
+def test_bench_prefix_refuses_a_bad_option_as_a_usage_error(argv, named, capsys):
+    """Issue 43: these ended in tracebacks; now each is a usage error (exit 2) that names the option."""
+    from minipaged.bench import prefix
+
+    with pytest.raises(SystemExit) as exc:
+        prefix._parse(argv)
+    assert exc.value.code == 2 and named in capsys.readouterr().err

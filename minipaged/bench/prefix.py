@@ -20,7 +20,7 @@ import argparse
 import numpy as np
 import torch
 
-from minipaged.bench import best_runs
+from minipaged.bench import best_runs, positive_int, positive_rate
 from minipaged.block_manager import BlockAllocator
 from minipaged.clock import VirtualClock, WallClock
 from minipaged.engine import Engine
@@ -62,20 +62,25 @@ def shared_prefix_workload(num_requests: int, rate: float, prefix_len: int, suff
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m minipaged.bench prefix", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=200, help="requests per workload")
-    parser.add_argument("--rate", type=float, default=400.0, help="Poisson arrivals per second")
-    parser.add_argument("--suffix-len", type=int, nargs=2, default=(8, 32), metavar=("LOW", "HIGH"))
-    parser.add_argument("--output-len", type=int, nargs=2, default=(16, 64), metavar=("LOW", "HIGH"))
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-blocks", type=int, default=128)
-    parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--requests", type=positive_int, default=200, help="requests per workload")
+    parser.add_argument("--rate", type=positive_rate, default=400.0, help="Poisson arrivals per second")
+    parser.add_argument("--suffix-len", type=positive_int, nargs=2, default=(8, 32), metavar=("LOW", "HIGH"))
+    parser.add_argument("--output-len", type=positive_int, nargs=2, default=(16, 64), metavar=("LOW", "HIGH"))
+    parser.add_argument("--block-size", type=positive_int, default=16)
+    parser.add_argument("--num-blocks", type=positive_int, default=128)
+    parser.add_argument("--max-num-seqs", type=positive_int, default=32)
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=512)
     parser.add_argument("--clock", default="wall", choices=["wall", "virtual"],
                         help="real seconds, or the modelled GPU step cost of minipaged.clock")
     parser.add_argument("--backend", default="torch", choices=["torch", "triton"])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=1, help="runs per system, alternating; the fastest counts")
-    return parser.parse_args(argv)
+    parser.add_argument("--repeats", type=positive_int, default=1,
+                        help="runs per system, alternating; the fastest counts")
+    args = parser.parse_args(argv)
+    for option, (low, high) in (("--suffix-len", args.suffix_len), ("--output-len", args.output_len)):
+        if low > high:
+            parser.error(f"{option} LOW must be at most HIGH, got {low} {high}")
+    return args
 
 
 def _config(args) -> EngineConfig:
