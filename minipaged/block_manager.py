@@ -3,7 +3,7 @@
 The KV tensors themselves live in :mod:`minipaged.cache`; this module is pure
 bookkeeping over block ids, so allocation never touches device memory.
 
-Every state change is published as a :class:`~minipaged.events.BlockEvent`. Widgets and metrics
+Every state change is published as a :class:`~minipaged.events.BlockEvent`. Widgets and logs
 subscribe to the allocator instead of polling its internals; :mod:`minipaged.events` says when
 an event reaches them (once the operation that caused it is over).
 """

@@ -1,9 +1,8 @@
 """Block events: each change to the pool, queued as it happens and handed to subscribers once the change is over.
 
 An allocator emits a :class:`BlockEvent` for every change (allocate, free, fork, cow, and the
-scheduler's preempt, swap_in, ...). Widgets and logs subscribe instead of polling; an engine's metrics count the
-events of each step it runs. When an
-event reaches them:
+scheduler's preempt, swap_in, ...). Widgets and logs subscribe instead of polling; an engine's
+metrics count the events of each step it runs. When an event reaches them:
 
 * **A bare allocator** (chapter 02, no engine): when the public call that caused it returns. A
   table's growth by three blocks is three "allocate" events, heard once the table holds all three.

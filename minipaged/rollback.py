@@ -84,9 +84,9 @@ class StepUndo:
         if self.saved_kv is not None:
             self.engine.cache.swap_in(*self.saved_kv)
         for obj, state in self.saved.values():
-            if hasattr(obj, "restore_state"):
+            if isinstance(obj, StepState):
                 obj.restore_state(state)
-            else:
+            else:  # a table of the learner's own (see _table_state)
                 restore_state(obj, state)
         del self.events[self.num_events_before :]
         self.engine.cache.allocator.emit("rollback")

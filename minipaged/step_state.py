@@ -4,7 +4,7 @@ An engine step is all or nothing (:mod:`minipaged.rollback`): before it starts, 
 change saves its state with :meth:`StepState.save_state`; if the step raises, each puts it back with
 :meth:`StepState.restore_state`. A class says what its state is in one line, ``_step_containers``:
 its plain attributes (counters, flags, references) are saved as they are, and the containers it
-names (lists, deques, dicts, a generator, a mutable record) have their contents copied. A subclass
+names (lists, deques, dicts, a mutable record) have their contents copied. A subclass
 names only its own containers: its bases' are saved too. Restoring
 puts each container's contents back *in place*, so whoever holds a list or a table sees the old
 state again.
@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from collections import deque
 from functools import cache
-
-import torch
 
 
 class StepState:
@@ -52,14 +50,10 @@ def save_state(obj, containers: tuple[str, ...]) -> tuple:
 
 
 def _contents(value) -> tuple:
-    if isinstance(value, torch.Generator):
-        return value, value.get_state()
     if isinstance(value, dict):  # a list, set or dict value is copied too (a prefix cache's blocks by key)
         return value, {k: v.copy() if isinstance(v, (list, set, dict)) else v for k, v in value.items()}
     if isinstance(value, (list, deque, bytearray, set)):
         return value, list(value)
-    if value is None:
-        return value, None
     return value, vars(value).copy()  # a mutable record (a dataclass of counters)
 
 
@@ -74,11 +68,9 @@ def restore_state(obj, state: tuple) -> None:
     vars(obj).clear()
     vars(obj).update(attrs)
     for value, contents in containers.values():
-        if isinstance(value, torch.Generator):
-            value.set_state(contents)
-        elif isinstance(value, (dict, set, deque, bytearray, list)):
+        if isinstance(value, (dict, set, deque, bytearray, list)):
             value.clear()
             (value.update if isinstance(value, (dict, set)) else value.extend)(contents)
-        elif value is not None:
+        else:
             vars(value).clear()
             vars(value).update(contents)

@@ -8,6 +8,7 @@ Issue 25 adds the stop handling's stages: the stop check, the ``min_tokens`` mas
 ``finish_reason`` bookkeeping as a request stops, and the release of a finished request's blocks.
 """
 
+import functools
 import os
 import random
 
@@ -144,6 +145,7 @@ def test_a_fault_at_any_stage_leaves_the_engine_as_before_the_step(model, stage,
     run_with_faults(model, stage, mode, monkeypatch, engine_helpers.allocator_for(prefix_caching))
 
 
+@functools.cache  # each notebook is read and run once (the speculator is stateless, so one serves every test)
 def _model_solutions() -> dict:
     """Each exercise's model solution (its solution notebook's classes), as the engine seams it plugs into."""
     ch02 = engine_helpers.solution_namespace("02_blocks_and_block_tables.ipynb", ("02-01", "02-03", "02-10"))

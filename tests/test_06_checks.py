@@ -11,8 +11,8 @@ teaches the idea without printing the answer, so those must FAIL too.
 import functools
 from collections import OrderedDict, deque
 from dataclasses import replace
-from pathlib import Path
 
+import engine_helpers
 import nbformat
 import pytest
 
@@ -32,19 +32,10 @@ def _reference_runs_once():
         patch.setattr(checks, "expected", functools.cache(checks.expected))
         yield
 
-SOLUTION = Path(__file__).resolve().parent.parent / "solutions" / "06_prefix_sharing_cow.ipynb"
+SOLUTION = engine_helpers.SOLUTIONS / "06_prefix_sharing_cow.ipynb"
 CELLS = ("fb4b9e26", "e6c1a2b1", "e6c1a2b6")  # the imports, MyPrefixCache, MyCowTable
 
-
-def _solution() -> dict:
-    namespace = {}
-    cells = {c.id: c for c in nbformat.read(SOLUTION, as_version=4).cells}
-    for cell_id in CELLS:
-        exec(compile(cells[cell_id].source, f"solution cell {cell_id}", "exec"), namespace)
-    return namespace
-
-
-_NS = _solution()
+_NS = engine_helpers.solution_namespace(SOLUTION.name, CELLS)
 MyPrefixCache, MyCowTable, Entry = _NS["MyPrefixCache"], _NS["MyCowTable"], _NS["Entry"]
 
 
