@@ -615,7 +615,7 @@ def memory_report(cache, tables) -> MemoryReport:
 
     Args:
         cache: a :class:`~minipaged.cache.PagedKVCache` (its pool, allocator and block bytes).
-        tables: the sequences' :class:`~minipaged.block_manager.BlockTable` s, from this cache's allocator.
+        tables: the sequences' :class:`~minipaged.blocks.BlockTable` s, from this cache's allocator.
     """
     width = max((t.num_blocks for t in tables), default=0)
     return MemoryReport(

@@ -33,8 +33,8 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
-from minipaged.block_manager import BlockTable, block_tables_tensor
 from minipaged.block_math import blocks_needed
+from minipaged.blocks import BlockTable, block_tables_tensor
 from minipaged.cache import write_kv_torch
 from minipaged.validation import (
     check_callable,
@@ -524,7 +524,7 @@ class AttentionMetadata:
         """Describe a step whose new tokens were just appended to the tables.
 
         Args:
-            tables: one :class:`~minipaged.block_manager.BlockTable` per sequence, already
+            tables: one :class:`~minipaged.blocks.BlockTable` per sequence, already
                 holding this step's tokens.
             num_new_tokens: ``num_new_tokens[i]`` tokens of ``tables[i]`` are computed in this step.
             slot_mapping: int64 ``[sum(num_new_tokens)]``, the slots ``append_tokens`` returned.

@@ -11,11 +11,11 @@ With a contiguous cache every beam holds its own copy of all that (:func:`beam_s
 the reference). On the paged cache the tree is held once:
 
 - the prompt is computed once, in one block table; the first beams **fork** it
-  (:meth:`~minipaged.block_manager.BlockTable.fork`: one more reference per block, no copy);
+  (:meth:`~minipaged.blocks.BlockTable.fork`: one more reference per block, no copy);
 - a beam with two or more children keeps its table for the first and forks it for the others;
 - the first write into a shared, partly filled last block is a **copy-on-write**: the writer
   takes a fresh block, the K/V written so far are copied into it
-  (:meth:`~minipaged.block_manager.BlockTable.take_pending_copies`, then
+  (:meth:`~minipaged.blocks.BlockTable.take_pending_copies`, then
   :meth:`~minipaged.cache.PagedKVCache.copy_blocks`, before the forward pass writes), and its
   siblings keep the old one. Full blocks are never written again, so they are never copied;
 - a dropped beam **releases** its table: blocks nobody else holds go back to the pool.
@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minipaged.block_manager import BlockTable
 from minipaged.block_math import blocks_needed
+from minipaged.blocks import BlockTable
 from minipaged.cache import PagedKVCache
 from minipaged.generate import build_metadata
 from minipaged.model import LlamaForCausalLM, check_prompt

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from minipaged.block_manager import AllocatorBase, BlockAllocator, BlockTable
+from minipaged.blocks import AllocatorBase, BlockAllocator, BlockTable
 from minipaged.validation import check_fits_memory, check_int, check_kv_write
 
 
@@ -40,7 +40,7 @@ class PagedKVCache:
     Args:
         num_layers: decoder layers; each gets its own ``k_caches[layer]`` and ``v_caches[layer]``.
         num_blocks, block_size: the pool, ``num_blocks`` blocks of ``block_size`` token slots
-            (checked by :class:`~minipaged.block_manager.BlockAllocator`).
+            (checked by :class:`~minipaged.blocks.BlockAllocator`).
         num_kv_heads, head_dim: one token's K (and V) row is ``[num_kv_heads, head_dim]``.
         dtype, device: of the pools.
         allocator: the allocator class, called as ``allocator(num_blocks, block_size)`` (the seam
@@ -63,7 +63,7 @@ class PagedKVCache:
         self.allocator = allocator(num_blocks, block_size)
         if not isinstance(self.allocator, AllocatorBase):  # a seam's result, checked where it is received
             raise TypeError(f"allocator={allocator!r:.60} returned a {type(self.allocator).__name__}: a block "
-                            "allocator must subclass minipaged.block_manager.AllocatorBase")  # fmt: skip
+                            "allocator must subclass minipaged.blocks.AllocatorBase")  # fmt: skip
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)

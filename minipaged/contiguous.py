@@ -13,7 +13,7 @@ free range that is long enough):
   long enough, the growth fails even if enough slots are free in total.
   That gap between "free" and "usable" is external fragmentation.
 
-:class:`PagedPool` puts the paged allocator of :mod:`minipaged.block_manager`
+:class:`PagedPool` puts the paged allocator of :mod:`minipaged.blocks`
 behind the same interface, so the trace simulator (:mod:`minipaged.trace`)
 replays one trace against all three: ``admit(seq_id, num_tokens)``,
 ``grow(seq_id)`` and ``release(seq_id)``, plus the counters below. A pool of
@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from minipaged.block_manager import BlockAllocator, BlockTable, OutOfBlocks
+from minipaged.blocks import BlockAllocator, BlockTable, OutOfBlocks
 from minipaged.validation import check_int
 
 _FREE_RUN = re.compile(b"\x00+")

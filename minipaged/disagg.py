@@ -88,8 +88,8 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 from minipaged.accounting import kv_bytes_per_token
-from minipaged.block_manager import BlockTable, OutOfBlocks
 from minipaged.block_math import blocks_needed
+from minipaged.blocks import BlockTable, OutOfBlocks
 from minipaged.cache import PagedKVCache
 from minipaged.clock import StepCost, VirtualClock
 from minipaged.engine import Engine, RequestOutput, StepOutput
@@ -253,7 +253,7 @@ def transfer_kv(seq: Sequence, src: PagedKVCache, dst: PagedKVCache, match=None)
     the sequence, holding its computed tokens), copies every layer's K and V of the source
     blocks into them, and returns the new table. The source table is not touched: the caller
     frees it (``release()``) when the transfer is over, and points ``seq.block_table`` at the
-    new one. All or nothing: if ``dst`` is short of blocks, :class:`~minipaged.block_manager.OutOfBlocks`
+    new one. All or nothing: if ``dst`` is short of blocks, :class:`~minipaged.blocks.OutOfBlocks`
     is raised and nothing changed; if the copy itself fails, the new blocks are given back (every
     reference count is as before; the free queue's order may differ, and a cached block evicted
     to make room stays evicted). The K/V goes through host memory, so the two pools may live on

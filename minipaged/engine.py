@@ -24,7 +24,7 @@ from dataclasses import replace
 import torch
 
 from minipaged.attention import AttentionMetadata, get_backend
-from minipaged.block_manager import BlockAllocator, BlockTable
+from minipaged.blocks import BlockAllocator, BlockTable
 from minipaged.cache import PagedKVCache
 from minipaged.clock import VirtualClock
 from minipaged.engine_args import (
@@ -62,7 +62,7 @@ class Engine(StepState):
         config: the pool and the scheduler's knobs (:class:`EngineConfig` defaults if None).
         clock: a :class:`~minipaged.clock.VirtualClock` (the default) or a :class:`~minipaged.clock.WallClock`.
         allocator: the block allocator class, called as ``allocator(num_blocks, block_size)``:
-            :class:`~minipaged.block_manager.BlockAllocator`, or
+            :class:`~minipaged.blocks.BlockAllocator`, or
             :class:`~minipaged.prefix_cache.PrefixCachingAllocator` for prefix caching (a hash of
             your own: ``functools.partial(PrefixCachingAllocator, hash_fn=...)``).
         block_table: the block table class, called as ``block_table(allocator, seq_id)``.

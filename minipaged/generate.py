@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 
 from minipaged.attention import AttentionMetadata
-from minipaged.block_manager import BlockTable, OutOfBlocks
 from minipaged.block_math import blocks_needed
+from minipaged.blocks import BlockTable, OutOfBlocks
 from minipaged.cache import PagedKVCache
 from minipaged.model import LlamaForCausalLM, check_prompt
 from minipaged.stopping import StopRules

@@ -31,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from minipaged.block_manager import BlockAllocator, BlockTable
+from minipaged.blocks import BlockAllocator, BlockTable
 from minipaged.validation import check_bool, check_int, check_salt
 
 HashFn = Callable[[bytes], bytes]

@@ -12,7 +12,7 @@ K/V a step may overwrite in blocks that held K/V before it is the other half
 
 from __future__ import annotations
 
-from minipaged.block_manager import BlockTable
+from minipaged.blocks import BlockTable
 from minipaged.step_state import StepState, restore_state, save_state
 
 

@@ -38,7 +38,7 @@ The rules, in the order :meth:`Scheduler.schedule` applies them:
 6. **Parallel sampling.** A request's pending samples take their seats at
    admission and fork the parent's table when its prompt is computed. A write
    into a shared, partly filled last block copies it first (copy-on-write, in
-   :meth:`~minipaged.block_manager.BlockTable.append_tokens`); the step's
+   :meth:`~minipaged.blocks.BlockTable.append_tokens`); the step's
    copies are in ``SchedulerOutput.copies`` for the engine to carry out before
    the forward pass.
 7. **Speculative decoding** (chapter 08; on when the scheduler has a ``speculator``, such as
@@ -59,8 +59,8 @@ from dataclasses import dataclass, field
 import torch
 
 from minipaged.attention import get_backend
-from minipaged.block_manager import BlockTable
 from minipaged.block_math import ceil_div  # the step's own counts, already checked: no check per call
+from minipaged.blocks import BlockTable
 from minipaged.request_queue import SCHEDULING_POLICIES, create_request_queue
 from minipaged.sequence import Sequence, SequenceStatus
 from minipaged.step_state import StepState
@@ -185,7 +185,7 @@ class Scheduler(StepState):
 
     Args:
         config: the pool and the scheduler's knobs.
-        allocator: the pool's allocator (a :class:`~minipaged.block_manager.BlockAllocator`, or
+        allocator: the pool's allocator (a :class:`~minipaged.blocks.BlockAllocator`, or
             one with ``match_prefix``, ``share_prefix`` and ``cache_full_blocks``: prefix caching).
         block_table: the block table class, called as ``block_table(allocator, seq_id)``.
         speculator: speculative decoding (chapter 08), with ``schedule_drafts(scheduler, out, budget)``

@@ -140,7 +140,7 @@ class Sequence(StepState):
         self.sampling_params = sampling_params
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
-        self.block_table = None  # a minipaged.block_manager.BlockTable while it holds blocks
+        self.block_table = None  # a minipaged.blocks.BlockTable while it holds blocks
         self.arrival_time = arrival_time
         self.token_times: list[float] = []  # when each output token was sampled
         self.finish_time: float | None = None

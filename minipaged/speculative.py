@@ -72,7 +72,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minipaged.block_manager import BlockTable
+from minipaged.blocks import BlockTable
 from minipaged.validation import check_int
 
 METHODS = ("ngram",)

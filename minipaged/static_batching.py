@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from functools import partial
 
-from minipaged.block_manager import BlockTable
 from minipaged.block_math import blocks_needed
+from minipaged.blocks import BlockTable
 from minipaged.engine import Engine
 from minipaged.scheduler import EngineConfig, Scheduler, SchedulerOutput
 from minipaged.sequence import Sequence, SequenceStatus

@@ -35,7 +35,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from minipaged.accounting import slot_utilisation
-from minipaged.block_manager import BlockAllocator, BlockTable
+from minipaged.blocks import BlockAllocator, BlockTable
 from minipaged.contiguous import GrowInPlace, MaxReservation, PagedPool
 from minipaged.validation import check_int, check_real
 from minipaged.workload import RequestSpec

@@ -37,8 +37,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from minipaged.accounting import BLOCK_TABLE_ENTRY_BYTES, slot_utilisation, tail_waste, utilisation
-from minipaged.block_manager import BlockAllocator, BlockTable
 from minipaged.block_math import blocks_needed, ceil_div, kv_usage, token_occupancy
+from minipaged.blocks import BlockAllocator, BlockTable
 from minipaged.clock import StepCost, VirtualClock
 from minipaged.engine import Engine
 from minipaged.metrics import percentiles, request_latencies, summarize
@@ -103,7 +103,7 @@ class MemoryMeasures:
 def memory_measures(lengths: Sequence[int], block_size: int, num_blocks: int) -> MemoryMeasures:
     """The three measures for sequences of ``lengths`` tokens, each in its own block table, in one pool.
 
-    The tables are real: a :class:`~minipaged.block_manager.BlockAllocator` of ``num_blocks`` blocks
+    The tables are real: a :class:`~minipaged.blocks.BlockAllocator` of ``num_blocks`` blocks
     hands out their blocks, and the measures read the allocator and the tables.
 
     Args:

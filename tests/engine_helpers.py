@@ -205,7 +205,7 @@ def allocator_for(caching: bool, hash_fn=None):
     """The allocator class an engine test runs: chapter 06's prefix cache (``hash_fn`` if given), or the plain pool."""
     from functools import partial
 
-    from minipaged.block_manager import BlockAllocator
+    from minipaged.blocks import BlockAllocator
     from minipaged.prefix_cache import PrefixCachingAllocator
 
     if not caching:

@@ -5,7 +5,7 @@ import torch
 
 import minipaged.validation
 from minipaged.attention import write_kv
-from minipaged.block_manager import BOOKKEEPING_BYTES_PER_BLOCK, BlockAllocator, BlockError, BlockTable
+from minipaged.blocks import BOOKKEEPING_BYTES_PER_BLOCK, BlockAllocator, BlockError, BlockTable
 from minipaged.cache import PagedKVCache
 
 pytestmark = pytest.mark.ch02

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minipaged.block_manager import BlockAllocator, BlockTable
+from minipaged.blocks import BlockAllocator, BlockTable
 from minipaged.viz.blockmap import PoolSnapshot
 from minipaged.viz.blocktable import render_block_tables, worked_slot
 

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from minipaged.accounting import memory_report
 from minipaged.attention import write_kv
-from minipaged.block_manager import OutOfBlocks
+from minipaged.blocks import OutOfBlocks
 from minipaged.cache import PagedKVCache
 
 pytestmark = pytest.mark.ch02

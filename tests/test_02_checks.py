@@ -12,7 +12,7 @@ from functools import cache
 import pytest
 import torch
 
-from minipaged.block_manager import AllocatorBase, BlockAllocator, BlockError, BlockTable, OutOfBlocks
+from minipaged.blocks import AllocatorBase, BlockAllocator, BlockError, BlockTable, OutOfBlocks
 from minipaged.checks import FAIL, PASS, TODO, ch02, expected
 
 pytestmark = pytest.mark.ch02

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minipaged.block_manager import BlockAllocator, BlockTable
+from minipaged.blocks import BlockAllocator, BlockTable
 from minipaged.events import SUBSCRIBER_ERRORS_KEPT
 
 pytestmark = pytest.mark.ch02

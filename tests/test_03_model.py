@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minipaged.block_manager import OutOfBlocks
+from minipaged.blocks import OutOfBlocks
 from minipaged.cache import PagedKVCache
 from minipaged.generate import build_metadata, generate_contiguous, generate_paged
 from minipaged.model import LlamaConfig, LlamaForCausalLM

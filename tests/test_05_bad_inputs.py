@@ -9,7 +9,7 @@ import torch
 from engine_helpers import snapshot
 
 import minipaged.disagg as disagg
-from minipaged.block_manager import BlockAllocator
+from minipaged.blocks import BlockAllocator
 from minipaged.engine import Engine
 from minipaged.generate import generate_contiguous
 from minipaged.metrics import format_summary, request_latencies

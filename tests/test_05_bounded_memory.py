@@ -131,7 +131,7 @@ def test_rss_stays_flat_over_a_thousand_requests_after_warm_up():
 
 
 def test_a_record_reads_blocks_in_use_from_the_attached_allocator():
-    from minipaged.block_manager import BlockAllocator
+    from minipaged.blocks import BlockAllocator
 
     allocator = BlockAllocator(8, 4)
     m = Metrics(8, 4)

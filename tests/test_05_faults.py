@@ -18,7 +18,7 @@ import torch
 from engine_helpers import snapshot
 
 import minipaged.engine as engine_module
-from minipaged.block_manager import BlockAllocator
+from minipaged.blocks import BlockAllocator
 from minipaged.engine import Engine
 from minipaged.generate import generate_contiguous
 from minipaged.model import LlamaConfig, LlamaForCausalLM

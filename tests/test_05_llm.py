@@ -462,7 +462,7 @@ def test_a_stop_string_ends_every_sample_of_a_request(model, bpe):
 
 def test_vllms_prefix_caching_and_speculative_options_pick_the_engines_parts(model, bpe):
     """``LLM(enable_prefix_caching=True, speculative_config=None)`` as vLLM: caching on by default, no drafts."""
-    from minipaged.block_manager import BlockAllocator
+    from minipaged.blocks import BlockAllocator
     from minipaged.prefix_cache import PrefixCachingAllocator
     from minipaged.speculative import NgramSpeculator
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from minipaged.block_manager import BlockAllocator
 from minipaged.block_math import blocks_needed
+from minipaged.blocks import BlockAllocator
 from minipaged.request_queue import FCFSQueue
 from minipaged.scheduler import EngineConfig, Scheduler, can_admit
 from minipaged.sequence import SamplingParams, Sequence, SequenceStatus

@@ -24,7 +24,7 @@ from minipaged.attention import (
     paged_prefill_attention,
     register_backend,
 )
-from minipaged.block_manager import BlockAllocator, BlockTable
+from minipaged.blocks import BlockAllocator, BlockTable
 from minipaged.engine import Engine, NonFiniteLogits
 from minipaged.generate import generate_contiguous
 from minipaged.model import LlamaForCausalLM

@@ -17,7 +17,7 @@ import nbformat
 import pytest
 
 from minipaged import checks
-from minipaged.block_manager import BlockAllocator, BlockTable, OutOfBlocks
+from minipaged.blocks import BlockAllocator, BlockTable, OutOfBlocks
 from minipaged.checks import FAIL, PASS, TODO, ch06
 from minipaged.checks.ch06 import WHY, TableWithoutCow
 from minipaged.prefix_cache import PrefixMatch, hash_block_tokens

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from minipaged.block_manager import BlockAllocator, BlockTable, OutOfBlocks
+from minipaged.blocks import BlockAllocator, BlockTable, OutOfBlocks
 from minipaged.cache import PagedKVCache
 
 pytestmark = pytest.mark.ch06

@@ -10,7 +10,7 @@ vLLM prepends them to its queue (last in, first out) and reserves block 0 as a n
 
 import pytest
 
-from minipaged.block_manager import BlockTable, OutOfBlocks
+from minipaged.blocks import BlockTable, OutOfBlocks
 from minipaged.prefix_cache import (
     PrefixCacheStats,
     PrefixCachingAllocator,

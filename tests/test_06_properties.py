@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minipaged.block_manager import BlockTable, OutOfBlocks
+from minipaged.blocks import BlockTable, OutOfBlocks
 from minipaged.prefix_cache import PrefixCachingAllocator
 
 pytestmark = pytest.mark.ch06

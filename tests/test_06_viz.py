@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minipaged.block_manager import BlockAllocator
+from minipaged.blocks import BlockAllocator
 from minipaged.viz.blockmap import MARKS, BlockMapView, PoolSnapshot, render_block_map, render_pool
 from minipaged.viz.svg import CACHED_COLOR, MARK_COLORS
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from minipaged import tradeoffs as T
 from minipaged.accounting import allocated_slots, utilisation
-from minipaged.block_manager import BlockAllocator, OutOfBlocks
+from minipaged.blocks import BlockAllocator, OutOfBlocks
 from minipaged.engine import Engine
 from minipaged.generate import generate_contiguous
 from minipaged.model import LlamaConfig, LlamaForCausalLM

@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minipaged.beam_search import beam_search, beam_search_contiguous
-from minipaged.block_manager import BlockTable, OutOfBlocks
 from minipaged.block_math import blocks_needed
+from minipaged.blocks import BlockTable, OutOfBlocks
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 
 pytestmark = pytest.mark.ch08

@@ -238,7 +238,7 @@ def test_a_model_solution_passes_and_the_line_says_what_was_compared(capsys):
 def test_the_reference_gives_plain_decodings_tokens_and_the_cases_exercise_every_rule(reference):
     """The judge compares with plain decoding's output (the package's speculative run equals it), and the public
     cases hold drafts accepted in full, in part and not at all, and prefix-cache keys only where caching is on."""
-    from minipaged.block_manager import BlockAllocator
+    from minipaged.blocks import BlockAllocator
     from minipaged.checks.engine_run import run_engine
     from minipaged.prefix_cache import PrefixCachingAllocator
 
@@ -390,7 +390,7 @@ def test_failures_name_the_mistake(capsys):
 
 def test_the_reference_beam_step_matches_beam_search_events():
     """The check's script, replayed with the chapter's module: the same forks and copies per step."""
-    from minipaged.block_manager import BlockAllocator, BlockTable
+    from minipaged.blocks import BlockAllocator, BlockTable
 
     alloc = BlockAllocator(9, 4)
     kinds = []

@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minipaged.block_manager import OutOfBlocks
 from minipaged.block_math import blocks_needed
+from minipaged.blocks import OutOfBlocks
 from minipaged.cache import PagedKVCache
 from minipaged.clock import VirtualClock, WallClock
 from minipaged.disagg import (

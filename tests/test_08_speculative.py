@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import minipaged.engine as engine_module
-from minipaged.block_manager import BlockAllocator, BlockTable
 from minipaged.block_math import blocks_needed
+from minipaged.blocks import BlockAllocator, BlockTable
 from minipaged.checkpoint import load_course_model
 from minipaged.engine import Engine
 from minipaged.generate import generate_contiguous

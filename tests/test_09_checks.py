@@ -10,7 +10,7 @@ from functools import cache
 
 import pytest
 
-from minipaged.block_manager import BlockTable
+from minipaged.blocks import BlockTable
 from minipaged.checks import FAIL, PASS, ch09
 from minipaged.checks.instructor.ch09 import CASES, reference
 from minipaged.prefix_cache import PrefixCachingAllocator

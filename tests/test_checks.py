@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from minipaged import checks
-from minipaged.block_manager import BlockAllocator
+from minipaged.blocks import BlockAllocator
 from minipaged.checks import (
     FAIL,
     PASS,

@@ -50,12 +50,12 @@ FLAGGED = {
 }
 
 NOT_FLAGGED = {
-    "an allowed module": "from minipaged.block_manager import BlockAllocator, OutOfBlocks\n",
-    "allowed modules, whole": "import minipaged.validation\nimport minipaged.block_manager as bm\nx = bm.BlockTable\n",
+    "an allowed module": "from minipaged.blocks import BlockAllocator, OutOfBlocks\n",
+    "allowed modules, whole": "import minipaged.validation\nimport minipaged.blocks as bm\nx = bm.BlockTable\n",
     "a name beginning like the module": "from minipaged import prefix_cache_notes\n",
     "the package itself": "import minipaged\nprint(minipaged.__file__)\n",
     "a comment and a string": "# minipaged.prefix_cache does this; so will I\nNOTE = 'minipaged.prefix_cache'\n",
-    "import_module of an allowed module": "import importlib\nbm = importlib.import_module('minipaged.block_manager')\n",
+    "import_module of an allowed module": "import importlib\nbm = importlib.import_module('minipaged.blocks')\n",
     "import_module of a variable": "import importlib\nname = 'x'\nmod = importlib.import_module(name)\n",
     "a local name that happens to match": "prefix_cache = {}\nprefix_cache.get(1)\n",
     "does not parse": "from minipaged.prefix_cache import (\n",
@@ -128,9 +128,9 @@ def test_renaming_the_alias_does_not_hide_the_module(exercise06, alias, attr):
         f"cell t uses {PC} (import {PC} as {alias}, attribute {alias}.{attr})"]
 
 
-DELEGATE = "from minipaged.block_manager import BlockAllocator\n\nclass MyAllocator(BlockAllocator):\n    pass\n"
+DELEGATE = "from minipaged.blocks import BlockAllocator\n\nclass MyAllocator(BlockAllocator):\n    pass\n"
 # The same allocator reached without naming the module: not flagged (the rule is a flag, not a boundary).
-HIDDEN = ("MyAllocator = type('MyAllocator', (getattr(__import__('minipaged').block_manager, 'BlockAllocator'),),"
+HIDDEN = ("MyAllocator = type('MyAllocator', (getattr(__import__('minipaged').blocks, 'BlockAllocator'),),"
           " {})\n")
 
 
@@ -150,7 +150,7 @@ def test_a_delegating_learner_is_flagged_and_keeps_its_verdicts(tmp_path, capsys
                           "--seed", "3", "--check-timeout", "20"])
     report = capsys.readouterr().out
     book = json.loads(prefix.with_suffix(".json").read_text())
-    flag = "cell 02-03 uses minipaged.block_manager (from-import BlockAllocator, subclass of BlockAllocator)"
+    flag = "cell 02-03 uses minipaged.blocks (from-import BlockAllocator, subclass of BlockAllocator)"
     assert book["learners"]["delegate"]["flags"] == {exercise.name: [flag]}
     assert f"delegate · {exercise.name}: FLAG: {flag}" in report
     assert book["learners"]["hidden"]["flags"] == {}

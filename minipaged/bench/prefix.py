@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from minipaged.bench import best_runs, positive_int, positive_rate
-from minipaged.block_manager import BlockAllocator
+from minipaged.blocks import BlockAllocator
 from minipaged.clock import VirtualClock, WallClock
 from minipaged.engine import Engine
 from minipaged.metrics import format_summary

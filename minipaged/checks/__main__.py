@@ -365,7 +365,7 @@ def _solution_only(cell) -> bool:
 
 
 def _imported(source: str) -> list[str]:
-    """The dotted names a cell's ``import`` statements bring in (``minipaged.block_manager.OutOfBlocks``)."""
+    """The dotted names a cell's ``import`` statements bring in (``minipaged.blocks.OutOfBlocks``)."""
     tree = _tree(source)
     if tree is None:
         return []

@@ -22,15 +22,15 @@ from __future__ import annotations
 
 from collections import Counter, deque
 
-from minipaged.block_manager import AllocatorBase
 from minipaged.block_math import blocks_needed
+from minipaged.blocks import AllocatorBase
 from minipaged.checks import CheckFailed, _where, check, outcome, plain, same
 from minipaged.checks.engine_run import first_divergence, first_token_divergence, run_engine
 from minipaged.checks.op_count import instrument, judge_growth, measured
 
 # The package modules this exercise rebuilds: the grader flags a learner's cell that imports, subclasses or
 # calls them (a flag for the instructor, not a verdict). Importing AllocatorBase and the errors is allowed.
-REBUILDS = ("minipaged.block_manager",)
+REBUILDS = ("minipaged.blocks",)
 
 HINTS = {
     "2.1": [

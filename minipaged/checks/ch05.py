@@ -122,7 +122,7 @@ def _recording(cls, record: list, borrow_admit: bool):
     Also a block table class that notes which sequence last asked for blocks, so that each preemption is
     recorded with the sequence it made room for. Returns ``(scheduler class, block table class)``.
     """
-    from minipaged.block_manager import BlockTable
+    from minipaged.blocks import BlockTable
 
     asker, victims = [None], []
 

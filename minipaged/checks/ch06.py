@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from minipaged.block_manager import BlockAllocator, BlockTable
+from minipaged.blocks import BlockAllocator, BlockTable
 from minipaged.checks import CheckFailed, _where, check
 from minipaged.checks.engine_run import first_token_divergence, run_engine
 from minipaged.checks.op_count import instrument, judge_growth, measured

@@ -16,7 +16,7 @@ that break the budget, ``max_tokens`` or pool rules; a key given to a block that
 fill.
 
 Task 8.2's probe runs the learner's beam step on real block tables over chapter 02's
-:class:`~minipaged.block_manager.BlockAllocator`, and the judge compares refcounts, events and what
+:class:`~minipaged.blocks.BlockAllocator`, and the judge compares refcounts, events and what
 every beam reads: a step that frees a table a new beam carries on in, or writes before it copies,
 shows up as a wrong value.
 """
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from minipaged.block_manager import BlockAllocator, BlockTable
+from minipaged.blocks import BlockAllocator, BlockTable
 from minipaged.checks import CheckFailed, check, expect_equal
 from minipaged.checks.engine_run import first_token_divergence, package_methods_off, run_engine
 from minipaged.prefix_cache import PrefixCachingAllocator

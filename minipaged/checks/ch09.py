@@ -31,7 +31,7 @@ from minipaged.checks.engine_run import engine_with, first_divergence, first_tok
 
 # The package modules the capstone's pieces rebuild: the grader flags a learner's cell that imports, subclasses or
 # calls them (a flag for the instructor, not a verdict).
-REBUILDS = ("minipaged.block_manager", "minipaged.prefix_cache", "minipaged.attention", "minipaged.attention_loop",
+REBUILDS = ("minipaged.blocks", "minipaged.prefix_cache", "minipaged.attention", "minipaged.attention_loop",
             "minipaged.scheduler", "minipaged.request_queue")
 
 RECORD = Path(__file__).resolve().parents[2] / "notebooks" / "results" / "vllm_check.json"
@@ -43,7 +43,7 @@ HINTS = {
         "piece assumes of another (a hook the prefix cache overrides, a table method the scheduler calls)",
         "find the piece: in a scratch cell, call ch09.check_your_engine with one piece of yours and the "
         "package's for the others (PrefixCachingAllocator from minipaged.prefix_cache, BlockTable from "
-        "minipaged.block_manager, None for the package's torch backend, Scheduler from minipaged.scheduler): the "
+        "minipaged.blocks, None for the package's torch backend, Scheduler from minipaged.scheduler): the "
         "piece whose run fails is the one to fix (delete the cell afterwards: the grader flags imports of the "
         "package's versions)",
         "blocks of 32 and a 1,024-token budget are new here: batch 1's prompt fills three blocks and part of a "
@@ -151,7 +151,7 @@ def check_your_engine(case, allocator, block_table, backend, scheduler):
         mine = serve_recorded(case["model"], case["max_tokens"], backend=backend, **seams)
         package = None
         if case["same_run"]:  # the package's engine too, in this kernel: exactly equal tokens are wanted
-            from minipaged.block_manager import BlockTable
+            from minipaged.blocks import BlockTable
             from minipaged.prefix_cache import PrefixCachingAllocator
             from minipaged.scheduler import Scheduler
 

@@ -22,7 +22,7 @@ def plot_reads(block_tables, seq_lens, num_blocks: int, block_size: int, names: 
 
     Args:
         block_tables: ``int [num_seqs, max_blocks_per_seq]``, logical block -> physical block, as
-            :func:`minipaged.block_manager.block_tables_tensor` stacks them.
+            :func:`minipaged.blocks.block_tables_tensor` stacks them.
         seq_lens: ``[num_seqs]``, each sequence's context length (how many of its row's slots count).
         num_blocks: blocks in the pool (the figure's width is ``num_blocks * block_size`` slots).
         block_size: slots per block.

@@ -1,15 +1,15 @@
 """Exercise 02's references, public cases and hidden cases (the instructor's side of ``minipaged.checks.ch02``).
 
-The references are the package's own :class:`~minipaged.block_manager.BlockAllocator` and
-:class:`~minipaged.block_manager.BlockTable`: the learner's pieces must behave as they do.
+The references are the package's own :class:`~minipaged.blocks.BlockAllocator` and
+:class:`~minipaged.blocks.BlockTable`: the learner's pieces must behave as they do.
 """
 
 from __future__ import annotations
 
 import random
 
-from minipaged.block_manager import BlockAllocator, BlockTable
 from minipaged.block_math import blocks_needed
+from minipaged.blocks import BlockAllocator, BlockTable
 from minipaged.checks.ch02 import run_script
 from minipaged.checks.engine_run import seeded_requests
 from minipaged.checks.instructor import Side

@@ -1,7 +1,7 @@
 """Exercise 06's references, public cases and hidden cases (the instructor's side of ``minipaged.checks.ch06``).
 
 The build checks' references are the package's own pieces, :class:`~minipaged.prefix_cache.PrefixCachingAllocator`
-for ``ch06.prefix_cache`` and :class:`~minipaged.block_manager.BlockTable`'s copy-on-write (on ``TableWithoutCow``)
+for ``ch06.prefix_cache`` and :class:`~minipaged.blocks.BlockTable`'s copy-on-write (on ``TableWithoutCow``)
 for ``ch06.cow_table``; their cases are ``run_engine`` workloads of block size 4 on the checks' tiny model.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 
-from minipaged.block_manager import BlockTable
+from minipaged.blocks import BlockTable
 from minipaged.checks.ch06 import TableWithoutCow
 from minipaged.checks.engine_run import VOCAB_SIZE
 from minipaged.checks.instructor import Side

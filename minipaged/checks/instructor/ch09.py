@@ -29,7 +29,7 @@ CASES = [{"kind": "recorded", "model": "SmolLM2-135M-Instruct", "max_tokens": 16
 
 
 def reference():
-    from minipaged.block_manager import BlockTable
+    from minipaged.blocks import BlockTable
     from minipaged.prefix_cache import PrefixCachingAllocator
     from minipaged.scheduler import Scheduler
 

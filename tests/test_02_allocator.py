@@ -7,14 +7,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minipaged.block_manager import (
+from minipaged.block_math import blocks_needed
+from minipaged.blocks import (
     BlockAllocator,
     BlockError,
     BlockTable,
     OutOfBlocks,
     block_tables_tensor,
 )
-from minipaged.block_math import blocks_needed
 from minipaged.events import BlockEvent
 
 pytestmark = pytest.mark.ch02
