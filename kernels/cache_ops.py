@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from minipaged._triton import check_device
-from minipaged.validation import check_kv_write
+from minipaged.attention_checks import check_kv_write
 
 from .paged_attention import check_layout
 

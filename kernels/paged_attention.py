@@ -39,7 +39,8 @@ import triton
 import triton.language as tl
 
 from minipaged._triton import check_device, interpreted
-from minipaged.validation import check_int, check_paged_attention, check_scale
+from minipaged.attention_checks import check_paged_attention
+from minipaged.validation import check_int, check_scale
 
 # Head dims the kernels take: every multiple of 8 from 16 to 256 (Llama 64/128, Phi-2 80,
 # Phi-3-mini 96, 112, 120, 192 ...). tl.arange needs a power of two, so a row is loaded
@@ -298,7 +299,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
     """Decode attention for one new token per sequence, reading K/V through ``block_tables``.
 
     The inputs are :func:`minipaged.attention.paged_attention`'s (see the module docstring)
-    and are checked by the same :func:`minipaged.validation.check_paged_attention`, plus
+    and are checked by the same :func:`minipaged.attention_checks.check_paged_attention`, plus
     the kernel's limits (:func:`check_supported`): fp32/fp16/bf16, ``block_size`` up to
     ``MAX_BLOCK_SIZE``, ``head_dim`` a multiple of 8 from 16 to 256.
 

@@ -44,7 +44,8 @@ import triton
 import triton.language as tl
 
 from minipaged._triton import check_device, interpreted
-from minipaged.validation import check_paged_attention, check_scale
+from minipaged.attention_checks import check_paged_attention
+from minipaged.validation import check_scale
 
 from .paged_attention import check_supported, load_kv_tile, paged_decode_attention
 
@@ -162,7 +163,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_s
     """Chunked-prefill attention (decode rows included): each sequence's packed queries over its paged context.
 
     The inputs are :func:`minipaged.attention.paged_prefill_attention`'s (see the module
-    docstring), checked by the same :func:`minipaged.validation.check_paged_attention`,
+    docstring), checked by the same :func:`minipaged.attention_checks.check_paged_attention`,
     plus the kernels' limits (:func:`.check_supported`). Returns ``[num_tokens, num_heads,
     head_dim]`` in ``q.dtype``; ``scale`` defaults to ``head_dim ** -0.5``.
 

@@ -14,7 +14,7 @@ at offset ``t % block_size``; its *slot* is ``block_id * block_size + offset``.
 
 Every path takes a ``backend=``: the name of an :class:`AttentionBackend` in the registry
 (:func:`register_backend`, :func:`get_backend`). The read and write paths run the same input
-checks (:func:`minipaged.validation.check_paged_attention`, ``check_kv_write``) before they hand
+checks (:func:`minipaged.attention_checks.check_paged_attention`, ``check_kv_write``) before they hand
 the call to the backend, so a bad input gets the same error on every backend. Registered here:
 
 - ``"torch"``: vectorised gather through the block table, then batched matmuls and a masked softmax (this module).
@@ -39,9 +39,6 @@ from minipaged.cache import write_kv_torch
 from minipaged.validation import (
     check_callable,
     check_choice,
-    check_contiguous_attention,
-    check_kv_write,
-    check_paged_attention,
     check_scale,
 )
 
@@ -66,7 +63,13 @@ def contiguous_attention(q, k, v, *, scale=None, causal=True):
     float32 (float64 for float64 inputs, the exact reference :mod:`minipaged.testing` uses);
     returns ``[q_len, num_heads, head_dim]`` in ``q.dtype``.
     """
-    scale = check_contiguous_attention(q, k, v, scale)
+    from minipaged.attention_checks import check_contiguous_attention  # the checks load when a caller asks
+
+    return _contiguous_attention(q, k, v, check_contiguous_attention(q, k, v, scale), causal)
+
+
+def _contiguous_attention(q, k, v, scale: float, causal: bool = True):
+    """:func:`contiguous_attention` on inputs known to be valid (the torch prefill's gathered contexts)."""
     q_len, kv_len = q.shape[0], k.shape[0]
     mask = None
     if causal and q_len > 1:
@@ -84,49 +87,6 @@ def contiguous_attention(q, k, v, *, scale=None, causal=True):
 
 def no_limits(block_size: int, head_dim: int, dtype: torch.dtype) -> None:
     """The ``check`` of a backend that runs any cache shape and dtype: it accepts everything."""
-
-
-def check_backend_registration(name, backend, replace, registry: dict, backend_class: type) -> None:
-    """The arguments of ``attention.register_backend``, checked before the registry changes.
-
-    Args:
-        name: the key, a non-empty str not in ``registry`` (unless ``replace``).
-        backend: a ``backend_class`` instance named ``name``, or a function (a loader that returns one).
-        replace: a bool; True allows replacing a registered name.
-        registry: the registry as it is now.
-        backend_class: :class:`~minipaged.attention.AttentionBackend`.
-
-    Raises:
-        TypeError: ``name`` is not a str, ``replace`` not a bool, or ``backend`` neither a backend nor a function.
-        ValueError: ``name`` is empty or taken (without ``replace``), or ``backend`` carries another name.
-    """
-    if not isinstance(name, str):
-        raise TypeError(f"name must be a str, got {type(name).__name__} {name!r:.60}")
-    if not name:
-        raise ValueError("name must not be empty")
-    if not isinstance(replace, bool):
-        raise TypeError(f"replace must be a bool, got {type(replace).__name__}")
-    if isinstance(backend, backend_class):
-        if backend.name != name:
-            raise ValueError(f"backend is named {backend.name!r}, but it is being registered as {name!r}")
-    elif not callable(backend):
-        raise TypeError(f"backend must be an AttentionBackend or a function that returns one, "
-                        f"got {type(backend).__name__}")  # fmt: skip
-    if name in registry and not replace:
-        raise ValueError(f"backend {name!r} is already registered; pass replace=True to replace it")
-
-
-def check_loaded_backend(entry, name: str, backend_class: type) -> None:
-    """A ``TypeError`` unless a backend loader returned a ``backend_class`` named ``name``.
-
-    Args:
-        entry: what the loader registered as ``name`` returned.
-        name: the registered name.
-        backend_class: :class:`~minipaged.attention.AttentionBackend`.
-    """
-    if not isinstance(entry, backend_class) or entry.name != name:
-        raise TypeError(f"the loader of backend {name!r} must return an AttentionBackend named {name!r}, "
-                        f"got {entry!r:.80}")  # fmt: skip
 
 
 def check_backend_fields(backend) -> None:
@@ -227,6 +187,8 @@ def register_backend(name: str, backend, *, replace: bool = False) -> None:
         ValueError: ``name`` is empty or already registered (without ``replace``), or ``backend``
             carries another name.
     """
+    from minipaged.attention_checks import check_backend_registration
+
     check_backend_registration(name, backend, replace, _REGISTRY, AttentionBackend)
     _REGISTRY[name] = backend
 
@@ -248,6 +210,8 @@ def get_backend(name: str) -> AttentionBackend:
     entry = _REGISTRY[name]
     if not isinstance(entry, AttentionBackend):
         entry = entry()
+        from minipaged.attention_checks import check_loaded_backend
+
         check_loaded_backend(entry, name, AttentionBackend)
         _REGISTRY[name] = entry
     return entry
@@ -294,11 +258,13 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping, *, backend="torch", che
         check: False skips the checks, for a caller that has checked the same slots and shapes
             already (the model's forward checks its first layer's write, once per step).
 
-    The inputs are checked here with :func:`minipaged.validation.check_kv_write`, for every
+    The inputs are checked here with :func:`minipaged.attention_checks.check_kv_write`, for every
     backend, and a bad one raises before anything is written.
     """
     impl = resolve_backend(backend)
     if check:
+        from minipaged.attention_checks import check_kv_write
+
         check_kv_write(key, value, k_cache, v_cache, slot_mapping)
     impl.write(key, value, k_cache, v_cache, slot_mapping)
 
@@ -320,6 +286,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, 
     """
     impl = resolve_backend(backend)
     if check:
+        from minipaged.attention_checks import check_paged_attention
+
         check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens)
     scale = check_scale(scale, q.shape[-1])
     if q.shape[0] == 0:
@@ -461,6 +429,8 @@ def paged_prefill_attention(
     """
     impl = resolve_backend(backend)
     if check:
+        from minipaged.attention_checks import check_paged_attention
+
         check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     scale = check_scale(scale, q.shape[-1])
     if q.shape[0] == 0:
@@ -493,13 +463,13 @@ def _paged_prefill_torch(q, k_cache, v_cache, block_tables, seq_lens, query_star
         # Slicing to seq_len drops the unwritten tail, so no masking of V is needed here.
         k = k_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:seq_len]
         v = v_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:seq_len]
-        out[a:b] = contiguous_attention(q[a:b], k, v, scale=scale)
+        out[a:b] = _contiguous_attention(q[a:b], k, v, scale)
     return out
 
 
-register_backend("loop", _load_loop)
-register_backend("torch", AttentionBackend("torch", _paged_decode_torch, _paged_prefill_torch, write_kv_torch))
-register_backend("triton", _load_triton)
+# The built-in backends go straight in (register_backend checks what a caller hands in).
+_REGISTRY.update(loop=_load_loop, torch=AttentionBackend("torch", _paged_decode_torch, _paged_prefill_torch,
+                                                         write_kv_torch), triton=_load_triton)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- one batch, as the model sees it

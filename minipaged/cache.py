@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from minipaged.blocks import AllocatorBase, BlockAllocator, BlockTable
-from minipaged.validation import check_fits_memory, check_int, check_kv_write
+from minipaged.validation import check_fits_memory, check_int
 
 
 def write_kv_torch(key, value, k_cache, v_cache, slot_mapping) -> None:
@@ -84,7 +84,7 @@ class PagedKVCache:
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store token ``i``'s K/V of ``layer`` at ``slot_mapping[i]``; a slot of -1 is skipped (padding).
 
-        The inputs are checked first (:func:`minipaged.validation.check_kv_write`). Chapter 03's
+        The inputs are checked first (:func:`minipaged.attention_checks.check_kv_write`). Chapter 03's
         :func:`minipaged.attention.write_kv` is the same write on raw pools, by any attention backend.
 
         Args:
@@ -94,6 +94,8 @@ class PagedKVCache:
         """
         layer = check_index(layer, "layer", self.num_layers, f"the cache has {self.num_layers} layers")
         k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
+        from minipaged.attention_checks import check_kv_write
+
         check_kv_write(key, value, k_cache, v_cache, slot_mapping)
         write_kv_torch(key, value, k_cache, v_cache, slot_mapping)
 

@@ -68,7 +68,7 @@ A suggested notebook section (chapter 08), on the tiny random model (about 3 s o
 
     import torch; torch.set_num_threads(1)
     from minipaged.disagg import DISAGG_PRESET, DisaggregatedEngine, KVLink, compare_disaggregation, transfer_kv
-    from minipaged.metrics import format_summary
+    from minipaged.latency import format_summary
     from minipaged.workload import make_workload
     cmp = compare_disaggregation(tiny, make_workload(24, rate=18, preset=DISAGG_PRESET, seed=0))
     print(format_summary(cmp.summaries, unit="ms"))  # mixed, 2 x mixed, disaggregated
@@ -93,7 +93,7 @@ from minipaged.blocks import BlockTable, OutOfBlocks
 from minipaged.cache import PagedKVCache
 from minipaged.clock import StepCost, VirtualClock
 from minipaged.engine import Engine, RequestOutput, StepOutput
-from minipaged.metrics import request_latencies, summarize
+from minipaged.latency import request_latencies, summarize
 from minipaged.prefix_cache import PrefixCachingAllocator
 from minipaged.replay import add_all, check_workload, workload_request
 from minipaged.scheduler import EngineConfig, check_fits_pool
@@ -662,8 +662,8 @@ class Comparison:
     """The same workload served by each setup: latency and throughput summaries, and the raw latencies.
 
     Attributes:
-        summaries: setup name -> :func:`~minipaged.metrics.summarize`'s numbers (print with
-            :func:`~minipaged.metrics.format_summary`), plus ``busy_fraction`` (each engine's share of
+        summaries: setup name -> :func:`~minipaged.latency.summarize`'s numbers (print with
+            :func:`~minipaged.latency.format_summary`), plus ``busy_fraction`` (each engine's share of
             the run spent in steps, a list) and, for the disaggregated setup, ``transfer_ms_mean`` and
             ``transfer_wait_ms_mean``.
         latencies: setup name -> ``{"ttft": [...], "tpot": [...], "e2e": [...]}`` in seconds (for CDFs).

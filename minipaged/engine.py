@@ -223,17 +223,18 @@ class Engine(StepState):
         """The forward pass's inputs for the plan ``out``: token ids, positions, attention metadata, logits rows.
 
         Every scheduled token is packed into one batch, sequence by sequence (vLLM's ``_prepare_inputs``).
-        The rows are the logits to sample from: one per sequence whose chunk reaches its last token, or,
-        for one that verifies ``k`` drafts (``out.spec_token_ids``, chapter 08), its last ``k + 1``.
+        The logits rows (vLLM's ``logits_indices``) are the packed tokens to sample after: the last one
+        of each sequence whose chunk reaches the end of its tokens. A speculator (chapter 08) adds the
+        drafts it scheduled, and their rows.
         """
-        spec = bool(out.spec_token_ids)  # drafts: every token's logits; else each sequence's last token's
         input_ids, positions, rows, end = [], [], [], 0
-        for i, (seq, n, ends) in enumerate(zip(out.seqs, out.num_new_tokens, out.ends_sequence())):
-            drafts = out.spec_token_ids.get(seq.seq_id, [])
+        for seq, n, ends in zip(out.seqs, out.num_new_tokens, out.ends_sequence()):
             start, end = seq.num_computed_tokens, end + n
-            input_ids += seq.token_ids[start : start + n - len(drafts)] + drafts
+            input_ids += seq.token_ids[start : start + n]  # drafts are not among a sequence's tokens
             positions += range(start, start + n)
-            rows += (range(end - 1 - len(drafts), end) if spec else [i]) if ends else []
+            rows += [end - 1] if ends else []
+        if out.spec_token_ids:
+            input_ids, rows = self.speculator.prepare_inputs(out, input_ids)
         tables = [s.block_table for s in out.seqs]  # the scheduler already appended this step's tokens to them
         metadata = AttentionMetadata.pack(tables, out.num_new_tokens, torch.cat(out.slot_mappings), self.cache.device)
         ids, pos = (torch.tensor(x, dtype=torch.int64, device=self.cache.device) for x in (input_ids, positions))
@@ -243,24 +244,24 @@ class Engine(StepState):
     def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
         """Carry out the plan ``out``'s K/V moves, then one forward pass; the clock advances by the step's cost.
 
-        Returns the logits rows to sample from (None: nothing ran), as :meth:`prepare_inputs` picks them.
+        Returns the logits of the rows :meth:`prepare_inputs` picked (None: nothing ran).
         """
         moved = self.cache.move_kv(out, self.swap_space)  # before anything lands in the new blocks
         if not out.seqs:  # nothing to run (every sequence waits, or was preempted)
             return None
         ids, pos, metadata, rows = self.prepare_inputs(out)
-        logits = self.model(ids, pos, self.cache, metadata, backend=self.config.backend,
-                            all_logits=bool(out.spec_token_ids))  # fmt: skip
+        logits = self.model(ids, pos, self.cache, metadata, backend=self.config.backend, logits_rows=rows, check=False)
         context = sum(s.num_computed_tokens + n for s, n in zip(out.seqs, out.num_new_tokens))
         self.clock.step(out.num_batched_tokens, context, moved)
-        return logits if rows == list(range(len(logits))) else logits[logits.new_tensor(rows, dtype=torch.long)]
+        return logits
 
     def sample(self, out: SchedulerOutput, logits: torch.Tensor | None) -> tuple[dict, dict]:
         """A token for every sequence whose chunk ended (and the samples about to fork from it); drafts verified.
 
-        Stop tokens are masked first where a request is short of its ``min_tokens``; with drafts, the
-        speculator's ``verify`` keeps the ones the model agrees with. Takes the plan ``out`` and what
-        :meth:`execute` returned; returns seq_id -> sampled token, and seq_id -> accepted drafts.
+        Stop tokens are masked first where a request is short of its ``min_tokens``. With drafts, the
+        speculator's ``verify`` masks, keeps the drafts the model agrees with, and leaves one row per
+        sequence. Takes the plan ``out`` and what :meth:`execute` returned; returns seq_id -> sampled
+        token, and seq_id -> accepted drafts.
         """
         if logits is None:
             return {}, {}
@@ -268,10 +269,11 @@ class Engine(StepState):
         if not bool(logits.isfinite().all()):  # one reduction a step: a NaN would be sampled as token 0
             raise NonFiniteLogits(f"the forward pass (attention backend {self.config.backend!r}) gave NaN or inf "
                                   f"logits for the rows of {[s.seq_id for s in ending]}: nothing was sampled")
-        logits = mask_stop_tokens(logits, ending, out.spec_token_ids)  # min_tokens: before verification
         accepted, decided = {}, {}  # decided: seq_id -> the token a sampled sequence's verification drew
         if out.spec_token_ids:
             logits, accepted, decided = self.speculator.verify(logits, ending, out.spec_token_ids, self.metrics)
+        else:
+            logits = mask_stop_tokens(logits, ending)
         # One row per sequence whose chunk ends; a sample about to fork shares its parent's row.
         rows = [(i, x) for i, s in enumerate(ending) for x in (s, *s.pending_forks) if x.seq_id not in decided]
         tokens = sample(logits[[i for i, _ in rows]], [x for _, x in rows])

@@ -43,7 +43,6 @@ from minipaged.validation import (
     check_fields,
     check_int,
     check_multiple,
-    check_packed_batch,
     check_real,
     check_token_ids,
     errors_named,
@@ -208,10 +207,9 @@ class LlamaForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
-    def forward(
-        self, input_ids, positions, kv_caches, attn_metadata: AttentionMetadata, *, backend="torch", all_logits=False
-    ):
-        """Run a packed batch through the paged cache; return the logits of each sequence's last token.
+    def forward(self, input_ids, positions, kv_caches, attn_metadata: AttentionMetadata, *, backend="torch",
+                logits_rows=None, check=True):  # fmt: skip
+        """Run a packed batch through the paged cache; return the logits of the rows asked for.
 
         Args:
             input_ids, positions: int64 ``[num_tokens]``, the step's new tokens of every sequence, packed.
@@ -220,21 +218,35 @@ class LlamaForCausalLM(nn.Module):
             backend: the name of a registered attention backend (``"torch"``, ``"loop"``, ``"triton"`` or one
                 of yours, see :class:`~minipaged.attention.AttentionBackend`), looked up once per forward:
                 every layer writes and reads through its functions.
-            all_logits: return every token's logits, not only each sequence's last.
+            logits_rows: the packed tokens whose logits to return, in order (vLLM's ``logits_indices``): a
+                list or range of ints in ``[0, num_tokens)``. None: each sequence's last token.
+            check: check the batch against the caches, and the first layer's K/V write and attention
+                inputs (:mod:`minipaged.attention_checks`), before anything runs. The engine passes False:
+                it builds the batch itself from pieces it checked where they were handed in.
 
         Each layer writes the new K/V to ``attn_metadata.slot_mapping``, then
         attends through the block tables: ``paged_attention`` when every
         sequence has one new token, ``paged_prefill_attention`` otherwise.
-        Returns ``[num_seqs, vocab]``, or ``[num_tokens, vocab]`` with ``all_logits``.
+        Returns ``[len(logits_rows), vocab]`` (``[num_seqs, vocab]`` for None). The output head runs on
+        those rows only: a prefill chunk that ends mid-prompt samples nothing and costs no logits.
         """
         md = attn_metadata
         caches = list(zip(kv_caches.k_caches, kv_caches.v_caches) if hasattr(kv_caches, "k_caches") else kv_caches)
-        check_packed_batch(input_ids, positions, md, caches, len(self.model.layers))
+        if check:
+            from minipaged.attention_checks import check_packed_batch
+
+            check_packed_batch(input_ids, positions, md, caches, len(self.model.layers))
+        if logits_rows is None:
+            rows = md.query_start_loc[1:].long() - 1  # each sequence's last token
+        elif check:
+            rows = check_logits_rows(logits_rows, len(input_ids))
+        else:
+            rows = torch.as_tensor(logits_rows, dtype=torch.long)
         impl = get_backend(backend)  # an unknown name fails here, before any layer writes
 
         def attend(layer, q, k, v):
             # Checked once per step, at layer 0: the others have its shapes and metadata (check_packed_batch).
-            k_cache, v_cache, first = *caches[layer], layer == 0
+            k_cache, v_cache, first = *caches[layer], check and layer == 0
             write_kv(k, v, k_cache, v_cache, md.slot_mapping, backend=impl, check=first)
             args = (q, k_cache, v_cache, md.block_tables, md.seq_lens)
             if md.is_decode:
@@ -242,9 +254,7 @@ class LlamaForCausalLM(nn.Module):
             return paged_prefill_attention(*args, md.query_start_loc, backend=impl, check=first)
 
         hidden = self.model(input_ids, positions, self.rope_cos, self.rope_sin, attend)
-        if not all_logits:
-            hidden = hidden[md.query_start_loc[1:].long() - 1]
-        return self.lm_head(hidden)
+        return self.lm_head(hidden[rows])
 
     def forward_contiguous(self, input_ids, positions, past_key_values=None):
         """One sequence with a contiguous cache: ``past_key_values`` is per-layer ``(k, v)``,
@@ -264,6 +274,16 @@ class LlamaForCausalLM(nn.Module):
 
         hidden = self.model(input_ids, positions, self.rope_cos, self.rope_sin, attend)
         return self.lm_head(hidden), present
+
+
+def check_logits_rows(logits_rows, num_tokens: int) -> torch.Tensor:
+    """``LlamaForCausalLM.forward``'s ``logits_rows`` (see it) as an int64 tensor; a ValueError names a bad one."""
+    rows = logits_rows if isinstance(logits_rows, torch.Tensor) else torch.tensor(list(logits_rows) or [], dtype=None)
+    rows = rows.long() if rows.numel() == 0 else rows  # an empty list: no sequence ends this step
+    if rows.dtype != torch.int64 or rows.dim() != 1 or (len(rows) and not 0 <= rows.min() <= rows.max() < num_tokens):
+        raise ValueError(f"logits_rows must be ints in [0, {num_tokens}) (the packed batch's tokens), "
+                         f"got {logits_rows!r}")  # fmt: skip
+    return rows
 
 
 def check_llama_config(config) -> None:

@@ -73,6 +73,7 @@ from dataclasses import dataclass
 import torch
 
 from minipaged.blocks import BlockTable
+from minipaged.stopping import mask_stop_tokens
 from minipaged.validation import check_int
 
 METHODS = ("ngram",)
@@ -251,9 +252,10 @@ def rollback_drafts(table: BlockTable, num_computed_tokens: int, num_draft_token
 class NgramSpeculator:
     """Speculative decoding as the engine plugs it in: n-gram drafts, greedy or sampled verification, rollback.
 
-    The engine's three seams, each a method a learner's class may replace:
+    The engine's four seams, each a method a learner's class may replace:
 
     - :meth:`schedule_drafts`, called by the scheduler once the running sequences are planned;
+    - :meth:`prepare_inputs`, called by the engine to put the drafts into the forward pass's batch;
     - :meth:`verify`, called by the engine between the forward pass and sampling;
     - :meth:`rollback` (:func:`rollback_drafts`), called by the scheduler's postprocess.
 
@@ -302,6 +304,26 @@ class NgramSpeculator:
                 budget -= len(drafts)
         return budget
 
+    def prepare_inputs(self, out, input_ids: list[int]) -> tuple[list[int], list[int]]:
+        """Put this step's drafts into the engine's packed batch; return its token ids and logits rows.
+
+        A sequence that verifies ``k`` drafts ran ``1 + k`` tokens: its last sampled token, which the
+        engine packed, then the drafts, which are not among its tokens. All ``1 + k`` rows are sampled
+        after: row ``r`` checks draft ``r`` and the last one gives the bonus token. Every other
+        sequence keeps its one row, its last token's, where its chunk ends.
+
+        Args:
+            out: the step's plan, with ``spec_token_ids`` (seq_id -> drafts).
+            input_ids: the engine's packed batch without the drafts, sequence by sequence.
+        """
+        ids, rows, taken, end = [], [], 0, 0
+        for seq, n, ends in zip(out.seqs, out.num_new_tokens, out.ends_sequence()):
+            drafts = out.spec_token_ids.get(seq.seq_id, [])
+            ids += input_ids[taken : taken + n - len(drafts)] + drafts
+            taken, end = taken + n - len(drafts), end + n
+            rows += range(end - 1 - len(drafts), end) if ends else []
+        return ids, rows
+
     def verify(self, logits: torch.Tensor, seqs: list, spec: dict, metrics) -> tuple[torch.Tensor, dict, dict]:
         """Check each sequence's drafts against the target's own tokens.
 
@@ -312,8 +334,8 @@ class NgramSpeculator:
         (``temperature > 0``) goes through :func:`accept_sampled`, which draws its new token itself.
 
         Args:
-            logits: the forward pass's rows (stop tokens masked before ``min_tokens``): per
-                sequence whose chunk ends, ``1 + k`` rows.
+            logits: the forward pass's rows (:meth:`prepare_inputs`): per sequence whose chunk
+                ends, ``1 + k`` rows. Stop tokens are masked first where a request is short of its ``min_tokens``.
             seqs: those sequences, in order.
             spec: seq_id -> drafts (``SchedulerOutput.spec_token_ids``).
             metrics: the engine's :class:`~minipaged.metrics.Metrics` (``record_spec_decode``).
@@ -322,6 +344,7 @@ class NgramSpeculator:
             One row per sequence (the one to sample from), seq_id -> accepted drafts, and
             seq_id -> new token for the sampled sequences whose token verification drew.
         """
+        logits = mask_stop_tokens(logits, seqs, spec)  # min_tokens holds at every verified position
         rows, accepted, decided, start = [], {}, {}, 0
         for seq in seqs:
             drafts = spec.get(seq.seq_id, [])

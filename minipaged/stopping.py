@@ -138,7 +138,7 @@ class StopRules:
         return masked
 
 
-def mask_stop_tokens(logits: torch.Tensor, seqs: list, spec: dict) -> torch.Tensor:
+def mask_stop_tokens(logits: torch.Tensor, seqs: list, spec: dict | None = None) -> torch.Tensor:
     """``logits`` with every stop token masked where a request has fewer than ``min_tokens`` outputs.
 
     The rule is :meth:`StopRules.mask`'s; this applies it to a step's rows: one per sequence, or
@@ -149,13 +149,13 @@ def mask_stop_tokens(logits: torch.Tensor, seqs: list, spec: dict) -> torch.Tens
     Args:
         logits: the step's rows, those of ``seqs`` in order.
         seqs: the :class:`~minipaged.sequence.Sequence` s whose chunk ends this step.
-        spec: seq_id -> drafts it verifies (``SchedulerOutput.spec_token_ids``).
+        spec: seq_id -> drafts it verifies (``SchedulerOutput.spec_token_ids``; None: no drafts).
     """
     if all(s.stop_rules.min_tokens <= s.num_output_tokens for s in seqs):
         return logits
     blocks, start = [], 0
     for seq in seqs:
-        n = 1 + len(spec.get(seq.seq_id, ()))
+        n = 1 + len(spec.get(seq.seq_id, ()) if spec else ())
         blocks.append(seq.stop_rules.mask(logits[start : start + n], seq.num_output_tokens))
         start += n
     return torch.cat(blocks)

@@ -41,7 +41,7 @@ from minipaged.block_math import blocks_needed, ceil_div, kv_usage, token_occupa
 from minipaged.blocks import BlockAllocator, BlockTable
 from minipaged.clock import StepCost, VirtualClock
 from minipaged.engine import Engine
-from minipaged.metrics import percentiles, request_latencies, summarize
+from minipaged.latency import percentiles, request_latencies, summarize
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 from minipaged.prefix_cache import PrefixCachingAllocator
 from minipaged.scheduler import EngineConfig
@@ -376,7 +376,7 @@ def run_engine(model, config: EngineConfig, workload: list[RequestSpec], prompts
         allocator: the engine's allocator class (chapter 07 runs with prefix caching on; ``BlockAllocator``: off).
 
     Returns:
-        :func:`~minipaged.metrics.summarize`'s numbers plus ``normalized_latency`` (mean E2E / output
+        :func:`~minipaged.latency.summarize`'s numbers plus ``normalized_latency`` (mean E2E / output
         tokens, the vLLM paper's measure), ``ttft_long_p99`` (TTFT p99 of the quarter of requests with
         the longest prompts), ``preemptions``, ``mean_running``, ``max_running``,
         ``kv_usage`` and ``token_occupancy`` (means over the steps), ``hit_rate`` and ``swapped_blocks``.

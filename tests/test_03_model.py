@@ -98,7 +98,7 @@ def test_paged_prefill_logits_match_contiguous_logits(model, prompts):
     tables = [cache.new_table(i) for i in range(len(prompts))]
     md = build_metadata(tables, [len(p) for p in prompts])
     with torch.no_grad():
-        paged = model(torch.tensor(sum(prompts, [])), md.positions(), cache, md, all_logits=True)
+        paged = model(torch.tensor(sum(prompts, [])), md.positions(), cache, md, logits_rows=range(sum(PROMPT_LENS)))
         last = model(torch.tensor(sum(prompts, [])), md.positions(), cache, md)  # rewrites the same slots
         contiguous = torch.cat([model.forward_contiguous(torch.tensor(p), torch.arange(len(p)))[0] for p in prompts])
     assert paged.shape == (sum(PROMPT_LENS), cfg.vocab_size)
@@ -195,3 +195,26 @@ def test_build_metadata_rejects_bad_num_new_tokens():
 def test_generate_paged_with_too_small_a_pool_raises_out_of_blocks(model, prompts):
     with pytest.raises(OutOfBlocks):
         generate_paged(model, prompts, NEW_TOKENS, block_size=4, num_blocks=3)
+
+
+@pytest.mark.parametrize("rows", [[5], [-1], [0.0, 1.0], [True], [[0, 1]]])
+def test_forward_rejects_logits_rows_outside_the_batch_before_writing(model, rows):
+    cfg = model.config
+    cache = PagedKVCache(cfg.num_hidden_layers, 8, 4, cfg.num_key_value_heads, cfg.head_dim)
+    md = build_metadata([cache.new_table()], [5])
+    before = [t.clone() for t in cache.k_caches]
+    with pytest.raises(ValueError, match=r"logits_rows must be ints in \[0, 5\)"):
+        model(torch.arange(5), torch.arange(5), cache, md, logits_rows=rows)
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.k_caches))
+
+
+def test_forward_returns_the_logits_of_the_rows_asked_for_in_order(model):
+    cfg = model.config
+    cache = PagedKVCache(cfg.num_hidden_layers, 8, 4, cfg.num_key_value_heads, cfg.head_dim)
+    md = build_metadata([cache.new_table()], [5])
+    with torch.no_grad():
+        every = model(torch.arange(5), torch.arange(5), cache, md, logits_rows=range(5))
+        some = model(torch.arange(5), torch.arange(5), cache, md, logits_rows=[4, 0, 4])
+        none = model(torch.arange(5), torch.arange(5), cache, md, logits_rows=[])
+    assert torch.equal(some, every[[4, 0, 4]])
+    assert none.shape == (0, cfg.vocab_size)

@@ -12,7 +12,7 @@ import minipaged.disagg as disagg
 from minipaged.blocks import BlockAllocator
 from minipaged.engine import Engine
 from minipaged.generate import generate_contiguous
-from minipaged.metrics import format_summary, request_latencies
+from minipaged.latency import format_summary, request_latencies
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 from minipaged.prefix_cache import PrefixCachingAllocator
 from minipaged.replay import Replay

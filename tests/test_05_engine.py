@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from minipaged.clock import VirtualClock
 from minipaged.engine import Engine
 from minipaged.generate import generate_contiguous
-from minipaged.metrics import percentiles, summarize
+from minipaged.latency import percentiles, summarize
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 from minipaged.scheduler import EngineConfig
 from minipaged.sequence import SamplingParams, SequenceStatus

@@ -7,7 +7,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from minipaged.metrics import PERCENTILES, StepRecord  # noqa: E402
+from minipaged.latency import PERCENTILES
+from minipaged.metrics import StepRecord  # noqa: E402
 from minipaged.viz import serving  # noqa: E402
 
 pytestmark = pytest.mark.ch05

@@ -7,7 +7,7 @@ import argparse
 import math
 import time
 
-from minipaged.metrics import summarize
+from minipaged.latency import summarize
 
 
 def positive_int(text: str) -> int:

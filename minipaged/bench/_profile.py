@@ -12,7 +12,7 @@ from __future__ import annotations
 import cProfile
 import pstats
 
-from minipaged import attention, cache, engine, model, rollback, scheduler, validation
+from minipaged import attention, cache, engine, model, rollback, scheduler
 
 
 def _builtin(name: str) -> tuple:
@@ -33,8 +33,6 @@ PARTS = {
         _python(attention.gathered_attention), _builtin("torch._C._nn.scaled_dot_product_attention")],
     "gather of K/V (index_select)": [_builtin("torch.index_select")],
     "K/V write (the torch backend's write)": [_python(cache.write_kv_torch)],
-    "input checks (validation)": [_python(f) for f in (validation.check_kv_write, validation.check_paged_attention,
-                                                       validation.check_packed_batch)],
     "RoPE": [_python(model.apply_rope)],
     "RMSNorm": [_python(model.RMSNorm.forward)],
     "scheduler (schedule, postprocess)": [_python(scheduler.Scheduler.schedule),

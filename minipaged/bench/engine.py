@@ -22,7 +22,7 @@ from minipaged.bench import best_runs, fraction, positive_int, positive_rate
 from minipaged.block_math import blocks_needed
 from minipaged.clock import WallClock
 from minipaged.engine import Engine
-from minipaged.metrics import format_summary
+from minipaged.latency import format_summary
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 from minipaged.scheduler import EngineConfig
 from minipaged.sequence import SamplingParams

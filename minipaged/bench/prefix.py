@@ -24,7 +24,7 @@ from minipaged.bench import best_runs, positive_int, positive_rate
 from minipaged.blocks import BlockAllocator
 from minipaged.clock import VirtualClock, WallClock
 from minipaged.engine import Engine
-from minipaged.metrics import format_summary
+from minipaged.latency import format_summary
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 from minipaged.prefix_cache import PrefixCachingAllocator
 from minipaged.scheduler import EngineConfig

@@ -32,7 +32,7 @@ from minipaged.bench import positive_int
 from minipaged.checkpoint import load_course_model
 from minipaged.clock import VirtualClock, WallClock
 from minipaged.engine import Engine
-from minipaged.metrics import summarize
+from minipaged.latency import summarize
 from minipaged.scheduler import EngineConfig
 from minipaged.speculative import NgramSpeculator
 from minipaged.tokenizer import encode

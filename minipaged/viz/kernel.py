@@ -259,31 +259,9 @@ def render_prefill_reads(seq_len: int, q_len: int, *, block_q: int, block_size: 
     ]
     for k, (name, label) in enumerate([("as_decode", f"prefill as decode: {q_len} programs"),
                                        ("prefill", f"prefill kernel: {len(spans['prefill'])} programs")]):
-        x0 = left + k * (panel + gap)
-        parts.append(f'<text x="{fmt(x0)}" y="{fmt(top - 26)}" font-size="13" fill="{TEXT_COLOR}">{label}</text>')
-        parts.append(f'<text x="{fmt(x0)}" y="{fmt(top - 8)}" font-size="11" fill="#666666">'
-                     f"key position → ({totals[name]} key reads per KV head)</text>")
         color = decode_color if name == "as_decode" else prefill_color
-        for queries, keys in spans[name]:
-            y, h = top + queries.start * row, len(queries) * row - 1
-            if name == "prefill":  # what the program loads: the frame, masked keys light
-                parts.append(f'<rect x="{fmt(x0)}" y="{fmt(y)}" width="{fmt(keys * cell)}" height="{fmt(h)}" '
-                             f'fill="{tint(color, 0.85)}"/>')
-            for j in queries:  # each query's visible keys, solid
-                visible = (context_len + j + 1) * cell
-                parts.append(f'<rect x="{fmt(x0)}" y="{fmt(top + j * row)}" width="{fmt(visible)}" '
-                             f'height="{fmt(row - 1)}" fill="{tint(color, 0.25)}"/>')
-            if name == "prefill":
-                parts.append(f'<rect x="{fmt(x0)}" y="{fmt(y)}" width="{fmt(keys * cell)}" height="{fmt(h)}" '
-                             f'fill="none" stroke="{color}" stroke-width="1.5"><title>queries {queries.start}..'
-                             f"{queries.stop - 1}: {keys} keys, read once</title></rect>")
-        for b in range(0, seq_len + 1, block_size):  # block boundaries
-            x = x0 + b * cell
-            parts.append(f'<line x1="{fmt(x)}" y1="{fmt(top)}" x2="{fmt(x)}" y2="{fmt(top + q_len * row)}" '
-                         'stroke="#999999" stroke-width="0.5"/>')
-        x = x0 + context_len * cell  # where the chunk starts
-        parts.append(f'<line x1="{fmt(x)}" y1="{fmt(top - 4)}" x2="{fmt(x)}" y2="{fmt(top + q_len * row + 4)}" '
-                     'stroke="#222222" stroke-width="1" stroke-dasharray="3,2"/>')
+        parts += _prefill_panel(name, label, spans[name], totals[name], left + k * (panel + gap), top, cell, row,
+                                color, seq_len, context_len, block_size)  # fmt: skip
     parts.append(f'<text x="10" y="{fmt(top + 10)}" font-size="11" fill="{TEXT_COLOR}">query 0</text>')
     parts.append(f'<text x="10" y="{fmt(top + q_len * row)}" font-size="11" fill="{TEXT_COLOR}">'
                  f"query {q_len - 1}</text>")
@@ -297,6 +275,36 @@ def render_prefill_reads(seq_len: int, q_len: int, *, block_q: int, block_size: 
         parts.append(f'<text x="10" y="{fmt(legend_y + 18 * i)}" font-size="12" fill="{TEXT_COLOR}">{line}</text>')
     parts.append("</svg>")
     return "".join(parts)
+
+
+def _prefill_panel(name: str, label: str, programs, total: int, x0: float, top: float, cell: float, row: float,
+                   color: str, seq_len: int, context_len: int, block_size: int) -> list[str]:
+    """One panel of :func:`render_prefill_reads`: its programs' reads, block boundaries and the chunk's start."""
+    q_len = sum(len(queries) for queries, _ in programs)
+    parts = [f'<text x="{fmt(x0)}" y="{fmt(top - 26)}" font-size="13" fill="{TEXT_COLOR}">{label}</text>',
+             f'<text x="{fmt(x0)}" y="{fmt(top - 8)}" font-size="11" fill="#666666">'
+             f"key position → ({total} key reads per KV head)</text>"]
+    for queries, keys in programs:
+        y, h = top + queries.start * row, len(queries) * row - 1
+        if name == "prefill":  # what the program loads: the frame, masked keys light
+            parts.append(f'<rect x="{fmt(x0)}" y="{fmt(y)}" width="{fmt(keys * cell)}" height="{fmt(h)}" '
+                         f'fill="{tint(color, 0.85)}"/>')
+        for j in queries:  # each query's visible keys, solid
+            visible = (context_len + j + 1) * cell
+            parts.append(f'<rect x="{fmt(x0)}" y="{fmt(top + j * row)}" width="{fmt(visible)}" '
+                         f'height="{fmt(row - 1)}" fill="{tint(color, 0.25)}"/>')
+        if name == "prefill":
+            parts.append(f'<rect x="{fmt(x0)}" y="{fmt(y)}" width="{fmt(keys * cell)}" height="{fmt(h)}" '
+                         f'fill="none" stroke="{color}" stroke-width="1.5"><title>queries {queries.start}..'
+                         f"{queries.stop - 1}: {keys} keys, read once</title></rect>")
+    for b in range(0, seq_len + 1, block_size):  # block boundaries
+        x = x0 + b * cell
+        parts.append(f'<line x1="{fmt(x)}" y1="{fmt(top)}" x2="{fmt(x)}" y2="{fmt(top + q_len * row)}" '
+                     'stroke="#999999" stroke-width="0.5"/>')
+    x = x0 + context_len * cell  # where the chunk starts
+    parts.append(f'<line x1="{fmt(x)}" y1="{fmt(top - 4)}" x2="{fmt(x)}" y2="{fmt(top + q_len * row + 4)}" '
+                 'stroke="#222222" stroke-width="1" stroke-dasharray="3,2"/>')
+    return parts
 
 
 def prefill_programs(num_new_tokens, block_q: int) -> list[tuple[int, int, range]]:

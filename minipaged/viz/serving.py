@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from minipaged.metrics import PERCENTILES, StepRecord
+from minipaged.latency import PERCENTILES
+from minipaged.metrics import StepRecord
 from minipaged.viz import style
 
 
@@ -16,7 +17,7 @@ def plot_latency_percentiles(summaries: dict[str, dict], unit: str = "s", log: S
     """Bar chart: TTFT / TPOT / E2E at p50, p90, p99, one bar colour per run.
 
     Args:
-        summaries: run name -> what :func:`minipaged.metrics.summarize` returned.
+        summaries: run name -> what :func:`minipaged.latency.summarize` returned.
         unit: latencies in seconds (``"s"``) or milliseconds (``"ms"``).
         log: the metrics (of ``"ttft"``, ``"tpot"``, ``"e2e"``) drawn on a log axis, for runs whose
             latencies differ by orders of magnitude (a linear axis would hide the short bars).
@@ -50,7 +51,7 @@ def plot_latency_cdf(latencies: dict[str, list[float]], title: str = "TTFT", uni
     """Empirical CDFs, one line per run: where the curves separate at the top is the tail.
 
     Args:
-        latencies: run name -> latencies in seconds (one list of :func:`minipaged.metrics.request_latencies`).
+        latencies: run name -> latencies in seconds (one list of :func:`minipaged.latency.request_latencies`).
         title: what the latencies are, for the axis label and title.
         unit: plot in seconds (``"s"``) or milliseconds (``"ms"``).
         log: draw the latency axis on a log scale.
