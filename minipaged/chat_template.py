@@ -21,11 +21,19 @@ turn, so the model answers instead of continuing the user), ``bos_token`` and ``
 
 The rendered text already holds every special token the model needs, so it is tokenized as it
 is (no BOS added on top, as ``apply_chat_template`` does).
+
+A template comes from a checkpoint, which is untrusted input, so its work is bounded as well as its
+reach: one render runs at most :data:`MAX_TEMPLATE_STEPS` lines of template code (nested loops
+included), writes at most :data:`MAX_RENDERED_CHARS` characters, and no ``*`` or ``**`` in it may
+build a value larger than that. Past a bound the render stops with a :class:`ChatTemplateError`
+that names it. The count is of the template's own lines, so it is the same on every machine and in
+any thread (a timer signal works on the main thread only).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from datetime import datetime
 from functools import lru_cache
 
@@ -42,6 +50,58 @@ class NoChatTemplate(ValueError):
 
 class ChatTemplateError(ValueError):
     """The chat template refused the conversation (its ``raise_exception``), or failed to render it."""
+
+
+MAX_TEMPLATE_STEPS = 1_000_000  # lines of template code one render may run (a real template runs hundreds)
+MAX_RENDERED_CHARS = 1 << 20  # characters one render may write, and the largest value a * or ** may build
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox, with ``*`` and ``**`` refused where their result would exceed :data:`MAX_RENDERED_CHARS`."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "*" and (_too_big(left, right) or _too_big(right, left)):
+            raise ChatTemplateError(f"the chat template builds a value over {MAX_RENDERED_CHARS:,} items with *")
+        if operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0 and \
+                abs(left) > 1 and left.bit_length() * right > 64 * MAX_RENDERED_CHARS:  # fmt: skip
+            raise ChatTemplateError(f"the chat template computes a number of over {64 * MAX_RENDERED_CHARS:,} bits "
+                                    "with **")  # fmt: skip
+        return super().call_binop(context, operator, left, right)
+
+
+def _too_big(sequence, count) -> bool:
+    return isinstance(sequence, (str, list, tuple)) and isinstance(count, int) and \
+        len(sequence) * count > MAX_RENDERED_CHARS  # fmt: skip
+
+
+def _render_bounded(compiled, variables: dict) -> str:
+    """``compiled.render(**variables)``, stopped by a :class:`ChatTemplateError` past the bounds above."""
+    steps = 0
+
+    def count(frame, event, arg):
+        nonlocal steps
+        if event == "line":
+            steps += 1
+            if steps > MAX_TEMPLATE_STEPS:
+                raise ChatTemplateError(f"the chat template ran over {MAX_TEMPLATE_STEPS:,} steps (a loop that "
+                                        "does not end, or nested loops): it is refused")  # fmt: skip
+        return count
+
+    previous = sys.gettrace()
+    sys.settrace(lambda frame, event, arg: count if frame.f_code.co_filename == "<template>" else None)
+    try:
+        chunks, size = [], 0
+        for chunk in compiled.generate(**variables):
+            size += len(chunk)
+            if size > MAX_RENDERED_CHARS:
+                raise ChatTemplateError(f"the chat template wrote over {MAX_RENDERED_CHARS:,} characters: "
+                                        "it is refused")  # fmt: skip
+            chunks.append(chunk)
+        return "".join(chunks)
+    finally:
+        sys.settrace(previous)
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
@@ -63,7 +123,7 @@ def compile_chat_template(template: str):
     Raises:
         ChatTemplateError: the source is not valid Jinja.
     """
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -128,7 +188,7 @@ def render_chat_template(template: str | None, conversation: list[dict], add_gen
             variables[key] = token
     compiled = compile_chat_template(template)
     try:
-        return compiled.render(**variables)
+        return _render_bounded(compiled, variables)
     except ChatTemplateError:  # its raise_exception: the message says why
         raise
     except Exception as exc:  # a Jinja error, or a Python one inside the template (a division by zero, a bad +)

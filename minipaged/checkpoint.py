@@ -56,7 +56,7 @@ class BadCheckpoint(ValueError):
     """A checkpoint file is malformed: not JSON, not a JSON object, a field missing, a truncated weights file."""
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     """The JSON object in ``path``, or ``BadCheckpoint`` naming the file (invalid JSON, or not an object)."""
     try:
         value = json.loads(path.read_text())
@@ -65,6 +65,42 @@ def _read_json(path: Path) -> dict:
     if not isinstance(value, dict):
         raise BadCheckpoint(f"{path} must hold a JSON object, got a JSON {type(value).__name__}")
     return value
+
+
+# The dtypes a model computes in, by the names vLLM's ``--dtype`` also takes.
+DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
+          "bfloat16": torch.bfloat16, "float64": torch.float64}  # fmt: skip
+
+
+def check_load_args(dtype, device) -> tuple[torch.dtype, torch.device]:
+    """A model load's ``dtype`` and ``device``, checked before anything is read or converted.
+
+    Args:
+        dtype: a floating ``torch.dtype``, or its name (a key of :data:`DTYPES`: ``"float16"``, ``"bfloat16"``...).
+        device: a ``torch.device`` or its name: ``"cpu"``, or ``"cuda"`` (``"cuda:1"``) where CUDA is available.
+
+    Raises:
+        TypeError: ``dtype`` is neither a dtype nor a str, or is an integer dtype; ``device`` is not a str or device.
+        ValueError: an unknown dtype name, a device string torch cannot parse, or CUDA asked for without CUDA.
+    """
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be a floating torch.dtype or one of {sorted(DTYPES)}, got {dtype!r}")
+        dtype = DTYPES[dtype]
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype or one of {sorted(DTYPES)}, got {dtype!r}")
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str or a torch.device, got {type(device).__name__}")
+    try:
+        device = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"device {device!r} is not a device torch knows: {exc}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} needs CUDA, and torch.cuda.is_available() is False on this "
+                         "machine: use device='cpu'")  # fmt: skip
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {str(device)!r}")
+    return dtype, device
 
 
 # The config.json fields a checkpoint must have, each an int >= 1.
@@ -203,8 +239,8 @@ def load_pretrained(directory, dtype: torch.dtype = torch.float32, device="cpu")
 
     Args:
         directory: a Hugging Face checkpoint directory of a Llama-family model.
-        dtype: the dtype to compute in (the stored tensors are converted).
-        device: where the model goes.
+        dtype: the dtype to compute in (the stored tensors are converted), or its name (see :func:`check_load_args`).
+        device: where the model goes (``"cpu"``, or ``"cuda"`` where CUDA is available).
 
     Raises ``FileNotFoundError`` for a missing file, ``UnsupportedCheckpoint``
     for a config field or a tensor the model does not support, ``BadCheckpoint`` for a
@@ -216,15 +252,16 @@ def load_pretrained(directory, dtype: torch.dtype = torch.float32, device="cpu")
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    dtype, device = check_load_args(dtype, device)
     directory = Path(directory)
     for name in (CONFIG_NAME, WEIGHTS_NAME):
         if not (directory / name).is_file():
             raise FileNotFoundError(
                 f"{directory / name} does not exist: a checkpoint needs {CONFIG_NAME} and {WEIGHTS_NAME}"
             )
-    hf = _read_json(directory / CONFIG_NAME)
+    hf = read_json(directory / CONFIG_NAME)
     if (directory / GENERATION_CONFIG_NAME).is_file():
-        generation = _read_json(directory / GENERATION_CONFIG_NAME)
+        generation = read_json(directory / GENERATION_CONFIG_NAME)
         hf |= {name: generation[name] for name in ("eos_token_id", "bos_token_id")
                if generation.get(name) is not None}  # fmt: skip
     try:

@@ -94,7 +94,7 @@ class IncrementalDetokenizer:
         self._shown = 0  # text[:_shown] was handed out by take_delta
 
     def _decode(self, start: int, end: int | None = None) -> str:
-        return self.tokenizer.decode(self._decoded[start:end], skip_special_tokens=True)
+        return check_decoded(self.tokenizer.decode(self._decoded[start:end], skip_special_tokens=True))
 
     def _advance(self, flush: bool) -> None:
         """Move the window's new text into ``text`` if it ends on a whole character (or ``flush``)."""
@@ -159,3 +159,11 @@ class IncrementalDetokenizer:
         delta = self.text[self._shown : end]
         self._shown = max(self._shown, end)
         return delta
+
+
+def check_decoded(text) -> str:
+    """``text``, what a tokenizer's ``decode`` returned, if it is a str; else a ``TypeError`` naming the seam."""
+    if not isinstance(text, str):
+        raise TypeError(f"tokenizer.decode(ids, skip_special_tokens=True) returned a {type(text).__name__}, "
+                        f"not a str ({text!r:.60}): decode must return text")  # fmt: skip
+    return text

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 from minipaged.blocks import BlockAllocator
 from minipaged.chat_template import apply_chat_template
-from minipaged.detokenizer import IncrementalDetokenizer
+from minipaged.detokenizer import IncrementalDetokenizer, check_decoded
 from minipaged.engine import Engine
 from minipaged.model import LlamaForCausalLM, check_prompt
 from minipaged.prepack import prepack as prepack_model
@@ -204,6 +204,7 @@ class LLM:
         for attr in ("encode", "decode"):
             if not callable(getattr(tokenizer, attr, None)):
                 raise TypeError(f"tokenizer must have an {attr}() method, got {type(tokenizer).__name__}")
+        check_decoded(tokenizer.decode([], skip_special_tokens=True))  # a decode that returns bytes, say
         self.tokenizer = tokenizer
         self.engine = Engine(prepack_model(model) if prepack else model, config, clock, **parts)
 

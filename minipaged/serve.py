@@ -29,11 +29,12 @@ import math
 import sys
 import time
 
+from minipaged.cache import check_pool_args
 from minipaged.chat_template import ChatTemplateError, NoChatTemplate
 from minipaged.engine import Engine
 from minipaged.llm import DEFAULT_MODEL, LLM
 from minipaged.model import check_prompt
-from minipaged.pretrained import checkpoint_dir, load_model, load_tokenizer
+from minipaged.pretrained import CheckpointCacheError, checkpoint_dir, load_model, load_tokenizer
 from minipaged.scheduler import EngineConfig, check_fits_pool
 from minipaged.sequence import SamplingParams
 
@@ -133,6 +134,22 @@ def _check_prompt_ids(parser: argparse.ArgumentParser, model, config: EngineConf
             _fail(parser, exc)
 
 
+def _check_pool(parser: argparse.ArgumentParser, model, config: EngineConfig) -> None:
+    """The pool of ``--num-blocks`` x ``--block-size`` fits this machine's memory for ``model``'s K/V.
+
+    Args:
+        parser: the command line's parser (for :func:`_fail`).
+        model: the loaded model (its layers, KV heads, head size and dtype size a block).
+        config: the engine's configuration (its pool).
+    """
+    mc = model.config
+    try:
+        check_pool_args(mc.num_hidden_layers, config.num_blocks, config.block_size, mc.num_key_value_heads,
+                        mc.head_dim, model.dtype, model.device)  # fmt: skip
+    except ValueError as exc:
+        _fail(parser, f"argument --num-blocks: {exc}")
+
+
 def main(argv=None) -> int:
     """The command line (see the module docstring); returns the exit status.
 
@@ -157,8 +174,11 @@ def main(argv=None) -> int:
     try:
         directory = checkpoint_dir(model)  # no such path, or a known model not installed (the message says how)
         weights = load_model(directory)
+    except CheckpointCacheError as exc:  # the environment, not an option: one line, exit 1
+        p.exit(1, f"{p.prog}: {exc}\n")
     except (FileNotFoundError, ValueError) as exc:  # a missing file, or a checkpoint or GGUF file it cannot read
         _fail(p, f"model {str(model)!r}: {exc}")
+    _check_pool(p, weights, config)
     if args.prompt_ids:
         _check_prompt_ids(p, weights, config, [args.prompt_ids], max_tokens, ["--prompt-ids"])
         engine = Engine(weights, config)
@@ -169,6 +189,8 @@ def main(argv=None) -> int:
         tokenizer = load_tokenizer(directory)
     except FileNotFoundError as exc:
         _fail(p, f"{exc}: pass --prompt-ids")
+    except ValueError as exc:  # a malformed tokenizer.json or tokenizer_config.json (the message names it)
+        _fail(p, f"model {str(model)!r}: {exc}")
     llm = LLM(weights, tokenizer, num_blocks=args.num_blocks, block_size=args.block_size)
     if args.prompt:
         _check_prompt_ids(p, weights, config, [tokenizer.encode(t) for t in args.prompt], max_tokens,

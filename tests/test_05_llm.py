@@ -796,6 +796,7 @@ SERVE_ERRORS = [
     (["--chat", ""], ["--chat", "empty"], True),
     (["--chat", "hi", "--system", " "], ["--system", "empty"], True),
     (["--chat", "hi", "--max-tokens", "5000"], ["--chat question 0", "5000", "max_position_embeddings"], False),
+    (["--prompt", "hi", "--num-blocks", str(10**12)], ["argument --num-blocks", "GiB", "memory"], False),
 ]
 
 

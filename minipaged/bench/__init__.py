@@ -37,6 +37,14 @@ def positive_rate(text: str) -> float:
     return value
 
 
+def positive_finite(text: str) -> float:
+    """An argparse ``type``: a finite number > 0 (not NaN, not inf)."""
+    value = _number(text)
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def fraction(text: str) -> float:
     """An argparse ``type``: a number in [0, 1)."""
     value = _number(text)

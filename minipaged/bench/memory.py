@@ -21,7 +21,7 @@ import tracemalloc
 
 import torch
 
-from minipaged.bench import positive_int
+from minipaged.bench import positive_finite, positive_int
 from minipaged.engine import Engine
 from minipaged.metrics import HISTORY_WINDOW
 from minipaged.model import LlamaConfig, LlamaForCausalLM
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=positive_int, default=10_000, help="requests measured")
     parser.add_argument("--warmup", type=positive_int, default=ARRIVALS_PER_STEP * (HISTORY_WINDOW + 100),
                         help="requests served before measuring (default: enough to fill the history window)")
-    parser.add_argument("--goal-mib", type=float, default=1.0, help="the RSS growth allowed over --requests")
+    parser.add_argument("--goal-mib", type=positive_finite, default=1.0, help="the RSS growth allowed over --requests")
     parser.add_argument("--trace", action="store_true", help="list the Python allocation sites that grew most")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
