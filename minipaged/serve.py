@@ -31,6 +31,7 @@ import time
 
 from minipaged.cache import check_pool_args
 from minipaged.chat_template import ChatTemplateError, NoChatTemplate
+from minipaged.cli import exit_environment
 from minipaged.engine import Engine
 from minipaged.llm import DEFAULT_MODEL, LLM
 from minipaged.model import check_prompt
@@ -175,7 +176,7 @@ def main(argv=None) -> int:
         directory = checkpoint_dir(model)  # no such path, or a known model not installed (the message says how)
         weights = load_model(directory)
     except CheckpointCacheError as exc:  # the environment, not an option: one line, exit 1
-        p.exit(1, f"{p.prog}: {exc}\n")
+        exit_environment(p, exc)
     except (FileNotFoundError, ValueError) as exc:  # a missing file, or a checkpoint or GGUF file it cannot read
         _fail(p, f"model {str(model)!r}: {exc}")
     _check_pool(p, weights, config)

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 
 from minipaged import tokenizer
 from minipaged.checkpoint import load_pretrained, save_pretrained
+from minipaged.cli import exit_environment, nonnegative_int, positive_finite, positive_int, proportion
 from minipaged.model import LlamaConfig, LlamaForCausalLM, check_prompt
 from minipaged.validation import check_int, check_real
 
@@ -327,27 +328,32 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, help="directory for the training state, log and export")
     p.add_argument("--report", type=Path, metavar="DIR",
                    help="instead of training: print what the checkpoint in DIR writes (see report())")
-    p.add_argument("--steps", type=int, default=4000, help="total optimizer steps")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--context", type=int, default=256, help="bytes per training window")
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--decay", type=float, default=0.25, help="fraction of the steps over which the lr decays")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--intermediate", type=int, default=688)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--steps", type=positive_int, default=4000, help="total optimizer steps")
+    p.add_argument("--batch-size", type=positive_int, default=16)
+    p.add_argument("--context", type=positive_int, default=256, help="bytes per training window")
+    p.add_argument("--lr", type=positive_finite, default=2e-3)
+    p.add_argument("--warmup", type=nonnegative_int, default=100)
+    p.add_argument("--decay", type=proportion, default=0.25, help="fraction of the steps over which the lr decays")
+    p.add_argument("--seed", type=nonnegative_int, default=0)
+    p.add_argument("--hidden", type=positive_int, default=256)
+    p.add_argument("--intermediate", type=positive_int, default=688)
+    p.add_argument("--layers", type=positive_int, default=4)
+    p.add_argument("--heads", type=positive_int, default=4)
+    p.add_argument("--kv-heads", type=positive_int, default=2)
+    p.add_argument("--threads", type=nonnegative_int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="bfloat16 autocast")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="torch.compile the loss (about 2x faster on a CPU after a few minutes of compiling)")
-    p.add_argument("--eval-every", type=int, default=500)
-    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--eval-every", type=positive_int, default=500)
+    p.add_argument("--save-every", type=positive_int, default=100)
     args = p.parse_args(argv)
     if (args.out is None) == (args.report is None):
         p.error("give either --out DIR (train) or --report DIR (print a checkpoint's samples)")
+    if args.out is not None and (args.hidden % args.heads or args.heads % args.kv_heads):
+        p.error(f"argument --heads: --hidden ({args.hidden}) must be a multiple of --heads ({args.heads}), "
+                f"and --heads of --kv-heads ({args.kv_heads})")
+    if args.report is not None and not (args.report / "config.json").is_file():
+        exit_environment(p, f"--report {args.report}: no checkpoint there (config.json is missing)")
     return args
 
 

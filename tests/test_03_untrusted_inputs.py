@@ -287,3 +287,29 @@ def test_serve_names_an_unwritable_cache_in_one_line(tmp_path):
                          timeout=600)  # fmt: skip
     assert run.returncode == 1, run.stderr
     assert run.stderr.count("\n") == 1 and "MINIPAGED_CACHE" in run.stderr and "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["--lr", "nan"], "--lr"), (["--lr", "0"], "--lr"), (["--decay", "1.5"], "--decay"), (["--steps", "0"], "--steps"),
+    (["--warmup", "-1"], "--warmup"), (["--heads", "3"], "--heads"), (["--threads", "x"], "--threads"),
+])  # fmt: skip
+def test_train_refuses_a_bad_option_in_one_line(tmp_path, capsys, argv, option):
+    from minipaged.train import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--out", str(tmp_path / "run"), *argv])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exc.value.code == 2 and err.startswith("python -m minipaged.train: error: argument " + option), err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("cli, argv", [("minipaged.train", ["--report", "{missing}"]),
+                                       ("minipaged.bench.vllm", ["--vllm-python", "{missing}"])])
+def test_a_missing_file_is_one_line_and_exit_1(tmp_path, capsys, cli, argv):
+    import importlib
+
+    missing = str(tmp_path / "missing")
+    with pytest.raises(SystemExit) as exc:
+        importlib.import_module(cli).main([a.format(missing=missing) for a in argv])
+    err = capsys.readouterr().err
+    assert exc.value.code == 1 and err.count("\n") == 1 and missing in err and "Traceback" not in err

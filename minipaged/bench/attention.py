@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from minipaged.attention import gathered_attention, paged_attention
-from minipaged.bench import positive_int
+from minipaged.cli import positive_int
 from minipaged.testing import make_paged_case
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16

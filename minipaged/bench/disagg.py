@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from minipaged.bench import positive_int, positive_rate
+from minipaged.cli import positive_int, positive_rate
 from minipaged.disagg import DISAGG_PRESET, BusyClock, DisaggregatedEngine, KVLink, compare_disaggregation
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 from minipaged.scheduler import EngineConfig

@@ -18,8 +18,9 @@ import argparse
 
 import torch
 
-from minipaged.bench import best_runs, fraction, positive_int, positive_rate
+from minipaged.bench import best_runs
 from minipaged.block_math import blocks_needed
+from minipaged.cli import fraction, positive_int, positive_rate
 from minipaged.clock import WallClock
 from minipaged.engine import Engine
 from minipaged.latency import format_summary

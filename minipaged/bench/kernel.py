@@ -38,7 +38,7 @@ import argparse
 import torch
 
 from minipaged.attention import paged_attention
-from minipaged.bench import positive_int
+from minipaged.cli import positive_int
 from minipaged.testing import make_paged_case
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}

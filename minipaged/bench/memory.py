@@ -21,7 +21,7 @@ import tracemalloc
 
 import torch
 
-from minipaged.bench import positive_finite, positive_int
+from minipaged.cli import positive_finite, positive_int
 from minipaged.engine import Engine
 from minipaged.metrics import HISTORY_WINDOW
 from minipaged.model import LlamaConfig, LlamaForCausalLM

@@ -20,8 +20,9 @@ import argparse
 import numpy as np
 import torch
 
-from minipaged.bench import best_runs, positive_int, positive_rate
+from minipaged.bench import best_runs
 from minipaged.blocks import BlockAllocator
+from minipaged.cli import positive_int, positive_rate
 from minipaged.clock import VirtualClock, WallClock
 from minipaged.engine import Engine
 from minipaged.latency import format_summary

@@ -28,8 +28,8 @@ import time
 
 import torch
 
-from minipaged.bench import positive_int
 from minipaged.checkpoint import load_course_model
+from minipaged.cli import positive_int
 from minipaged.clock import VirtualClock, WallClock
 from minipaged.engine import Engine
 from minipaged.latency import summarize

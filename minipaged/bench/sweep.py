@@ -30,9 +30,10 @@ import torch
 from minipaged import tradeoffs as T
 from minipaged.accounting import format_table
 from minipaged.attention import paged_attention
-from minipaged.bench import best_runs, positive_int
+from minipaged.bench import best_runs
 from minipaged.block_math import blocks_needed
 from minipaged.cache import PagedKVCache
+from minipaged.cli import positive_int
 from minipaged.clock import StepCost, WallClock
 from minipaged.engine import Engine
 from minipaged.model import LlamaConfig, LlamaForCausalLM

@@ -59,11 +59,11 @@ from pathlib import Path
 import torch
 
 from minipaged import tokenizer
-from minipaged.bench import positive_int
 from minipaged.bench._profile import format_shares, profile_shares
 from minipaged.block_math import blocks_needed
 from minipaged.chat_template import apply_chat_template
 from minipaged.checkpoint import load_course_model, load_pretrained, save_pretrained
+from minipaged.cli import exit_environment, positive_int
 from minipaged.engine import Engine
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 from minipaged.near_ties import NEAR_TIE_THRESHOLD, compare_tokens, margins_close, teacher_forced_margins
@@ -627,6 +627,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="throughput: instead, profile minipaged's engine step on the workload (no vLLM)")
     args = p.parse_args(argv)
+    if not args.profile and not Path(args.vllm_python).exists():
+        exit_environment(p, f"{args.vllm_python} does not exist: run `make vllm-setup` first to build .venv-vllm")
     if args.command == "check":
         return check(args.update, args.vllm_python)
     if args.workload == "smollm2" and args.repeats > len(CHAT_TEMPLATES):

@@ -57,7 +57,6 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from minipaged.bench import positive_int
 from minipaged.checks import (
     DEFAULT_TIMEOUT,
     FAIL,
@@ -68,6 +67,7 @@ from minipaged.checks import (
     instructor_side,
     reference_transcript,
 )
+from minipaged.cli import positive_int
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 SOLUTIONS = ROOT / "solutions"

@@ -1,0 +1,84 @@
+"""The command lines' argparse types and exits: a bad option is a usage error, an environment problem one line.
+
+Every command line of the package (``serve``, ``train``, ``bench NAME``, ``checks``) follows one rule:
+a bad value exits with status 2 and one line naming the option (argparse's ``prog: error: ...``);
+a problem of the environment (a file or folder that is missing or cannot be written) exits with
+status 1 and one line naming the cause. Never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an int >= 1, else a usage error that quotes the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    """An argparse ``type``: an int >= 0, else a usage error that quotes the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _number(text: str) -> float:
+    """``text`` as a float, or a usage error that quotes it."""
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def positive_rate(text: str) -> float:
+    """An argparse ``type``: a number > 0 (``inf`` allowed: every arrival at once), never NaN."""
+    value = _number(text)
+    if math.isnan(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0 (inf: all at once), got {text}")
+    return value
+
+
+def positive_finite(text: str) -> float:
+    """An argparse ``type``: a finite number > 0 (not NaN, not inf)."""
+    value = _number(text)
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def proportion(text: str) -> float:
+    """An argparse ``type``: a number in [0, 1]."""
+    value = _number(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """An argparse ``type``: a number in [0, 1)."""
+    value = _number(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
+def exit_environment(parser: argparse.ArgumentParser, error: BaseException):
+    """Exit with status 1 and one line on stderr naming what the environment lacks (``prog: message``).
+
+    Args:
+        parser: the command line's parser (its ``prog`` starts the line).
+        error: the error whose message names the cause (a missing file, an unwritable folder).
+    """
+    parser.exit(1, f"{parser.prog}: {' '.join(str(error).splitlines())}\n")
