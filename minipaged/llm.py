@@ -101,6 +101,38 @@ class TextDelta(NamedTuple):
     output: CompletionOutput | None
 
 
+class Stream:
+    """What :meth:`LLM.stream` returns: an iterator of :class:`TextDelta`, and a context manager.
+
+    Closing it (``close()``, the end of a ``with`` block, or the iterator being garbage collected)
+    aborts the requests still running, so their blocks return to the pool at once. A consumer that
+    leaves a ``for`` loop early but keeps the stream should close it, best with ``with``::
+
+        with llm.stream(prompts) as deltas:
+            for delta in deltas:
+                if enough:
+                    break
+    """
+
+    def __init__(self, deltas: Iterator[TextDelta]):
+        self._deltas = deltas
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> TextDelta:
+        return next(self._deltas)
+
+    def close(self) -> None:
+        self._deltas.close()
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 @dataclass
 class _Completion:
     """The front end's state of one sample in flight."""
@@ -266,25 +298,33 @@ class LLM:
         return True
 
     def _deltas(self, completions: list[_Completion]) -> Iterator[TextDelta]:
-        """Step the engine until every completion has ended, yielding each one's new text after every step."""
+        """Step the engine until every completion has ended, yielding each one's new text as it comes.
+
+        Several streams may share the engine: each first collects what its completions gained
+        (another stream's steps may have advanced or finished them), and steps the engine only
+        when none of them has news.
+        """
         try:
             live = list(completions)
             while live:
-                if not self.engine.has_unfinished():
-                    raise RuntimeError("the engine has nothing left to run but completions are unfinished")
-                self.engine.step()
-                for c in live:
-                    if self._follow(c):
-                        output = c.output() if c.detokenizer.finished else None
-                        delta = c.detokenizer.take_delta()
-                        if delta or output is not None:
-                            yield TextDelta(c.index, delta, output)
+                followed = [c for c in live if self._follow(c)]
+                if not followed:
+                    if not self.engine.has_unfinished():
+                        raise RuntimeError("the engine has nothing left to run but completions are unfinished")
+                    self.engine.step()
+                    continue
+                for c in followed:
+                    output = c.output() if c.detokenizer.finished else None
+                    delta = c.detokenizer.take_delta()
+                    if delta or output is not None:
+                        yield TextDelta(c.index, delta, output)
                 live = [c for c in live if not c.detokenizer.finished]
         finally:  # a consumer that stops early (or an error) leaves no request running: their blocks are freed
             for rid in dict.fromkeys(c.request_id for c in completions if not c.seq.is_finished):
-                self.engine.abort(rid)
+                if rid in self.engine.requests:
+                    self.engine.abort(rid)
 
-    def stream(self, prompts: str | list[str], sampling_params: SamplingParams | None = None) -> Iterator[TextDelta]:
+    def stream(self, prompts: str | list[str], sampling_params: SamplingParams | None = None) -> Stream:
         """Generate for every prompt together, yielding each completion's text as it is generated.
 
         All prompts run as one batch through the engine; after every step each completion that
@@ -292,7 +332,9 @@ class LLM:
         ``text``; its last delta carries the finished :class:`CompletionOutput`. Text that a stop
         string might still take back, and bytes of a character not yet complete, are held back
         until they are certain. The prompts are queued when iteration starts; closing the
-        generator early aborts the requests still running.
+        stream early (see :class:`Stream`) aborts the requests still running. Streams may be
+        consumed in any interleaving, with :meth:`generate` calls between: they share the engine's
+        batch, and each gets all of its own text.
 
         Args:
             prompts: one prompt or a list of prompts (text, tokenized as it is).
@@ -305,7 +347,7 @@ class LLM:
             _, completions = self._queue(prompts, params)
             yield from self._deltas(completions)
 
-        return run()
+        return Stream(run())
 
     def generate(self, prompts: str | list[str], sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
         """Generate for every prompt together; one finished :class:`RequestOutput` per prompt, in order.

@@ -401,6 +401,71 @@ def test_closing_a_stream_early_aborts_its_requests(model, bpe):
     assert not llm.engine.has_unfinished() and llm.engine.cache.allocator.num_used == 0
 
 
+def _collect(stream) -> dict[int, tuple[str, object]]:
+    """Each completion's text, added up from a stream's deltas, and its final output."""
+    texts, finals = {}, {}
+    for delta in stream:
+        texts[delta.index] = texts.get(delta.index, "") + delta.text
+        if delta.output is not None:
+            finals[delta.index] = delta.output
+    return {i: (texts.get(i, ""), finals[i]) for i in finals}
+
+
+@pytest.mark.parametrize("lengths, max_tokens", [((2, 1), (4, 4)), ((2, 1), (6, 6)), ((2, 2), (6, 9)), ((1, 3), (9, 6)),
+                                                 ((4, 4), (5, 5))])  # fmt: skip
+def test_streams_consumed_alternately_each_get_all_their_text(model, bpe, lengths, max_tokens):
+    """Two streams on one engine, read in turn (zip, then the rest): each gets every completion it asked for."""
+    import itertools
+
+    llm = make_llm(model, bpe)
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
+    prompts = [PROMPTS[: lengths[0]], PROMPTS[-lengths[1]:]]
+    expected = [llm.generate(p, sp) for p, sp in zip(prompts, params)]
+    got = [[], []]
+
+    def recorded(k):  # every delta the stream hands out, whether or not zip passes it on
+        for delta in llm.stream(prompts[k], params[k]):
+            got[k].append(delta)
+            yield delta
+
+    a, b = recorded(0), recorded(1)
+    for _ in zip(a, b):  # zip stops at the first stream to end, dropping the other's delta it took
+        pass
+    for _ in itertools.chain(a, b):
+        pass
+    for k in range(2):
+        collected = _collect(got[k])
+        assert len(collected) == lengths[k]
+        assert [collected[i][0] for i in range(lengths[k])] == [o.outputs[0].text for o in expected[k]]
+        assert [collected[i][1] for i in range(lengths[k])] == [o.outputs[0] for o in expected[k]]
+    assert not llm.engine.has_unfinished() and llm.engine.cache.allocator.num_used == 0
+
+
+def test_generate_inside_a_stream_loop_leaves_the_stream_whole(model, bpe):
+    llm = make_llm(model, bpe)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    expected = llm.generate(PROMPTS, params)
+    inner = []
+    deltas = []
+    for delta in llm.stream(PROMPTS, params):
+        deltas.append(delta)
+        if len(inner) < 2:
+            inner.append(llm.generate(PROMPTS[0], SamplingParams(max_tokens=3, ignore_eos=True)))
+    collected = _collect(deltas)
+    assert [collected[i][1] for i in range(len(PROMPTS))] == [o.outputs[0] for o in expected]
+    assert all(len(o[0].outputs[0].token_ids) == 3 for o in inner)
+
+
+def test_a_stream_left_early_is_closed_by_its_with_block(model, bpe):
+    llm = make_llm(model, bpe)
+    with llm.stream(PROMPTS, SamplingParams(max_tokens=30, ignore_eos=True)) as deltas:
+        for i, _ in enumerate(deltas):
+            if i == 2:
+                break
+        assert llm.engine.has_unfinished()  # left, still referenced: running until closed
+    assert not llm.engine.has_unfinished() and llm.engine.cache.allocator.num_used == 0
+
+
 def spanning_stop_string(tok, ids: list[int], avoid: tuple[str, ...] = ()) -> tuple[str, int]:
     """A stop string that spans the boundary between two of ``ids``' tokens, and the number of tokens that complete it.
 
