@@ -34,6 +34,14 @@ def nonnegative_int(text: str) -> int:
     return value
 
 
+def port_number(text: str) -> int:
+    """An argparse ``type``: a TCP port, an int in [1, 65535]."""
+    value = nonnegative_int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in [1, 65535], got {value}")
+    return value
+
+
 def _number(text: str) -> float:
     """``text`` as a float, or a usage error that quotes it."""
     try:

@@ -134,7 +134,7 @@ class Stream:
 
 
 @dataclass
-class _Completion:
+class Completion:
     """The front end's state of one sample in flight."""
 
     index: int  # p * n + i
@@ -263,7 +263,7 @@ class LLM:
 
     # -- requests ---------------------------------------------------------
 
-    def _queue(self, prompts: list[str], params: SamplingParams) -> tuple[list[list[int]], list[_Completion]]:
+    def queue(self, prompts: list[str], params: SamplingParams) -> tuple[list[list[int]], list[Completion]]:
         """Tokenize and queue every prompt (all or none); the completions to follow, in index order."""
         model_config = self.engine.model.config
         ids = [check_prompt(model_config, self.tokenizer.encode(p), params.max_tokens, f"prompts[{i}]")
@@ -277,14 +277,14 @@ class LLM:
                 for i, seq in enumerate(self.engine.requests[rid]):
                     det = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
                                                  params.min_tokens)  # fmt: skip
-                    completions.append(_Completion(len(completions), rid, None if params.n == 1 else i, seq, det))
+                    completions.append(Completion(len(completions), rid, None if params.n == 1 else i, seq, det))
         except BaseException:
             for rid in request_ids:
                 self.engine.abort(rid)
             raise
         return ids, completions
 
-    def _follow(self, completion: _Completion) -> bool:
+    def follow(self, completion: Completion) -> bool:
         """Give the detokenizer a completion's new tokens; on a stop string, abort it in the engine. True: news."""
         seq, det = completion.seq, completion.detokenizer
         new = seq.output_token_ids[completion.num_seen :]
@@ -297,7 +297,7 @@ class LLM:
             self.engine.abort(completion.request_id, completion.sample)
         return True
 
-    def _deltas(self, completions: list[_Completion]) -> Iterator[TextDelta]:
+    def _deltas(self, completions: list[Completion]) -> Iterator[TextDelta]:
         """Step the engine until every completion has ended, yielding each one's new text as it comes.
 
         Several streams may share the engine: each first collects what its completions gained
@@ -307,7 +307,7 @@ class LLM:
         try:
             live = list(completions)
             while live:
-                followed = [c for c in live if self._follow(c)]
+                followed = [c for c in live if self.follow(c)]
                 if not followed:
                     if not self.engine.has_unfinished():
                         raise RuntimeError("the engine has nothing left to run but completions are unfinished")
@@ -344,7 +344,7 @@ class LLM:
         prompts, params = _check_prompts(prompts), _check_params(sampling_params)
 
         def run():
-            _, completions = self._queue(prompts, params)
+            _, completions = self.queue(prompts, params)
             yield from self._deltas(completions)
 
         return Stream(run())
@@ -358,7 +358,7 @@ class LLM:
                 with ``n > 1`` each output holds ``n`` completions.
         """
         prompts, params = _check_prompts(prompts), _check_params(sampling_params)
-        ids, completions = self._queue(prompts, params)
+        ids, completions = self.queue(prompts, params)
         for _ in self._deltas(completions):
             pass
         outputs = {}

@@ -4,6 +4,7 @@
     python -m minipaged.serve --prompt "def fibonacci(n):"                  # the course model
     python -m minipaged.serve path/to/SmolLM2-135M --prompt "Paged attention is"
     python -m minipaged.serve path/to/checkpoint --prompt-ids 1 2 3 --max-tokens 8
+    python -m minipaged.serve --http --port 8000                             # SmolLM2 over the OpenAI API
 
 ``--chat`` answers each question with an instruct model (SmolLM2-135M-Instruct by default):
 every question becomes a conversation (after ``--system``'s message, if given) rendered with the
@@ -15,7 +16,8 @@ their turn comes what they have so far is printed at once and the rest streams l
 answer ends by itself, at the model's EOS (or at ``--max-tokens``). A summary line per request
 follows (its tokens and ``finish_reason``), then the throughput.
 
-``--prompt`` continues text (the course model by default); ``--prompt-ids`` feeds token ids to a
+``--http`` serves the model (SmolLM2-135M-Instruct by default) over the OpenAI API until Ctrl-C:
+see :mod:`minipaged.server`. ``--prompt`` continues text (the course model by default); ``--prompt-ids`` feeds token ids to a
 checkpoint without a tokenizer and prints token ids. The model is a name
 (:data:`minipaged.pretrained.MODELS`), a ``.gguf`` file or a Hugging Face checkpoint directory,
 given as ``CHECKPOINT`` or ``--model`` (see :func:`minipaged.pretrained.checkpoint_dir`); any
@@ -31,7 +33,8 @@ import time
 
 from minipaged.cache import check_pool_args
 from minipaged.chat_template import ChatTemplateError, NoChatTemplate
-from minipaged.cli import exit_environment
+from minipaged.cli import exit_environment, port_number
+from minipaged.clock import WallClock
 from minipaged.engine import Engine
 from minipaged.llm import DEFAULT_MODEL, LLM
 from minipaged.model import check_prompt
@@ -165,7 +168,7 @@ def main(argv=None) -> int:
     p = _parser()
     args = p.parse_args(argv)
     _check_options(p, args)
-    model = args.checkpoint or args.model or (DEFAULT_MODEL if args.chat else "course")
+    model = args.checkpoint or args.model or (DEFAULT_MODEL if args.chat or args.http else "course")
     max_tokens = args.max_tokens if args.max_tokens is not None else CHAT_MAX_TOKENS if args.chat else PROMPT_MAX_TOKENS
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature, seed=args.seed)
@@ -192,6 +195,12 @@ def main(argv=None) -> int:
         _fail(p, f"{exc}: pass --prompt-ids")
     except ValueError as exc:  # a malformed tokenizer.json or tokenizer_config.json (the message names it)
         _fail(p, f"model {str(model)!r}: {exc}")
+    if args.http:
+        from minipaged.server import run_server  # FastAPI and uvicorn load only to serve
+
+        run_server(LLM(weights, tokenizer, clock=WallClock(), num_blocks=args.num_blocks, block_size=args.block_size),
+                   str(model), args.host, args.port)  # fmt: skip
+        return 0
     llm = LLM(weights, tokenizer, num_blocks=args.num_blocks, block_size=args.block_size)
     if args.prompt:
         _check_prompt_ids(p, weights, config, [tokenizer.encode(t) for t in args.prompt], max_tokens,
@@ -213,6 +222,10 @@ def _parser() -> argparse.ArgumentParser:
     prompts.add_argument("--chat", nargs="+", metavar="QUESTION", help="questions to answer, each a conversation")
     prompts.add_argument("--prompt", action="append", help="a text prompt to continue (repeat for a batch)")
     prompts.add_argument("--prompt-ids", type=int, nargs="+", help="one prompt as token ids")
+    prompts.add_argument("--http", action="store_true",
+                         help="serve the OpenAI API (/v1/completions, /v1/chat/completions, /metrics) on --host:--port")
+    p.add_argument("--host", default="127.0.0.1", help="with --http: the address to listen on")
+    p.add_argument("--port", type=port_number, default=8000, help="with --http: the port")
     p.add_argument("--system", help="with --chat: a system message before each question (default: the template's)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help=f"the most new tokens per request (default: {CHAT_MAX_TOKENS} with --chat, "
