@@ -17,8 +17,8 @@ answer ends by itself, at the model's EOS (or at ``--max-tokens``). A summary li
 follows (its tokens and ``finish_reason``), then the throughput.
 
 ``--http`` serves the model (SmolLM2-135M-Instruct by default) over the OpenAI API until Ctrl-C:
-see :mod:`minipaged.server`. ``--prompt`` continues text (the course model by default); ``--prompt-ids`` feeds token ids to a
-checkpoint without a tokenizer and prints token ids. The model is a name
+see :mod:`minipaged.server`. ``--prompt`` continues text (the course model by default);
+``--prompt-ids`` feeds token ids to a checkpoint without a tokenizer and prints token ids. The model is a name
 (:data:`minipaged.pretrained.MODELS`), a ``.gguf`` file or a Hugging Face checkpoint directory,
 given as ``CHECKPOINT`` or ``--model`` (see :func:`minipaged.pretrained.checkpoint_dir`); any
 Llama-family model the tiny Llama computes runs (GQA, tied embeddings, ``head_dim``, ``rope_theta``).
