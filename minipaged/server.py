@@ -301,11 +301,6 @@ def create_app(llm: LLM, model_name: str) -> FastAPI:
 
     app = FastAPI(title="minipaged", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.engine_loop = engine_loop
-    mc, config = llm.engine.model.config, llm.engine.config
-
-    def default_max_tokens(prompt_tokens: int) -> int:  # what is left of the context and of the pool
-        room = min(mc.max_position_embeddings, config.num_blocks * config.block_size) - prompt_tokens
-        return max(1, room)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
@@ -328,7 +323,19 @@ def create_app(llm: LLM, model_name: str) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "minipaged",
-                                            "max_model_len": mc.max_position_embeddings}]}  # fmt: skip
+                                            "max_model_len": llm.engine.model.config.max_position_embeddings}]}
+
+    _add_generation_routes(app, llm, engine_loop, model_name)
+    return app
+
+
+def _add_generation_routes(app: FastAPI, llm: LLM, engine_loop: EngineLoop, model_name: str) -> None:
+    """``/v1/completions`` and ``/v1/chat/completions``: the request to sampling parameters, to the loop, back."""
+    mc, config = llm.engine.model.config, llm.engine.config
+
+    def default_max_tokens(prompt_tokens: int) -> int:  # what is left of the context and of the pool
+        room = min(mc.max_position_embeddings, config.num_blocks * config.block_size) - prompt_tokens
+        return max(1, room)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
@@ -353,8 +360,6 @@ def create_app(llm: LLM, model_name: str) -> FastAPI:
         job = await _submit(engine_loop, [prompt], params)
         shape = _Shape("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", model_name, chat=True)
         return await _respond(engine_loop, job, shape, body, request)
-
-    return app
 
 
 async def _submit(engine_loop: EngineLoop, prompts: list[str], params: SamplingParams) -> Job:
