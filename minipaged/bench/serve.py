@@ -2,8 +2,8 @@
 
 As ``vllm bench serve`` does. Requests are chat questions (the ones ``bench vllm`` asks SmolLM2),
 sent to ``/v1/chat/completions`` with ``stream=true`` at Poisson arrivals of ``--rates`` per second
-(``inf``: all at once), each asking for ``--max-tokens`` greedy tokens (``ignore_eos``, so both engines generate the same lengths). Per
-request it measures, from the client's side:
+(``inf``: all at once), each asking for ``--max-tokens`` greedy tokens (``ignore_eos``, so both
+engines generate the same lengths). Per request it measures, from the client's side:
 
 - **TTFT**, time to first token: from sending the request to its first streamed text;
 - **ITL**, inter-token latency: the gaps between streamed chunks (one token each);
