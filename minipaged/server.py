@@ -160,7 +160,8 @@ class EngineLoop:
         self.registry = registry or CollectorRegistry()
         self.ttft = Histogram("minipaged:time_to_first_token_seconds", "Time to first token.",
                               registry=self.registry, buckets=LATENCY_BUCKETS)  # fmt: skip
-        self.tpot = Histogram("minipaged:time_per_output_token_seconds", "Time per output token after the first.",
+        self.tpot = Histogram("minipaged:request_time_per_output_token_seconds",
+                              "Time per output token after the first, per request.",
                               registry=self.registry, buckets=LATENCY_BUCKETS)  # fmt: skip
         self.e2e = Histogram("minipaged:e2e_request_latency_seconds", "End-to-end request latency.",
                              registry=self.registry, buckets=LATENCY_BUCKETS)  # fmt: skip
@@ -273,6 +274,7 @@ class EngineCollector:
                                 value=len(engine.scheduler.waiting))  # fmt: skip
         yield GaugeMetricFamily("minipaged:kv_cache_usage_perc", "KV cache usage (1 = full).",
                                 value=kv_usage(engine.cache.allocator.num_used, engine.config.num_blocks))  # fmt: skip
+        yield CounterMetricFamily("minipaged:num_preemptions", "Preemptions.", value=engine.metrics.num_preemptions)
         stats = engine.metrics.prefix_cache
         yield CounterMetricFamily("minipaged:prefix_cache_queries", "Prefix cache: tokens queried.",
                                   value=stats.queries if stats else 0)  # fmt: skip

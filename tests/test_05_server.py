@@ -108,7 +108,7 @@ def test_models_health_and_metrics(server):
     for name in ("minipaged:num_requests_running 0.0", "minipaged:num_requests_waiting 0.0",
                  "minipaged:kv_cache_usage_perc 0.0", "minipaged:prefix_cache_queries_total",
                  "minipaged:prefix_cache_hits_total", "minipaged:time_to_first_token_seconds_count 1.0",
-                 "minipaged:time_per_output_token_seconds_bucket"):  # fmt: skip
+                 "minipaged:request_time_per_output_token_seconds_bucket"):  # fmt: skip
         assert name in text, name
 
 

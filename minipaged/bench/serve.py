@@ -66,17 +66,20 @@ def arrival_times(num_requests: int, rate: float, seed: int) -> list[float]:
     return times
 
 
-async def _one(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int) -> dict:
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}  # fmt: skip
+async def _one(client: httpx.AsyncClient, url: str, model: str, request: list[dict] | str, max_tokens: int) -> dict:
+    """One streamed request: a conversation (``/v1/chat/completions``) or a prompt (``/v1/completions``)."""
+    chat = not isinstance(request, str)
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+            **({"messages": request} if chat else {"prompt": request})}  # fmt: skip
     start, stamps, text = time.perf_counter(), [], ""
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+    async with client.stream("POST", url + ("/v1/chat/completions" if chat else "/v1/completions"), json=body) as r:
         if r.status_code != 200:
             return {"ok": False, "status": r.status_code}
         async for line in r.aiter_lines():
             if not line.startswith("data:") or line.strip() == "data: [DONE]":
                 continue
-            delta = json.loads(line[5:])["choices"][0]["delta"].get("content") or ""
+            choice = json.loads(line[5:])["choices"][0]
+            delta = (choice["delta"].get("content") if chat else choice["text"]) or ""
             if delta:
                 stamps.append(time.perf_counter())
                 text += delta
@@ -90,7 +93,11 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, messages: list[d
 
 async def run_load(url: str, model: str, conversations: list, times: list[float],
                    max_tokens: int) -> tuple[list, float]:  # fmt: skip
-    """Send every conversation at its arrival time, streaming; the per-request results and the run's length."""
+    """Send every request (a conversation, or a prompt string) at its arrival time, streaming.
+
+    Returns the per-request results (``ok``, ``ttft``, ``tpot``, ``e2e``, ``itl``, ``chunks``, ``text``) and
+    the run's length in seconds. Await it from a notebook, whose event loop is already running.
+    """
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=len(times))) as client:
         start = time.perf_counter()
 
@@ -168,7 +175,7 @@ def vllm_server(model_dir: Path, num_blocks: int, port: int, threads: int, vllm_
     return Server([str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                    "--served-model-name", MODEL, "--port", str(port), "--dtype", "float32",
                    "--block-size", str(BLOCK_SIZE), "--kv-cache-memory-bytes", str(num_blocks * bytes_per_block),
-                   "--enforce-eager", "--max-num-seqs", str(MAX_NUM_SEQS), "--max-model-len", "2048",
+                   "--enforce-eager", "--max-num-seqs", str(MAX_NUM_SEQS), "--max-model-len", "1024",
                    "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS), "--enable-prefix-caching",
                    "--disable-log-stats"], port, env)  # fmt: skip
 
