@@ -12,7 +12,7 @@ engines generate the same lengths). Per request it measures, from the client's s
 
 and reports their p50/p90/p99, request throughput and **goodput**: requests per second that met
 the SLO (``--slo-ttft`` and ``--slo-tpot``). The client shares the machine's cores with the
-server, so its own CPU time is printed too.
+server, so its own CPU time is printed too, and the server's (its process and their children).
 
 Without ``--url`` it starts the server itself, ``python -m minipaged.serve --http`` on SmolLM2
 with block size 32 and ``--num-blocks`` blocks; with ``--vllm`` it then starts ``vllm serve`` from
@@ -124,12 +124,24 @@ def summarize_load(results: list[dict], duration: float, slo_ttft: float, slo_tp
 
 
 def _cpu_seconds(pid: int | None = None) -> float:
-    """CPU seconds (user + system) of this process, or of ``pid`` (read from /proc)."""
+    """CPU seconds (user + system) of this process, or of ``pid`` and its descendants (vLLM's engine core
+    is a child process of its API server), read from /proc."""
     if pid is None:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         return usage.ru_utime + usage.ru_stime
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    stats = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # gone meanwhile
+                continue
+            stats[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))  # ppid, utime + stime
+    tree, total = {pid}, 0
+    for _ in range(8):  # descendants, generation by generation
+        tree |= {p for p, (ppid, _) in stats.items() if ppid in tree}
+    total = sum(ticks for p, (_, ticks) in stats.items() if p in tree)
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 class Server:
