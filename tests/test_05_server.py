@@ -238,3 +238,21 @@ def test_64_concurrent_streaming_clients_some_leaving_some_malformed(server, par
     wait_until_idle(server)
     metrics = httpx.get(server.url + "/metrics").text
     assert "minipaged:num_requests_running 0.0" in metrics and "minipaged:kv_cache_usage_perc 0.0" in metrics
+
+
+def test_bench_serve_measures_from_the_client_side(server):
+    """The load generator's numbers: every request completes; goodput counts only those within the SLO."""
+    import asyncio
+
+    from minipaged.bench import serve as bench
+
+    times = bench.arrival_times(6, 50.0, seed=1)
+    assert times == sorted(times) and times[0] == 0.0 and bench.arrival_times(3, float("inf"), 0) == [0.0] * 3
+    results, seconds = asyncio.run(bench.run_load(server.url, "tiny", PROMPTS, times, 5))
+    assert all(r["ok"] and r["chunks"] >= 1 and r["e2e"] >= r["ttft"] > 0 for r in results)
+    loose = bench.summarize_load(results, seconds, slo_ttft=600.0, slo_tpot=600.0)
+    strict = bench.summarize_load(results, seconds, slo_ttft=1e-9, slo_tpot=1e-9)
+    assert loose["completed"] == 6 and loose["goodput_per_s"] == loose["requests_per_s"] > 0
+    assert strict["goodput_per_s"] == 0
+    assert loose["ttft_p50_ms"] <= loose["ttft_p99_ms"] and loose["itl_p50_ms"] > 0
+    wait_until_idle(server)

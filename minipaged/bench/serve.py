@@ -260,6 +260,12 @@ def main(argv=None) -> int:
         finally:
             if server.proc is not None:
                 server.stop()
+    report(runs, args)
+    return 0
+
+
+def report(runs: dict[str, dict], args) -> None:
+    """Print the runs side by side, how many greedy texts the engines share, and record them if asked."""
     print(format_runs(runs))
     if args.vllm:
         for rate in args.rates:
@@ -274,4 +280,3 @@ def main(argv=None) -> int:
                                            "runs": {k: {m: v for m, v in r.items() if m != "texts"}
                                                     for k, r in runs.items()}}, indent=1) + "\n")  # fmt: skip
         print(f"recorded {args.record}")
-    return 0
