@@ -12,12 +12,17 @@ import argparse
 import math
 
 
-def positive_int(text: str) -> int:
-    """An argparse ``type``: an int >= 1, else a usage error that quotes the value."""
+def _integer(text: str) -> int:
+    """``text`` as an int, or a usage error that quotes it."""
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an int >= 1, else a usage error that quotes the value."""
+    value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
@@ -25,10 +30,7 @@ def positive_int(text: str) -> int:
 
 def nonnegative_int(text: str) -> int:
     """An argparse ``type``: an int >= 0, else a usage error that quotes the value."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    value = _integer(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
