@@ -198,8 +198,11 @@ def main(argv=None) -> int:
     if args.http:
         from minipaged.server import run_server  # FastAPI and uvicorn load only to serve
 
-        run_server(LLM(weights, tokenizer, clock=WallClock(), num_blocks=args.num_blocks, block_size=args.block_size),
-                   str(model), args.host, args.port)  # fmt: skip
+        try:
+            run_server(LLM(weights, tokenizer, clock=WallClock(), num_blocks=args.num_blocks,
+                           block_size=args.block_size), str(model), args.host, args.port)  # fmt: skip
+        except OSError as exc:  # the port is taken: the environment, not an option
+            exit_environment(p, exc)
         return 0
     llm = LLM(weights, tokenizer, num_blocks=args.num_blocks, block_size=args.block_size)
     if args.prompt:

@@ -256,3 +256,33 @@ def test_bench_serve_measures_from_the_client_side(server):
     assert strict["goodput_per_s"] == 0
     assert loose["ttft_p50_ms"] <= loose["ttft_p99_ms"] and loose["itl_p50_ms"] > 0
     wait_until_idle(server)
+
+
+def test_the_command_line_serves_until_interrupted():
+    """``python -m minipaged.serve course --http``: the engine on the main thread, answered, stopped by SIGINT."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "minipaged.serve", "course", "--http", "--port", str(port),
+                             "--num-blocks", "32"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+                time.sleep(0.1)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                       json={"prompt": "def f(x):", "max_tokens": 8, "temperature": 0})  # fmt: skip
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=60)
+    assert code == 0
