@@ -473,6 +473,9 @@ async def _events(engine_loop: EngineLoop, job: Job, shape: _Shape, include_usag
 class ServerThread:
     """The server in a thread of its own (a notebook's event loop is already running), on 127.0.0.1.
 
+    Its engine loop runs in a thread too, where torch steps slower than on the main thread (see
+    :class:`EngineLoop`): right for notebooks and tests; ``python -m minipaged.serve --http`` serves faster.
+
     Args:
         llm: the front end to serve.
         model_name: its id in the API.
