@@ -52,36 +52,32 @@ def _number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
+def _number_where(text: str, ok, requirement: str) -> float:
+    """``text`` as a float for which ``ok(value)`` holds, or a usage error saying what it ``must be``."""
+    value = _number(text)
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {requirement}, got {text}")
+    return value
+
+
 def positive_rate(text: str) -> float:
     """An argparse ``type``: a number > 0 (``inf`` allowed: every arrival at once), never NaN."""
-    value = _number(text)
-    if math.isnan(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0 (inf: all at once), got {text}")
-    return value
+    return _number_where(text, lambda v: not math.isnan(v) and v > 0, "a number > 0 (inf: all at once)")
 
 
 def positive_finite(text: str) -> float:
     """An argparse ``type``: a finite number > 0 (not NaN, not inf)."""
-    value = _number(text)
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
+    return _number_where(text, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
 
 
 def proportion(text: str) -> float:
     """An argparse ``type``: a number in [0, 1]."""
-    value = _number(text)
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
-    return value
+    return _number_where(text, lambda v: 0 <= v <= 1, "in [0, 1]")
 
 
 def fraction(text: str) -> float:
     """An argparse ``type``: a number in [0, 1)."""
-    value = _number(text)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return value
+    return _number_where(text, lambda v: 0 <= v < 1, "in [0, 1)")
 
 
 def exit_environment(parser: argparse.ArgumentParser, error: BaseException):

@@ -284,7 +284,7 @@ class LLM:
             raise
         return ids, completions
 
-    def follow(self, completion: Completion) -> bool:
+    def _follow(self, completion: Completion) -> bool:
         """Give the detokenizer a completion's new tokens; on a stop string, abort it in the engine. True: news."""
         seq, det = completion.seq, completion.detokenizer
         new = seq.output_token_ids[completion.num_seen :]
@@ -297,6 +297,24 @@ class LLM:
             self.engine.abort(completion.request_id, completion.sample)
         return True
 
+    def news(self, completion: Completion) -> TextDelta | None:
+        """What ``completion`` gained since it was last asked: its new text, and its output once it ended.
+
+        None: nothing to show yet (no new token, or text a stop string may still take back). A stop
+        string that matches aborts the request in the engine at once.
+        """
+        if completion.detokenizer.finished or not self._follow(completion):
+            return None
+        output = completion.output() if completion.detokenizer.finished else None
+        delta = completion.detokenizer.take_delta()
+        return TextDelta(completion.index, delta, output) if delta or output is not None else None
+
+    def abort_unfinished(self, completions: list[Completion]) -> None:
+        """Abort the requests of ``completions`` that still run: their blocks return to the pool now."""
+        for rid in dict.fromkeys(c.request_id for c in completions if not c.seq.is_finished):
+            if rid in self.engine.requests:
+                self.engine.abort(rid)
+
     def _deltas(self, completions: list[Completion]) -> Iterator[TextDelta]:
         """Step the engine until every completion has ended, yielding each one's new text as it comes.
 
@@ -307,22 +325,16 @@ class LLM:
         try:
             live = list(completions)
             while live:
-                followed = [c for c in live if self.follow(c)]
-                if not followed:
+                deltas = [d for d in map(self.news, live) if d is not None]
+                if not deltas:
                     if not self.engine.has_unfinished():
                         raise RuntimeError("the engine has nothing left to run but completions are unfinished")
                     self.engine.step()
                     continue
-                for c in followed:
-                    output = c.output() if c.detokenizer.finished else None
-                    delta = c.detokenizer.take_delta()
-                    if delta or output is not None:
-                        yield TextDelta(c.index, delta, output)
+                yield from deltas
                 live = [c for c in live if not c.detokenizer.finished]
         finally:  # a consumer that stops early (or an error) leaves no request running: their blocks are freed
-            for rid in dict.fromkeys(c.request_id for c in completions if not c.seq.is_finished):
-                if rid in self.engine.requests:
-                    self.engine.abort(rid)
+            self.abort_unfinished(completions)
 
     def stream(self, prompts: str | list[str], sampling_params: SamplingParams | None = None) -> Stream:
         """Generate for every prompt together, yielding each completion's text as it is generated.

@@ -43,7 +43,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
 
 from minipaged.block_math import kv_usage
-from minipaged.chat_template import ChatTemplateError, NoChatTemplate
 from minipaged.llm import LLM, Completion
 from minipaged.sequence import SamplingParams
 
@@ -228,30 +227,22 @@ class EngineLoop:
         """A client left: abort what its request still runs (its blocks return now)."""
         if job in self._jobs:
             self._jobs.remove(job)
-            self._abort_unfinished(job)
-
-    def _abort_unfinished(self, job: Job) -> None:
-        engine = self.llm.engine
-        for rid in dict.fromkeys(c.request_id for c in job.completions if not c.seq.is_finished):
-            if rid in engine.requests:
-                engine.abort(rid)
+            self.llm.abort_unfinished(job.completions)
 
     def _fail_running(self, exc: Exception) -> None:
         running = set(map(id, self.llm.engine.scheduler.running))
         for job in [j for j in self._jobs if any(id(c.seq) in running for c in j.completions)]:
             self._jobs.remove(job)
-            self._abort_unfinished(job)
+            self.llm.abort_unfinished(job.completions)
             job.put("error", f"the engine failed a step this request was in: {type(exc).__name__}: {exc}")
 
     def _deliver(self) -> None:
         for job in list(self._jobs):
             for c in job.completions:
-                if not c.detokenizer.finished and self.llm.follow(c):
-                    output = c.output() if c.detokenizer.finished else None
-                    delta = c.detokenizer.take_delta()
-                    if delta or output is not None:
-                        job.put("delta", (c.index, delta, output))
-                    if output is not None:
+                news = self.llm.news(c)
+                if news is not None:
+                    job.put("delta", news)
+                    if news.output is not None:
                         self._observe(c)
             if all(c.detokenizer.finished for c in job.completions):
                 self._jobs.remove(job)
@@ -364,9 +355,7 @@ def _add_generation_routes(app: FastAPI, llm: LLM, engine_loop: EngineLoop, mode
         conversation = [m.model_dump() for m in body.messages]
         try:
             prompt = llm.apply_chat_template(conversation)
-        except (NoChatTemplate, ChatTemplateError) as exc:
-            raise APIError(400, str(exc), "messages") from None
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError) as exc:  # no template (NoChatTemplate), or it refused (ChatTemplateError)
             raise APIError(400, str(exc), "messages") from None
         params = sampling_params(body, default_max_tokens(len(llm.tokenizer.encode(prompt))))
         job = await _submit(engine_loop, [prompt], params)

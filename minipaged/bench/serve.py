@@ -38,12 +38,18 @@ from pathlib import Path
 
 import httpx
 
-from minipaged.bench.vllm import CHAT_QUESTIONS, CHAT_SYSTEM_QUESTIONS, VLLM_PYTHON
-from minipaged.cli import exit_environment, positive_finite, positive_int, positive_rate
+from minipaged.bench.vllm import (
+    BLOCK_SIZE,
+    CHAT_QUESTIONS,
+    CHAT_SYSTEM_QUESTIONS,
+    VLLM_PYTHON,
+    kv_cache_memory_bytes,
+    vllm_env,
+)
+from minipaged.cli import exit_environment, nonnegative_int, port_number, positive_finite, positive_int, positive_rate
 from minipaged.latency import percentiles
 
 MODEL = "smollm2-135m-instruct"
-BLOCK_SIZE = 32  # vLLM's CPU attention needs 32
 MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS = 16, 256  # minipaged's EngineConfig defaults, given to vLLM too
 RESULTS = Path(__file__).resolve().parents[2] / "notebooks" / "results" / "serve_bench.json"
 
@@ -179,26 +185,22 @@ def minipaged_server(model_dir: Path, num_blocks: int, port: int) -> Server:
 
 
 def vllm_server(model_dir: Path, num_blocks: int, port: int, threads: int, vllm_python: Path) -> Server:
-    config = json.loads((model_dir / "config.json").read_text())
-    bytes_per_block = 2 * config["num_hidden_layers"] * BLOCK_SIZE * config["num_key_value_heads"] \
-        * config["head_dim"] * 4  # fmt: skip
-    env = os.environ | {"VLLM_LOGGING_LEVEL": "WARNING", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                        "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # fmt: skip
+    kv_bytes = kv_cache_memory_bytes(model_dir, num_blocks)
     return Server([str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                    "--served-model-name", MODEL, "--port", str(port), "--dtype", "float32",
-                   "--block-size", str(BLOCK_SIZE), "--kv-cache-memory-bytes", str(num_blocks * bytes_per_block),
+                   "--block-size", str(BLOCK_SIZE), "--kv-cache-memory-bytes", str(kv_bytes),
                    "--enforce-eager", "--max-num-seqs", str(MAX_NUM_SEQS), "--max-model-len", "1024",
                    "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS), "--enable-prefix-caching",
-                   "--disable-log-stats"], port, env)  # fmt: skip
+                   "--disable-log-stats"], port, vllm_env(threads))  # fmt: skip
 
 
-def measure(server: Server, args, rate: float) -> dict:
-    """One run at ``rate`` against ``server``: its summary, the client's and the server's CPU seconds, the texts."""
+def measure(url: str, pid: int | None, args, rate: float) -> dict:
+    """One run at ``rate`` against the server at ``url``: its summary, the client's and the server's CPU seconds
+    (``pid``: the server's process; None for a server of someone else's), and the texts."""
     conversations = requests_for(args.requests, args.seed)
     times = arrival_times(args.requests, rate, args.seed)
-    pid = server.proc.pid if server.proc is not None else None  # None: a server of someone else's
     client_cpu, server_cpu = _cpu_seconds(), _cpu_seconds(pid) if pid else math.nan
-    results, duration = asyncio.run(run_load(server.url, MODEL, conversations, times, args.max_tokens))
+    results, duration = asyncio.run(run_load(url, MODEL, conversations, times, args.max_tokens))
     summary = summarize_load(results, duration, args.slo_ttft, args.slo_tpot)
     summary["client_cpu_s"] = _cpu_seconds() - client_cpu
     summary["server_cpu_s"] = _cpu_seconds(pid) - server_cpu if pid else math.nan
@@ -234,8 +236,8 @@ def main(argv=None) -> int:
     p.add_argument("--vllm", action="store_true", help="also run vllm serve from .venv-vllm, side by side")
     p.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON, help="the vLLM venv's python")
     p.add_argument("--threads", type=positive_int, default=2, help="vLLM's OpenMP threads (minipaged: torch's)")
-    p.add_argument("--port", type=positive_int, default=8431)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--port", type=port_number, default=8431)
+    p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--record", nargs="?", const=RESULTS, type=Path, help="write the results file (chapter 08's)")
     args = p.parse_args(argv)
     if args.vllm and not args.vllm_python.exists():
@@ -248,17 +250,14 @@ def main(argv=None) -> int:
     if args.vllm:
         starts["vLLM"] = lambda: vllm_server(model_dir, args.num_blocks, args.port, args.threads, args.vllm_python)
     for name, start in starts.items():
-        if args.url and name == "minipaged":
-            server = Server.__new__(Server)
-            server.url, server.proc = args.url, None
-        else:
-            server = start()
+        server = None if args.url and name == "minipaged" else start()
+        url, pid = (args.url, None) if server is None else (server.url, server.proc.pid)
         try:
             for rate in args.rates:
-                runs[f"{name} @{rate:g}/s"] = measure(server, args, rate)
+                runs[f"{name} @{rate:g}/s"] = measure(url, pid, args, rate)
                 print(f"{name} at {rate:g} requests/s: done", flush=True)
         finally:
-            if server.proc is not None:
+            if server is not None:
                 server.stop()
     report(runs, args)
     return 0

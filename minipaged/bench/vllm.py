@@ -144,6 +144,30 @@ def chat_token_ids(tok, messages: list[dict]) -> list[int]:
 # --------------------------------------------------------------------------- the two engines
 
 
+def kv_cache_memory_bytes(model_dir: Path, num_blocks: int) -> int:
+    """vLLM's ``kv_cache_memory_bytes`` that holds exactly ``num_blocks`` float32 blocks of ``BLOCK_SIZE`` tokens.
+
+    Args:
+        model_dir: a Hugging Face checkpoint directory (its ``config.json`` sizes a block).
+        num_blocks: the pool's blocks, the same as minipaged's.
+    """
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return 2 * config["num_hidden_layers"] * BLOCK_SIZE * config["num_key_value_heads"] * config["head_dim"] * 4 \
+        * num_blocks  # K and V, float32  # fmt: skip
+
+
+def vllm_env(threads: int | None) -> dict:
+    """The environment vLLM's CPU build runs in here: quiet, one process, ``threads`` unbound OpenMP threads.
+
+    Args:
+        threads: OpenMP threads (None: vLLM's default, which binds its threads to cores).
+    """
+    env = os.environ | {"VLLM_LOGGING_LEVEL": "WARNING", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if threads is not None:
+        env |= {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    return env
+
+
 def run_vllm(model_dir: Path, batches: list[list[dict]], num_blocks: int, max_num_seqs: int,
              max_num_batched_tokens: int, vllm_python: Path = VLLM_PYTHON,
              threads: int | None = None) -> dict:  # fmt: skip
@@ -160,23 +184,17 @@ def run_vllm(model_dir: Path, batches: list[list[dict]], num_blocks: int, max_nu
     """
     if not Path(vllm_python).exists():
         raise FileNotFoundError(f"{vllm_python} does not exist: run `make vllm-check` first to build .venv-vllm")
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    kv_heads, head_dim = config["num_key_value_heads"], config["head_dim"]
-    bytes_per_block = 2 * config["num_hidden_layers"] * BLOCK_SIZE * kv_heads * head_dim * 4  # K and V, float32
     request = {
         "model": str(model_dir), "dtype": "float32", "block_size": BLOCK_SIZE,
-        "kv_cache_memory_bytes": num_blocks * bytes_per_block, "enable_prefix_caching": True,
+        "kv_cache_memory_bytes": kv_cache_memory_bytes(model_dir, num_blocks), "enable_prefix_caching": True,
         "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens, "batches": batches,
         "max_model_len": max(len(r["prompt_token_ids"]) + r["max_tokens"] for b in batches for r in b),
     }  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         request_path, result_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
         request_path.write_text(json.dumps(request))
-        env = os.environ | {"VLLM_LOGGING_LEVEL": "WARNING", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        if threads is not None:
-            env |= {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
         proc = subprocess.run([str(vllm_python), str(WORKER), str(request_path), str(result_path)],
-                              env=env, capture_output=True, text=True)  # fmt: skip
+                              env=vllm_env(threads), capture_output=True, text=True)  # fmt: skip
         if proc.returncode:
             raise RuntimeError(f"vLLM failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
         return json.loads(result_path.read_text())
