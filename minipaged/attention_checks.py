@@ -249,7 +249,7 @@ def check_contiguous_attention(q, k, v, scale) -> float:
     return scale
 
 
-def check_packed_batch(input_ids, positions, attn_metadata, caches, num_layers: int) -> None:
+def check_packed_batch(input_ids, positions, attn_metadata, caches, num_layers: int, logits_rows=None) -> None:
     """A packed batch's tokens against its attention metadata and the caches (``LlamaForCausalLM.forward``'s inputs).
 
     The forward checks its first layer's K/V write and attention in full and the other layers' not
@@ -261,6 +261,7 @@ def check_packed_batch(input_ids, positions, attn_metadata, caches, num_layers: 
             ``query_start_loc`` must describe ``num_tokens`` tokens.
         caches: per layer, the ``(k_cache, v_cache)`` given.
         num_layers: the model's layers.
+        logits_rows: None, or the packed tokens whose logits the forward returns (:func:`check_logits_rows`).
 
     Raises:
         TypeError: a layer's caches are not two tensors.
@@ -291,6 +292,18 @@ def check_packed_batch(input_ids, positions, attn_metadata, caches, num_layers: 
         if kind(pair[0]) != kind(caches[0][0]) or kind(pair[1]) != kind(caches[0][1]):
             raise ValueError(f"kv_caches[{layer}] differs from kv_caches[0] in shape, dtype, device or strides: "
                              "every layer's caches must be alike")  # fmt: skip
+    if logits_rows is not None:
+        check_logits_rows(logits_rows, num_tokens)
+
+
+def check_logits_rows(logits_rows, num_tokens: int) -> torch.Tensor:
+    """``LlamaForCausalLM.forward``'s ``logits_rows`` (see it) as an int64 tensor; a ValueError names a bad one."""
+    rows = logits_rows if isinstance(logits_rows, torch.Tensor) else torch.tensor(list(logits_rows) or [], dtype=None)
+    rows = rows.long() if rows.numel() == 0 else rows  # an empty list: no sequence ends this step
+    if rows.dtype != torch.int64 or rows.dim() != 1 or (len(rows) and not 0 <= rows.min() <= rows.max() < num_tokens):
+        raise ValueError(f"logits_rows must be ints in [0, {num_tokens}) (the packed batch's tokens), "
+                         f"got {logits_rows!r}")  # fmt: skip
+    return rows
 
 
 def check_backend_registration(name, backend, replace, registry: dict, backend_class: type) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from minipaged.blocks import AllocatorBase, BlockAllocator, BlockTable
-from minipaged.validation import check_fits_memory, check_int
+from minipaged.validation import check_block_ids, check_fits_memory, check_int
 
 
 def write_kv_torch(key, value, k_cache, v_cache, slot_mapping) -> None:
@@ -78,6 +78,10 @@ class PagedKVCache:
         row_bytes = self.num_kv_heads * self.head_dim * self.k_caches[0].element_size()
         return 2 * self.num_layers * self.block_size * row_bytes
 
+    def pools(self) -> list[torch.Tensor]:
+        """Every pool, the K pools of every layer, then the V pools."""
+        return [*self.k_caches, *self.v_caches]
+
     def new_table(self, seq_id=None) -> BlockTable:
         return BlockTable(self.allocator, seq_id)
 
@@ -119,38 +123,6 @@ class PagedKVCache:
         )
 
     @torch.inference_mode()
-    def swap_out(self, block_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Copy some blocks' K and V to CPU memory, e.g. before a preempted sequence's blocks are freed.
-
-        Args:
-            block_ids: the blocks to save, in the order :meth:`swap_in` will restore them.
-
-        Returns:
-            Per layer, ``(k, v)`` CPU tensors of shape ``[len(block_ids), block_size, num_kv_heads, head_dim]``.
-            The pool is unchanged.
-        """
-        ids = check_block_ids(block_ids, "block_ids", self.num_blocks)
-        ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        pools = zip(self.k_caches, self.v_caches)
-        return [(k.index_select(0, ids).cpu(), v.index_select(0, ids).cpu()) for k, v in pools]
-
-    @torch.inference_mode()
-    def swap_in(self, block_ids: list[int], saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copy K and V saved by :meth:`swap_out` back into the pool, usually into other blocks than before.
-
-        Args:
-            block_ids: the destination blocks, one per saved block, in the saved order (no repeats).
-            saved: what :meth:`swap_out` returned: per layer, ``(k, v)`` of shape
-                ``[len(block_ids), block_size, num_kv_heads, head_dim]``, on any device.
-        """
-        ids = check_block_ids(block_ids, "block_ids", self.num_blocks, unique=True)
-        check_saved_kv(saved, self.num_layers, (len(ids), self.block_size, self.num_kv_heads, self.head_dim))
-        index = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        for k, v, (k_saved, v_saved) in zip(self.k_caches, self.v_caches, saved):
-            k.index_copy_(0, index, k_saved.to(device=self.device, dtype=self.dtype))
-            v.index_copy_(0, index, v_saved.to(device=self.device, dtype=self.dtype))
-
-    @torch.inference_mode()
     def copy_blocks(self, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
         """Copy whole blocks inside the pool, in every layer (copy-on-write gives a writer its own block this way).
 
@@ -165,34 +137,30 @@ class PagedKVCache:
             raise ValueError(f"src_block_ids and dst_block_ids must pair up, got {len(src)} and {len(dst)} ids")
         src_index = torch.tensor(src, dtype=torch.int64, device=self.device)
         dst_index = torch.tensor(dst, dtype=torch.int64, device=self.device)
-        for pool in (*self.k_caches, *self.v_caches):
+        for pool in self.pools():
             pool.index_copy_(0, dst_index, pool.index_select(0, src_index))
 
-    def move_kv(self, out, swap_space: dict) -> int:
-        """Carry out a step plan's K/V moves: save victims' K/V to CPU memory, copy-on-write, restore readmitted ones'.
+    def copy_pending(self, copies: list[tuple[int, int]]) -> None:
+        """Carry out copy-on-write's ``(src, dst)`` block copies (``SchedulerOutput.copies``); none: nothing to do."""
+        if copies:
+            self.copy_blocks([src for src, _ in copies], [dst for _, dst in copies])
 
-        Reads before writes: a victim's freed blocks, or a copy's source, may already belong to
-        someone else this step, who is about to write into them. Returns the tokens moved between
-        the pool and CPU memory (the clock charges them).
+    def move_kv(self, out, swap_space: dict) -> int:
+        """Carry out a step plan's K/V moves before its forward pass; return the tokens moved to or from CPU memory.
+
+        A plan that swaps (``preemption_mode="swap"``) goes to :func:`minipaged.swap.move_kv`, loaded then;
+        any other plan's moves are its copies-on-write.
 
         Args:
-            out: the step's :class:`~minipaged.scheduler.SchedulerOutput` (its ``swap_out``,
-                ``copies``, ``swap_in`` and ``swap_in_hit_blocks``).
-            swap_space: seq_id -> what :meth:`swap_out` saved for it; updated in place.
+            out: the step's :class:`~minipaged.scheduler.SchedulerOutput`.
+            swap_space: seq_id -> the K/V :func:`minipaged.swap.swap_out` saved for it; updated in place.
         """
-        moved = 0
-        for seq, block_ids in out.swap_out:
-            swap_space[seq.seq_id] = self.swap_out(block_ids)
-            moved += seq.num_computed_tokens
-        if out.copies:  # after the victims' K/V is saved, before anything lands in the new blocks
-            self.copy_blocks([src for src, _ in out.copies], [dst for _, dst in out.copies])
-        for seq, num_hit_blocks in zip(out.swap_in, out.swap_in_hit_blocks):
-            saved = swap_space.pop(seq.seq_id)
-            if num_hit_blocks < len(saved[0][0]):  # the blocks a prefix hit did not restore come back from CPU
-                rest = [(k[num_hit_blocks:], v[num_hit_blocks:]) for k, v in saved]
-                self.swap_in(seq.block_table.blocks[num_hit_blocks : len(saved[0][0])], rest)
-                moved += seq.num_computed_tokens - num_hit_blocks * self.block_size
-        return moved
+        if out.swap_out or out.swap_in:
+            from minipaged.swap import move_kv
+
+            return move_kv(self, out, swap_space)
+        self.copy_pending(out.copies)
+        return 0
 
 
 def check_pool_args(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device) -> tuple[int, ...]:
@@ -218,57 +186,6 @@ def check_pool_args(num_layers, num_blocks, block_size, num_kv_heads, head_dim, 
     check_fits_memory(pool_bytes, f"PagedKVCache(num_blocks={num_blocks}, block_size={block_size})'s K/V pools",
                       device)  # fmt: skip
     return num_layers, num_blocks, block_size, num_kv_heads, head_dim
-
-
-def check_saved_kv(saved, num_layers: int, shape: tuple[int, ...]) -> None:
-    """K/V saved block by block (what ``PagedKVCache.swap_out`` returns), before it is copied back.
-
-    Args:
-        saved: per layer, a ``(k, v)`` pair of tensors.
-        num_layers: the layers it must hold.
-        shape: each tensor's shape, ``[num_saved_blocks, block_size, num_kv_heads, head_dim]``.
-
-    Raises:
-        TypeError: ``saved`` is not a list or tuple, or an entry is not a tensor.
-        ValueError: the wrong number of layers, an entry that is not a pair, or a tensor of another shape.
-    """
-    if not isinstance(saved, (list, tuple)):
-        raise TypeError(f"saved must be the list swap_out returned, got {type(saved).__name__}")
-    if len(saved) != num_layers:
-        raise ValueError(f"saved must hold one (k, v) pair per layer: {num_layers}, got {len(saved)}")
-    for layer, pair in enumerate(saved):
-        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-            raise ValueError(f"saved[{layer}] must be a (k, v) pair of tensors")
-        for name, t in zip("kv", pair):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"saved[{layer}] {name} must be a torch.Tensor, got {type(t).__name__}")
-            if tuple(t.shape) != shape:
-                raise ValueError(f"saved[{layer}] {name} has shape {tuple(t.shape)}; {shape[0]} blocks need {shape}")
-
-
-def check_block_ids(block_ids, name: str, num_blocks: int, unique: bool = False) -> list[int]:
-    """``block_ids`` as a list of ints in ``[0, num_blocks)``, or an error that names ``name``.
-
-    Args:
-        block_ids: an iterable of block ids (not a string).
-        name: the argument's name, as the caller's signature spells it.
-        num_blocks: the pool's size.
-        unique: refuse an id that appears twice (two copies into one block would race for it).
-
-    Raises:
-        TypeError: ``block_ids`` is not an iterable of ints.
-        IndexError: an id outside the pool.
-        ValueError: a repeated id, with ``unique``.
-    """
-    if isinstance(block_ids, (str, bytes)) or not hasattr(block_ids, "__iter__"):
-        raise TypeError(f"{name} must be a list of block ids, got {type(block_ids).__name__}")
-    ids = [check_int(b, f"{name}[{i}]", minimum=None) for i, b in enumerate(block_ids)]
-    for i, b in enumerate(ids):
-        if not 0 <= b < num_blocks:
-            raise IndexError(f"{name}[{i}] = {b} is outside the pool of {num_blocks} blocks")
-    if unique and len(set(ids)) != len(ids):
-        raise ValueError(f"{name} must not repeat a block id (two copies would race for it), got {ids}")
-    return ids
 
 
 def check_index(value, name: str, size: int, what: str) -> int:

@@ -98,6 +98,7 @@ from minipaged.prefix_cache import PrefixCachingAllocator
 from minipaged.replay import add_all, check_workload, workload_request
 from minipaged.scheduler import EngineConfig, check_fits_pool
 from minipaged.sequence import SamplingParams, Sequence, SequenceStatus
+from minipaged.swap import swap_in, swap_out
 from minipaged.validation import check_hashable, check_int, check_real
 from minipaged.workload import LogNormal, RequestSpec, WorkloadPreset, prompt_token_ids
 
@@ -297,14 +298,14 @@ def transfer_kv(seq: Sequence, src: PagedKVCache, dst: PagedKVCache, match=None)
     free = dst.allocator.num_free - (dst.allocator.num_free_among(match.block_ids) if hit else 0)
     if num_new > free:  # checked before sharing anything, so a refusal changes nothing
         raise OutOfBlocks(f"moving {n} tokens needs {num_new} blocks in dst but only {free} are free")
-    saved = src.swap_out(table.blocks[hit : hit + num_new])  # read first: nothing has changed if this fails
+    saved = swap_out(src, table.blocks[hit : hit + num_new])  # read first: nothing has changed if this fails
     new = dst.new_table(seq.seq_id)
     with dst.allocator.hold_events():  # subscribers hear of the new table once it holds every block
         if match is not None:
             dst.allocator.share_prefix(new, match)  # raises for a stale match, before anything changed
         new.append_tokens(n - new.num_tokens)
     try:
-        dst.swap_in(new.blocks[hit:], saved)
+        swap_in(dst, new.blocks[hit:], saved)
     except BaseException:
         new.release()
         raise

@@ -33,7 +33,6 @@ from minipaged.engine_args import (
     check_built,
     check_engine_args,
     check_plan,
-    check_prompts,
     check_request_args,
 )
 from minipaged.metrics import HISTORY_WINDOW, Metrics
@@ -309,28 +308,11 @@ class Engine(StepState):
         return Replay(self, workload, seed, prompts).run(progress)
 
     def generate(self, prompts: list[list[int]], sampling_params: SamplingParams | None = None) -> list[list[int]]:
-        """Offline convenience: every prompt arrives now, all or none; returns the output tokens of every sample.
+        """Offline convenience: queue every prompt now, all or none, and step to the end.
 
-        The list is flat, prompt by prompt: with ``n`` samples, entry ``p * n + i`` is sample ``i``
-        of prompt ``p``. It steps until nothing is unfinished (earlier requests finish too).
-
-        Args:
-            prompts: the prompts' token ids; every one is checked before any is queued.
-            sampling_params: the same for every prompt (:class:`SamplingParams` defaults if None).
+        Returns the output tokens of every sample, flat, prompt by prompt (entry ``p * n + i`` is sample
+        ``i`` of prompt ``p``). See :func:`minipaged.replay.generate`.
         """
-        check_prompts(self.model.config, prompts, (sampling_params or SamplingParams()).max_tokens)  # before queueing
-        from minipaged.replay import add_all  # all or none, as every batch of requests is added
+        from minipaged.replay import generate  # the offline loop drives the engine; a step does not need it
 
-        next_id = self._next_id
-
-        def undo(ids):  # a request the pool can never hold leaves none of the earlier ones queued
-            for i in ids:
-                self.scheduler.abort(self.requests[i][0])  # the other samples are not queued yet (they fork)
-                self.forget(i)
-            self._next_id = next_id
-
-        ids = add_all(lambda p: self.add_request(p, sampling_params), prompts, undo)
-        mine = {i: self.requests[i] for i in ids}  # their sequences; step() may forget them once finished
-        while self.has_unfinished():
-            self.step()
-        return [s.output_token_ids for i in ids for s in mine[i]]
+        return generate(self, prompts, sampling_params)

@@ -115,18 +115,6 @@ def check_abort_args(request_id, sample_index, requests: dict) -> list:
     return targets
 
 
-def check_prompts(model_config, prompts, max_new_tokens: int) -> None:
-    """Every prompt of a batch checked (see :func:`check_prompt`), each error naming ``prompts[i]``.
-
-    Args:
-        model_config: the model's :class:`~minipaged.model.LlamaConfig`.
-        prompts: the prompts' token ids.
-        max_new_tokens: the tokens to generate after each.
-    """
-    for i, p in enumerate(prompts):
-        check_prompt(model_config, p, max_new_tokens, f"prompts[{i}]")
-
-
 SCHEDULER_METHODS = ("add", "schedule", "postprocess", "abort", "has_unfinished", "sequences")  # what the engine calls
 
 

@@ -235,11 +235,9 @@ class LlamaForCausalLM(nn.Module):
         if check:
             from minipaged.attention_checks import check_packed_batch
 
-            check_packed_batch(input_ids, positions, md, caches, len(self.model.layers))
+            check_packed_batch(input_ids, positions, md, caches, len(self.model.layers), logits_rows)
         if logits_rows is None:
             rows = md.query_start_loc[1:].long() - 1  # each sequence's last token
-        elif check:
-            rows = check_logits_rows(logits_rows, len(input_ids))
         else:
             rows = torch.as_tensor(logits_rows, dtype=torch.long)
         impl = get_backend(backend)  # an unknown name fails here, before any layer writes
@@ -274,16 +272,6 @@ class LlamaForCausalLM(nn.Module):
 
         hidden = self.model(input_ids, positions, self.rope_cos, self.rope_sin, attend)
         return self.lm_head(hidden), present
-
-
-def check_logits_rows(logits_rows, num_tokens: int) -> torch.Tensor:
-    """``LlamaForCausalLM.forward``'s ``logits_rows`` (see it) as an int64 tensor; a ValueError names a bad one."""
-    rows = logits_rows if isinstance(logits_rows, torch.Tensor) else torch.tensor(list(logits_rows) or [], dtype=None)
-    rows = rows.long() if rows.numel() == 0 else rows  # an empty list: no sequence ends this step
-    if rows.dtype != torch.int64 or rows.dim() != 1 or (len(rows) and not 0 <= rows.min() <= rows.max() < num_tokens):
-        raise ValueError(f"logits_rows must be ints in [0, {num_tokens}) (the packed batch's tokens), "
-                         f"got {logits_rows!r}")  # fmt: skip
-    return rows
 
 
 def check_llama_config(config) -> None:

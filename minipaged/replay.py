@@ -52,6 +52,35 @@ def add_all(add, items, undo) -> list:
     return ids
 
 
+def generate(engine, prompts: list[list[int]], sampling_params: SamplingParams | None = None) -> list[list[int]]:
+    """Queue every prompt now, all or none, and step ``engine`` until nothing is unfinished (``Engine.generate``).
+
+    Returns the output tokens of every sample, flat, prompt by prompt: with ``n`` samples, entry
+    ``p * n + i`` is sample ``i`` of prompt ``p``. Requests queued earlier finish too.
+
+    Args:
+        engine: the :class:`~minipaged.engine.Engine`.
+        prompts: the prompts' token ids; every one is checked before any is queued.
+        sampling_params: the same for every prompt (:class:`SamplingParams` defaults if None).
+    """
+    max_tokens = (sampling_params or SamplingParams()).max_tokens
+    for i, p in enumerate(prompts):  # every prompt checked before any is queued, each error naming prompts[i]
+        check_prompt(engine.model.config, p, max_tokens, f"prompts[{i}]")
+    next_id = engine._next_id
+
+    def undo(ids):  # a request the pool can never hold leaves none of the earlier ones queued
+        for i in ids:
+            engine.scheduler.abort(engine.requests[i][0])  # the other samples are not queued yet (they fork)
+            engine.forget(i)
+        engine._next_id = next_id
+
+    ids = add_all(lambda p: engine.add_request(p, sampling_params), prompts, undo)
+    mine = {i: engine.requests[i] for i in ids}  # their sequences; step() may forget them once finished
+    while engine.has_unfinished():
+        engine.step()
+    return [s.output_token_ids for i in ids for s in mine[i]]
+
+
 class Replay:
     """A workload replayed through an engine, one engine step per :meth:`step`.
 

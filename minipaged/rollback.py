@@ -12,6 +12,8 @@ K/V a step may overwrite in blocks that held K/V before it is the other half
 
 from __future__ import annotations
 
+import torch
+
 from minipaged.blocks import BlockTable
 from minipaged.step_state import StepState, restore_state, save_state
 
@@ -48,7 +50,7 @@ class StepUndo:
         self.saved = {id(obj): (obj, obj.save_state()) for obj in owners}
         for table in (s.block_table for s in seqs if s.block_table is not None):
             self.saved[id(table)] = (table, _table_state(table))
-        self.saved_kv = None  # (block ids, their K/V) that the step may overwrite although they hold K/V
+        self.saved_kv = None  # (block ids, each pool's K/V of them): blocks the step may overwrite that held K/V
 
     def protect_kv(self, out) -> None:
         """Save the K/V of blocks this step will write although they held K/V before it (a victim's, a cached one's).
@@ -70,7 +72,8 @@ class StepUndo:
         entries = self._attr_before(allocator, "entries", None)  # None: no prefix cache
         held = sorted(b for b in targets if refcounts[b] > 0 or (entries is not None and entries[b] is not None))
         if held:
-            self.saved_kv = (held, self.engine.cache.swap_out(held))
+            index = torch.tensor(held, device=self.engine.cache.device)
+            self.saved_kv = index, [pool.index_select(0, index) for pool in self.engine.cache.pools()]
 
     def _attr_before(self, obj, name: str, default):
         """The contents of ``obj.name`` before the step (``default`` for an object or attribute the step made)."""
@@ -82,7 +85,9 @@ class StepUndo:
     def restore(self) -> None:
         """Put the bookkeeping and the protected K/V back; the step's events give way to one ``"rollback"`` event."""
         if self.saved_kv is not None:
-            self.engine.cache.swap_in(*self.saved_kv)
+            index, saved = self.saved_kv
+            for pool, blocks in zip(self.engine.cache.pools(), saved):
+                pool.index_copy_(0, index, blocks)
         for obj, state in self.saved.values():
             if isinstance(obj, StepState):
                 obj.restore_state(state)

@@ -281,3 +281,28 @@ def check_tensor(value, name: str):
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     return value
+
+
+def check_block_ids(block_ids, name: str, num_blocks: int, unique: bool = False) -> list[int]:
+    """``block_ids`` as a list of ints in ``[0, num_blocks)``, or an error that names ``name``.
+
+    Args:
+        block_ids: an iterable of block ids (not a string).
+        name: the argument's name, as the caller's signature spells it.
+        num_blocks: the pool's size.
+        unique: refuse an id that appears twice (two copies into one block would race for it).
+
+    Raises:
+        TypeError: ``block_ids`` is not an iterable of ints.
+        IndexError: an id outside the pool.
+        ValueError: a repeated id, with ``unique``.
+    """
+    if isinstance(block_ids, (str, bytes)) or not hasattr(block_ids, "__iter__"):
+        raise TypeError(f"{name} must be a list of block ids, got {type(block_ids).__name__}")
+    ids = [check_int(b, f"{name}[{i}]", minimum=None) for i, b in enumerate(block_ids)]
+    for i, b in enumerate(ids):
+        if not 0 <= b < num_blocks:
+            raise IndexError(f"{name}[{i}] = {b} is outside the pool of {num_blocks} blocks")
+    if unique and len(set(ids)) != len(ids):
+        raise ValueError(f"{name} must not repeat a block id (two copies would race for it), got {ids}")
+    return ids

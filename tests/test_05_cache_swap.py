@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minipaged.cache import PagedKVCache
+from minipaged.swap import swap_in, swap_out
 
 pytestmark = pytest.mark.ch05
 
@@ -33,7 +34,7 @@ block_lists = st.lists(st.integers(0, NUM_BLOCKS - 1), min_size=0, max_size=NUM_
 def test_swap_out_then_in_moves_exactly_those_blocks(src, data):
     cache = filled_cache()
     before = snapshot(cache)
-    saved = cache.swap_out(src)
+    saved = swap_out(cache, src)
     assert len(saved) == NUM_LAYERS
     for layer, (k, v) in enumerate(saved):
         assert k.device.type == "cpu" and k.shape == (len(src), BLOCK_SIZE, HEADS, HEAD_DIM)
@@ -42,7 +43,7 @@ def test_swap_out_then_in_moves_exactly_those_blocks(src, data):
     dst = data.draw(st.permutations(range(NUM_BLOCKS)))[: len(src)]
     for pool in (*cache.k_caches, *cache.v_caches):
         pool.zero_()  # the blocks were reused by someone else meanwhile
-    cache.swap_in(dst, saved)
+    swap_in(cache, dst, saved)
     untouched = [b for b in range(NUM_BLOCKS) if b not in dst]
     for layer in range(NUM_LAYERS):
         for pool, old in ((cache.k_caches[layer], before[layer]), (cache.v_caches[layer], before[NUM_LAYERS + layer])):
@@ -67,27 +68,27 @@ def test_copy_blocks_copies_every_layer_pairwise(data):
 def test_swap_preserves_dtype_and_survives_a_round_trip_in_bf16():
     cache = PagedKVCache(1, 4, 2, 1, 4, dtype=torch.bfloat16)
     cache.k_caches[0][1] = 1.5
-    saved = cache.swap_out([1])
+    saved = swap_out(cache, [1])
     assert saved[0][0].dtype == torch.bfloat16
-    cache.swap_in([3], saved)
+    swap_in(cache, [3], saved)
     assert torch.equal(cache.k_caches[0][3], cache.k_caches[0][1])
 
 
 @pytest.mark.parametrize(
     "call, error, match",
     [
-        (lambda c: c.swap_out([0, NUM_BLOCKS]), IndexError, r"block_ids\[1\] = 8 is outside"),
-        (lambda c: c.swap_out([-1]), IndexError, r"block_ids\[0\] = -1"),
-        (lambda c: c.swap_out([1.0]), TypeError, r"block_ids\[0\] must be an int"),
-        (lambda c: c.swap_out([True]), TypeError, r"block_ids\[0\]"),
-        (lambda c: c.swap_out(3), TypeError, "block_ids must be a list"),
-        (lambda c: c.swap_in([0, 0], c.swap_out([1, 2])), ValueError, "must not repeat"),
-        (lambda c: c.swap_in([0], c.swap_out([1, 2])), ValueError, r"saved\[0\] k has shape"),
-        (lambda c: c.swap_in([0], c.swap_out([1])[:1]), ValueError, "one \\(k, v\\) pair per layer"),
-        (lambda c: c.swap_in([0], "saved"), TypeError, "saved must be"),
-        (lambda c: c.swap_in([0], [(torch.zeros(1), None)] * NUM_LAYERS), ValueError, r"saved\[0\] k has shape"),
-        (lambda c: c.swap_in([0], [(1, 2)] * NUM_LAYERS), TypeError, r"saved\[0\] k must be a torch.Tensor"),
-        (lambda c: c.swap_in([9], c.swap_out([1])), IndexError, r"block_ids\[0\] = 9"),
+        (lambda c: swap_out(c, [0, NUM_BLOCKS]), IndexError, r"block_ids\[1\] = 8 is outside"),
+        (lambda c: swap_out(c, [-1]), IndexError, r"block_ids\[0\] = -1"),
+        (lambda c: swap_out(c, [1.0]), TypeError, r"block_ids\[0\] must be an int"),
+        (lambda c: swap_out(c, [True]), TypeError, r"block_ids\[0\]"),
+        (lambda c: swap_out(c, 3), TypeError, "block_ids must be a list"),
+        (lambda c: swap_in(c, [0, 0], swap_out(c, [1, 2])), ValueError, "must not repeat"),
+        (lambda c: swap_in(c, [0], swap_out(c, [1, 2])), ValueError, r"saved\[0\] k has shape"),
+        (lambda c: swap_in(c, [0], swap_out(c, [1])[:1]), ValueError, "one \\(k, v\\) pair per layer"),
+        (lambda c: swap_in(c, [0], "saved"), TypeError, "saved must be"),
+        (lambda c: swap_in(c, [0], [(torch.zeros(1), None)] * NUM_LAYERS), ValueError, r"saved\[0\] k has shape"),
+        (lambda c: swap_in(c, [0], [(1, 2)] * NUM_LAYERS), TypeError, r"saved\[0\] k must be a torch.Tensor"),
+        (lambda c: swap_in(c, [9], swap_out(c, [1])), IndexError, r"block_ids\[0\] = 9"),
         (lambda c: c.copy_blocks([0, 1], [2]), ValueError, "must pair up, got 2 and 1"),
         (lambda c: c.copy_blocks([0, 1], [2, 2]), ValueError, "dst_block_ids must not repeat"),
         (lambda c: c.copy_blocks([0, 99], [2, 3]), IndexError, r"src_block_ids\[1\] = 99"),

@@ -18,6 +18,7 @@ import torch
 from engine_helpers import snapshot
 
 import minipaged.engine as engine_module
+import minipaged.swap as swap
 from minipaged.blocks import BlockAllocator
 from minipaged.engine import Engine
 from minipaged.generate import generate_contiguous
@@ -67,8 +68,8 @@ def fault_points(engine, monkeypatch, stage, after_calls):
     elif stage == "schedule_midway":  # after some tables already grew
         wrap(engine.scheduler.block_table, "append_tokens")
     elif stage == "swap" and engine.config.preemption_mode == "swap":  # inside the K/V copies
-        wrap(engine.cache, "swap_in")
-        wrap(engine.cache, "swap_out")
+        wrap(swap, "swap_in")
+        wrap(swap, "swap_out")
     elif stage == "swap":  # the step's K/V moves (none but copy-on-write in recompute mode)
         wrap(engine.cache, "move_kv")
     elif stage == "forward":

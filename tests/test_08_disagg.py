@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import minipaged.disagg as disagg
 from minipaged.block_math import blocks_needed
 from minipaged.blocks import OutOfBlocks
 from minipaged.cache import PagedKVCache
@@ -251,7 +252,7 @@ def test_transfer_kv_copies_every_layer_and_is_all_or_nothing(model, monkeypatch
     def broken(*args):
         raise RuntimeError("link down")
 
-    monkeypatch.setattr(dst, "swap_in", broken)
+    monkeypatch.setattr(disagg, "swap_in", broken)
     with pytest.raises(RuntimeError, match="link down"):
         transfer_kv(seq, src.cache, dst)
     assert dst.allocator.refcounts == before[0] and src.cache.allocator.refcounts == before[2]

@@ -39,6 +39,7 @@ from minipaged.engine import Engine
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 from minipaged.scheduler import EngineConfig
 from minipaged.sequence import SamplingParams
+from minipaged.swap import swap_in, swap_out
 from minipaged.testing import make_paged_case
 
 QUICK_BLOCK_SIZES = (1, 16, 256)
@@ -99,7 +100,7 @@ def swap_recompute_rows(block_sizes, num_tokens: int, repeats: int) -> list[tupl
         out_ids, in_ids = list(range(n_blocks)), list(range(n_blocks, 2 * n_blocks))
 
         def swap(cache=cache, out_ids=out_ids, in_ids=in_ids):
-            cache.swap_in(in_ids, cache.swap_out(out_ids))
+            swap_in(cache, in_ids, swap_out(cache, out_ids))
 
         engine_config = EngineConfig(num_blocks=n_blocks, block_size=B, max_num_batched_tokens=num_tokens,
                                      watermark=0.0)  # fmt: skip
