@@ -270,7 +270,7 @@ class Engine(StepState):
                                   f"logits for the rows of {[s.seq_id for s in ending]}: nothing was sampled")
         accepted, decided = {}, {}  # decided: seq_id -> the token a sampled sequence's verification drew
         if out.spec_token_ids:
-            logits, accepted, decided = self.speculator.verify(logits, ending, out.spec_token_ids, self.metrics)
+            logits, accepted, decided = self.speculator.verify(logits, ending, out.spec_token_ids)
         else:
             logits = mask_stop_tokens(logits, ending)
         # One row per sequence whose chunk ends; a sample about to fork shares its parent's row.

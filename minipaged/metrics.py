@@ -55,7 +55,7 @@ class Metrics(StepState):
     new one comes); None keeps every record. The counters always count every step.
     """
 
-    _step_containers = ("history", "num_accepted_tokens_per_pos")  # see minipaged.step_state
+    _step_containers = ("history",)  # see minipaged.step_state
 
     num_blocks: int
     block_size: int
@@ -68,12 +68,6 @@ class Metrics(StepState):
     swapped_out_blocks: int = 0  # swap-mode preemption: blocks copied to CPU memory ...
     swapped_in_blocks: int = 0  # ... and back into the pool when the victim is readmitted
     num_cow: int = 0  # copy-on-write block copies (parallel sampling)
-    # Speculative decoding (chapter 08), as vLLM's spec-decode counters: verifications that had drafts, the
-    # draft tokens they verified and accepted, and the accepted count by draft position (0 = the first draft).
-    num_spec_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     _step_preemptions: int = 0
     _allocator: object = field(default=None, repr=False)  # attached; its prefix-cache counters, if any
 
@@ -93,35 +87,6 @@ class Metrics(StepState):
         """Hit / queried tokens of new requests, preempted ones apart (0.0 before any query or with caching off)."""
         stats = self.prefix_cache
         return stats.hit_rate if stats else 0.0
-
-    @property
-    def spec_acceptance_rate(self) -> float:
-        """Accepted draft tokens / drafted tokens (0.0 before any draft): how often the proposer is right."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens a sequence gains per verification step, ``1 + accepted / drafts`` (1.0 before any draft).
-
-        Each verification yields its accepted drafts plus one token sampled after them, so this is
-        the tokens-per-step speed-up of the drafting sequences (vLLM's "mean acceptance length").
-        """
-        return 1 + self.num_accepted_tokens / self.num_spec_drafts if self.num_spec_drafts else 1.0
-
-    def record_spec_decode(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
-        """Count one verification of a sequence's drafts.
-
-        Args:
-            num_draft_tokens: the drafts it verified (>= 1).
-            num_accepted_tokens: how many of them were accepted (the first ones, ``0 .. num_draft_tokens``).
-        """
-        per_pos = self.num_accepted_tokens_per_pos
-        per_pos += [0] * (num_draft_tokens - len(per_pos))
-        for i in range(num_accepted_tokens):
-            per_pos[i] += 1
-        self.num_spec_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted_tokens
 
     def attach(self, allocator) -> None:
         """Read ``allocator``'s blocks in use and its prefix-cache counters from now on."""

@@ -47,6 +47,7 @@ class StepUndo:
         self.engine, self.events, self.num_events_before = engine, events, len(events)
         seqs = engine.scheduler.sequences()
         owners = [engine, engine.scheduler, engine.cache.allocator, engine.metrics, engine.clock, *seqs]
+        owners += [engine.speculator] if isinstance(engine.speculator, StepState) else []  # its counters
         self.saved = {id(obj): (obj, obj.save_state()) for obj in owners}
         for table in (s.block_table for s in seqs if s.block_table is not None):
             self.saved[id(table)] = (table, _table_state(table))

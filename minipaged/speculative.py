@@ -60,19 +60,21 @@ the accepted prefix. Nothing else happens, on purpose:
   fill, drafts excluded: the scheduler keys them when it plans the step, before the drafts are
   added, and a block the drafts filled gets its key in a later step, once verified tokens fill it.
 
-Metrics (``engine.metrics``): ``num_spec_drafts`` (verifications with at least one draft),
-``num_draft_tokens``, ``num_accepted_tokens``, ``num_accepted_tokens_per_pos``, and from them
-``spec_acceptance_rate`` (accepted / drafted tokens) and ``mean_acceptance_length`` (tokens a
-sequence gains per verification step, ``1 + accepted / drafts``), as vLLM reports them.
+Metrics are the speculator's own (``engine.speculator.stats``, a :class:`SpecDecodingStats`):
+``num_drafts`` (verifications with at least one draft), ``num_draft_tokens``,
+``num_accepted_tokens``, ``num_accepted_tokens_per_pos``, and from them ``acceptance_rate``
+(accepted / drafted tokens) and ``mean_acceptance_length`` (tokens a sequence gains per
+verification step, ``1 + accepted / drafts``), as vLLM's ``SpecDecodingStats`` reports them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from minipaged.blocks import BlockTable
+from minipaged.step_state import StepState
 from minipaged.stopping import mask_stop_tokens
 from minipaged.validation import check_int
 
@@ -249,7 +251,52 @@ def rollback_drafts(table: BlockTable, num_computed_tokens: int, num_draft_token
     return c + 1 + j
 
 
-class NgramSpeculator:
+@dataclass
+class SpecDecodingStats:
+    """Speculative decoding's counters, over every step of the engine a speculator serves (vLLM's names).
+
+    Attributes:
+        num_drafts: verifications that had at least one draft.
+        num_draft_tokens: the draft tokens they verified ...
+        num_accepted_tokens: ... and accepted.
+        num_accepted_tokens_per_pos: the accepted count by draft position (0 = the first draft).
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / drafted tokens (0.0 before any draft): how often the proposer is right."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a sequence gains per verification step, ``1 + accepted / drafts`` (1.0 before any draft).
+
+        Each verification yields its accepted drafts plus one token sampled after them, so this is
+        the tokens-per-step speed-up of the drafting sequences (vLLM's "mean acceptance length").
+        """
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """Count one verification of a sequence's drafts.
+
+        Args:
+            num_draft_tokens: the drafts it verified (>= 1).
+            num_accepted_tokens: how many of them were accepted (the first ones, ``0 .. num_draft_tokens``).
+        """
+        per_pos = self.num_accepted_tokens_per_pos + [0] * (num_draft_tokens - len(self.num_accepted_tokens_per_pos))
+        # A new list, not the old one changed: a failed step puts the attributes back (see minipaged.step_state).
+        self.num_accepted_tokens_per_pos = [n + (i < num_accepted_tokens) for i, n in enumerate(per_pos)]
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+
+
+class NgramSpeculator(StepState):
     """Speculative decoding as the engine plugs it in: n-gram drafts, greedy or sampled verification, rollback.
 
     The engine's four seams, each a method a learner's class may replace:
@@ -259,11 +306,15 @@ class NgramSpeculator:
     - :meth:`verify`, called by the engine between the forward pass and sampling;
     - :meth:`rollback` (:func:`rollback_drafts`), called by the scheduler's postprocess.
 
+    A speculator serves one engine: :attr:`stats` counts that engine's verifications (a failed step
+    puts them back with the rest of its state).
+
     Args:
         config: a :class:`SpeculativeConfig`, or vLLM's dict form
             (``{"method": "ngram", "num_speculative_tokens": 4, ...}``).
     """
 
+    _step_containers = ("stats",)  # see minipaged.step_state
     rollback = staticmethod(rollback_drafts)
 
     def __init__(self, config: SpeculativeConfig | dict):
@@ -273,6 +324,7 @@ class NgramSpeculator:
             raise TypeError(f"config must be a SpeculativeConfig or a dict, got {type(config).__name__}")
         self.config = config
         self.proposer = NgramProposer(config)
+        self.stats = SpecDecodingStats()
 
     def schedule_drafts(self, scheduler, out, budget: int) -> int:
         """Extend this step's decodes with draft tokens; return the budget left.
@@ -324,8 +376,8 @@ class NgramSpeculator:
             rows += range(end - 1 - len(drafts), end) if ends else []
         return ids, rows
 
-    def verify(self, logits: torch.Tensor, seqs: list, spec: dict, metrics) -> tuple[torch.Tensor, dict, dict]:
-        """Check each sequence's drafts against the target's own tokens.
+    def verify(self, logits: torch.Tensor, seqs: list, spec: dict) -> tuple[torch.Tensor, dict, dict]:
+        """Check each sequence's drafts against the target's own tokens, and count them in :attr:`stats`.
 
         A sequence that verified ``k`` drafts owns ``k + 1`` rows of ``logits``. Greedy acceptance
         (:func:`accept_greedy`) keeps the ``j`` drafts that equal the target's argmax, and the row
@@ -338,7 +390,6 @@ class NgramSpeculator:
                 ends, ``1 + k`` rows. Stop tokens are masked first where a request is short of its ``min_tokens``.
             seqs: those sequences, in order.
             spec: seq_id -> drafts (``SchedulerOutput.spec_token_ids``).
-            metrics: the engine's :class:`~minipaged.metrics.Metrics` (``record_spec_decode``).
 
         Returns:
             One row per sequence (the one to sample from), seq_id -> accepted drafts, and
@@ -356,7 +407,7 @@ class NgramSpeculator:
                 j = accept_greedy(drafts, block.argmax(dim=-1).tolist())
             if drafts:
                 accepted[seq.seq_id] = drafts[:j]
-                metrics.record_spec_decode(len(drafts), j)
+                self.stats.observe(len(drafts), j)
             rows.append(start + j)
             start += len(drafts) + 1
         return logits[rows], accepted, decided

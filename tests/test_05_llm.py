@@ -512,7 +512,7 @@ def test_a_stop_string_across_two_tokens_stops_only_its_request_and_frees_its_bl
         assert finals[i].token_ids == free[i] and finals[i].finish_reason == "length" and finals[i].stop_reason is None
     assert engine.cache.allocator.num_used == 0
     if spec is not None:
-        assert engine.metrics.num_accepted_tokens > 0  # drafts were accepted: steps added several tokens
+        assert engine.speculator.stats.num_accepted_tokens > 0  # drafts were accepted: steps added several tokens
 
 
 def test_a_stop_string_ends_every_sample_of_a_request(model, bpe):

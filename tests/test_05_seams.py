@@ -127,7 +127,7 @@ def test_learner_style_parts_drop_in_through_the_constructor_and_are_the_ones_ca
     assert out == [generate_contiguous(model, p, 40) for p in prompts]
     assert type(engine.cache.allocator) is CountingAllocator and type(engine.scheduler) is CountingScheduler
     assert CountingAllocator.calls > 0 and CountingTable.appends > 0 and CountingScheduler.plans > 0
-    assert CountingSpeculator.rollbacks > 0 and engine.metrics.num_draft_tokens > 0
+    assert CountingSpeculator.rollbacks > 0 and engine.speculator.stats.num_draft_tokens > 0
 
 
 @pytest.mark.parametrize("name", ["allocator", "block_table", "scheduler"])

@@ -286,7 +286,7 @@ def test_greedy_output_equals_contiguous_under_preemption_chunking_aborts_and_sh
     aborted = drive(engine, requests, rng, abort_prob=0.05, checker=checker)
     assert engine.metrics.num_preemptions > 0
     assert engine.cache.allocator.num_used == 0 and not engine.swap_space
-    m = engine.metrics
+    m = engine.speculator.stats
     assert m.num_accepted_tokens > 0 and checker.rejected > 0  # both paths ran: acceptance and rollback
     assert sum(m.num_accepted_tokens_per_pos) == m.num_accepted_tokens <= m.num_draft_tokens
     for i, (prompt, n) in enumerate(requests):
@@ -312,9 +312,9 @@ def test_the_engine_counts_what_step_outputs_report(model):
             accepted += len(kept)
             verifications += 1
         tokens += sum(len(v) for v in out.accepted.values()) + len(out.sampled)
-    m = engine.metrics
-    assert (m.num_spec_drafts, m.num_draft_tokens, m.num_accepted_tokens) == (verifications, drafts, accepted)
-    assert m.spec_acceptance_rate == pytest.approx(accepted / drafts)
+    m = engine.speculator.stats
+    assert (m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens) == (verifications, drafts, accepted)
+    assert m.acceptance_rate == pytest.approx(accepted / drafts)
     assert m.mean_acceptance_length == pytest.approx(1 + accepted / verifications)
     assert tokens == 60  # every token of the three outputs, reported once
 
@@ -329,7 +329,7 @@ def test_drafts_never_pass_max_tokens_and_stop_tokens_among_them_end_the_output(
     spec = spec_engine(model, num_blocks=40, block_size=4)
     assert spec.generate(prompts, params) == want
     assert all(len(o) <= 12 for o in want) and any(len(o) < 12 for o in want)
-    assert spec.metrics.num_draft_tokens > 0
+    assert spec.speculator.stats.num_draft_tokens > 0
 
 
 def free_run_with_drafts(model, prompts, max_tokens):
@@ -511,8 +511,8 @@ def test_no_drafting_without_repetition_and_spec_off_is_plain_decoding(model):
     params = SamplingParams(max_tokens=6)
     engine = spec_engine(model, {"num_speculative_tokens": 3, "prompt_lookup_min": 4}, num_blocks=40, block_size=4)
     assert engine.generate(prompts, params) == [reference(model, p, 6) for p in prompts]
-    assert engine.metrics.num_draft_tokens == 0 and engine.metrics.mean_acceptance_length == 1.0
-    assert engine.metrics.spec_acceptance_rate == 0.0
+    stats = engine.speculator.stats
+    assert stats.num_draft_tokens == 0 and stats.mean_acceptance_length == 1.0 and stats.acceptance_rate == 0.0
 
 
 # ---- faults ----------------------------------------------------------------------------------------------------
@@ -568,7 +568,7 @@ def test_a_fault_in_a_speculative_step_leaves_the_engine_as_before(model, stage,
                 for key in before:
                     assert after[key] == before[key], (stage, key)
     assert not engine.has_unfinished() and faults > 0
-    assert engine.metrics.num_accepted_tokens > 0
+    assert engine.speculator.stats.num_accepted_tokens > 0
     for rid, p in enumerate(prompts):
         seq = engine.seqs[rid]
         assert seq.output_token_ids == reference(model, p, seq.sampling_params.max_tokens), (stage, rid)

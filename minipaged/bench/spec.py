@@ -96,11 +96,11 @@ def run(model, prompts: list[list[int]], max_tokens: int, parts: dict, clock) ->
 
 def describe(engine: Engine, seqs: list) -> dict:
     """The run's throughput plus the speculative-decoding counters."""
-    m = engine.metrics
+    m, steps = engine.speculator.stats, engine.metrics.num_steps
     summary = summarize(seqs)
-    summary.update(steps=m.num_steps, tokens_per_step=summary["output_tokens"] / m.num_steps,
-                   acceptance_rate=m.spec_acceptance_rate, mean_acceptance_length=m.mean_acceptance_length,
-                   per_pos=[a / m.num_spec_drafts for a in m.num_accepted_tokens_per_pos] if m.num_spec_drafts else [])
+    summary.update(steps=steps, tokens_per_step=summary["output_tokens"] / steps,
+                   acceptance_rate=m.acceptance_rate, mean_acceptance_length=m.mean_acceptance_length,
+                   per_pos=[a / m.num_drafts for a in m.num_accepted_tokens_per_pos] if m.num_drafts else [])
     return summary
 
 
