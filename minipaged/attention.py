@@ -410,9 +410,8 @@ def _paged_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, scale):
 # --------------------------------------------------------------------------- prefill
 
 
-def paged_prefill_attention(
-    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale=None, backend="torch", check=True
-):
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale=None,
+                            backend="torch", check=True):  # fmt: skip
     """Prefill or chunked-prefill attention over the paged context, several queries per sequence.
 
     ``q: [num_tokens, num_heads, head_dim]`` packs every sequence's new tokens:

@@ -43,7 +43,7 @@ import torch
 from minipaged.block_math import blocks_needed
 from minipaged.blocks import BlockTable
 from minipaged.cache import PagedKVCache
-from minipaged.generate import build_metadata
+from minipaged.generate import build_metadata, forward_contiguous
 from minipaged.model import LlamaForCausalLM, check_prompt
 from minipaged.validation import check_bool, check_int, check_real
 
@@ -186,7 +186,7 @@ def beam_search_contiguous(model: LlamaForCausalLM, prompt_token_ids: list[int],
         model, prompt_token_ids, beam_width, max_tokens, eos_token_id, length_penalty)
     device = model.device
     ids, positions = torch.tensor(prompt, device=device), torch.arange(len(prompt), device=device)
-    logits, past = model.forward_contiguous(ids, positions)
+    logits, past = forward_contiguous(model, ids, positions)
     beams, logprobs, found = [_Beam([], 0.0, past=past)], _log_softmax(logits[-1:]), []
     for step in range(1, max_tokens + 1):
         live, done = _candidates(beams, logprobs, beam_width, eos_token_id)
@@ -198,7 +198,7 @@ def beam_search_contiguous(model: LlamaForCausalLM, prompt_token_ids: list[int],
         rows = []
         for beam in children:  # one beam at a time, each on its own cache
             position = torch.tensor([len(prompt) + len(beam.token_ids) - 1], device=device)
-            logits, beam.past = model.forward_contiguous(torch.tensor(beam.token_ids[-1:], device=device), position,
+            logits, beam.past = forward_contiguous(model, torch.tensor(beam.token_ids[-1:], device=device), position,
                                                          beam.past)  # fmt: skip
             rows.append(logits[-1])
         beams, logprobs = children, _log_softmax(torch.stack(rows))

@@ -47,17 +47,8 @@ class PagedKVCache:
             that chapter 06's prefix cache plugs into; a learner's allocator drops in the same way).
     """
 
-    def __init__(
-        self,
-        num_layers: int,
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype = torch.float32,
-        device="cpu",
-        allocator=BlockAllocator,
-    ):
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device="cpu", allocator=BlockAllocator):  # fmt: skip
         num_layers, num_blocks, block_size, num_kv_heads, head_dim = check_pool_args(
             num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
         self.allocator = allocator(num_blocks, block_size)

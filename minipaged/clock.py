@@ -39,12 +39,8 @@ class StepCost:
             num_context_tokens: cached tokens the step's attention reads.
             num_swapped_tokens: tokens whose K/V was copied between GPU and CPU memory.
         """
-        return (
-            self.per_step
-            + self.per_token * num_batched_tokens
-            + self.per_context_token * num_context_tokens
-            + self.per_swapped_token * num_swapped_tokens
-        )
+        return (self.per_step + self.per_token * num_batched_tokens + self.per_context_token * num_context_tokens
+                + self.per_swapped_token * num_swapped_tokens)  # fmt: skip
 
 
 class VirtualClock(StepState):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from minipaged.attention import AttentionMetadata
+from minipaged.attention import AttentionMetadata, contiguous_attention
 from minipaged.block_math import blocks_needed
 from minipaged.blocks import BlockTable, OutOfBlocks
 from minipaged.cache import PagedKVCache
@@ -56,6 +56,30 @@ def build_metadata(tables: list[BlockTable], num_new_tokens: list[int], device="
     return AttentionMetadata.pack(tables, num_new_tokens, slot_mapping, device)
 
 
+
+
+def forward_contiguous(model: LlamaForCausalLM, input_ids, positions, past_key_values=None):
+    """Run one sequence through ``model`` with a contiguous cache, the reference the paged cache must match.
+
+    Args:
+        model: the :class:`~minipaged.model.LlamaForCausalLM`.
+        input_ids, positions: int64 ``[num_tokens]``, the sequence's new tokens and their positions.
+        past_key_values: per layer, ``(k, v)`` each ``[past_len, num_kv_heads, head_dim]``, or None at the start.
+
+    Returns ``(logits [num_tokens, vocab], past_key_values)`` with this step's K/V appended.
+    """
+    past = past_key_values or [None] * len(model.model.layers)
+    present = []
+
+    def attend(layer, q, k, v):
+        if past[layer] is not None:
+            # The contiguous cache grows by copying everything it holds: the cost paging avoids.
+            k, v = torch.cat([past[layer][0], k]), torch.cat([past[layer][1], v])
+        present.append((k, v))
+        return contiguous_attention(q, k, v)
+
+    hidden = model.model(input_ids, positions, model.rope_cos, model.rope_sin, attend)
+    return model.lm_head(hidden), present
 
 
 def greedy_token(logits: torch.Tensor, rules: StopRules, output_token_ids: list[int]) -> bool:
@@ -102,11 +126,11 @@ def generate_contiguous(model: LlamaForCausalLM, prompt_token_ids: list[int], ma
     if max_new_tokens == 0:
         return []
     ids = torch.tensor(prompt_token_ids, device=model.device)
-    logits, past = model.forward_contiguous(ids, torch.arange(len(ids), device=model.device))
+    logits, past = forward_contiguous(model, ids, torch.arange(len(ids), device=model.device))
     out = []
     while not greedy_token(logits[-1], rules, out):
         position = torch.tensor([len(prompt_token_ids) + len(out) - 1], device=model.device)
-        logits, past = model.forward_contiguous(torch.tensor(out[-1:], device=model.device), position, past)
+        logits, past = forward_contiguous(model, torch.tensor(out[-1:], device=model.device), position, past)
     return out
 
 

@@ -122,20 +122,12 @@ class Metrics(StepState):
         """
         tables = [s.block_table for s in running if s.block_table is not None]
         used = self._allocator.num_used if self._allocator is not None else 0
-        record = StepRecord(
-            step=self.num_steps,
-            time=time,
-            num_running=len(running),
-            num_waiting=num_waiting,
-            num_batched_tokens=sum(num_new_tokens),
-            num_prefill_tokens=num_prefill_tokens,
-            kv_used_blocks=used,
-            kv_usage=kv_usage(used, self.num_blocks),
-            token_occupancy=token_occupancy(sum(t.num_tokens for t in tables), self.num_blocks * self.block_size),
-            tail_waste=sum(t.tail_waste for t in tables),
-            preemptions=self._step_preemptions,
-            finished=num_finished,
-        )
+        occupancy = token_occupancy(sum(t.num_tokens for t in tables), self.num_blocks * self.block_size)
+        record = StepRecord(step=self.num_steps, time=time, num_running=len(running), num_waiting=num_waiting,
+                            num_batched_tokens=sum(num_new_tokens), num_prefill_tokens=num_prefill_tokens,
+                            kv_used_blocks=used, kv_usage=kv_usage(used, self.num_blocks), token_occupancy=occupancy,
+                            tail_waste=sum(t.tail_waste for t in tables), preemptions=self._step_preemptions,
+                            finished=num_finished)  # fmt: skip
         self._step_preemptions = 0
         self.max_running = max(self.max_running, len(running))
         self.num_steps += 1

@@ -10,8 +10,8 @@ through the contiguous cache, token for token" tests the whole read/write path.
 
 Two ways to run it:
 
-- contiguous: :meth:`LlamaForCausalLM.forward_contiguous` for one sequence, whose
-  ``past_key_values`` are per-layer ``(k, v)`` tensors that grow by concatenation.
+- contiguous: :func:`minipaged.generate.forward_contiguous` for one sequence, whose
+  ``past_key_values`` are per-layer ``(k, v)`` tensors that grow by concatenation (chapter 03's reference).
 - paged (vLLM-like): ``model(input_ids, positions, kv_caches, attn_metadata)`` over
   a packed batch of tokens from many sequences;
   :class:`~minipaged.attention.AttentionMetadata` says where each token's K/V goes
@@ -32,7 +32,6 @@ from torch import nn
 
 from minipaged.attention import (
     AttentionMetadata,
-    contiguous_attention,
     get_backend,
     paged_attention,
     paged_prefill_attention,
@@ -253,25 +252,6 @@ class LlamaForCausalLM(nn.Module):
 
         hidden = self.model(input_ids, positions, self.rope_cos, self.rope_sin, attend)
         return self.lm_head(hidden[rows])
-
-    def forward_contiguous(self, input_ids, positions, past_key_values=None):
-        """One sequence with a contiguous cache: ``past_key_values`` is per-layer ``(k, v)``,
-        each ``[past_len, num_kv_heads, head_dim]``, or None at the start.
-
-        Returns ``(logits [num_tokens, vocab], past_key_values)`` with this step's K/V appended.
-        """
-        past = past_key_values or [None] * len(self.model.layers)
-        present = []
-
-        def attend(layer, q, k, v):
-            if past[layer] is not None:
-                # The contiguous cache grows by copying everything it holds: the cost paging avoids.
-                k, v = torch.cat([past[layer][0], k]), torch.cat([past[layer][1], v])
-            present.append((k, v))
-            return contiguous_attention(q, k, v)
-
-        hidden = self.model(input_ids, positions, self.rope_cos, self.rope_sin, attend)
-        return self.lm_head(hidden), present
 
 
 def check_llama_config(config) -> None:

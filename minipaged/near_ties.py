@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minipaged.generate import forward_contiguous
 from minipaged.model import LlamaForCausalLM
 from minipaged.validation import check_int, check_real, check_tensor
 
@@ -81,7 +82,7 @@ def teacher_forced_margins(model: LlamaForCausalLM, prompt_token_ids: list[int],
     if not token_ids:
         return []
     ids = torch.tensor([*prompt_token_ids, *token_ids[:-1]], device=model.device)
-    logits, _ = model.forward_contiguous(ids, torch.arange(len(ids), device=model.device))
+    logits, _ = forward_contiguous(model, ids, torch.arange(len(ids), device=model.device))
     return top2_margins(logits[len(prompt_token_ids) - 1 :])
 
 

@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from minipaged import tokenizer
 from minipaged.checkpoint import load_pretrained, save_pretrained
 from minipaged.cli import exit_environment, nonnegative_int, positive_finite, positive_int, proportion
+from minipaged.generate import forward_contiguous
 from minipaged.model import LlamaConfig, LlamaForCausalLM, check_prompt
 from minipaged.validation import check_int, check_real
 
@@ -187,7 +188,7 @@ def greedy_samples(model: LlamaForCausalLM, prompts: list[str], max_tokens: int,
     outputs = []
     for i, ids in enumerate(encoded):
         gen = torch.Generator().manual_seed(seed + i)
-        logits, past = model.forward_contiguous(torch.tensor(ids), torch.arange(len(ids)))
+        logits, past = forward_contiguous(model, torch.tensor(ids), torch.arange(len(ids)))
         out = []
         while len(out) < max_tokens:
             last = logits[-1].float()
@@ -199,7 +200,7 @@ def greedy_samples(model: LlamaForCausalLM, prompts: list[str], max_tokens: int,
                 break
             out.append(token)
             position = torch.tensor([len(ids) + len(out) - 1])
-            logits, past = model.forward_contiguous(torch.tensor([token]), position, past)
+            logits, past = forward_contiguous(model, torch.tensor([token]), position, past)
         outputs.append(out)
     return outputs
 

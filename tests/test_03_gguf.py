@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 from minipaged import pretrained
 from minipaged.checkpoint import COURSE_MODEL_DIR, UnsupportedCheckpoint, load_course_model
 from minipaged.engine import Engine
-from minipaged.generate import generate_contiguous
+from minipaged.generate import forward_contiguous, generate_contiguous
 from minipaged.gguf import (
     SUPPORTED_TYPES,
     CorruptGGUF,
@@ -284,9 +284,9 @@ def test_converted_model_computes_the_logits_of_the_dequantised_original(tmp_pat
     ids = torch.tensor([5, 77, 130, 9, 200, 33, 4])
     positions = torch.arange(len(ids))
     with torch.no_grad():
-        want, _ = reference.forward_contiguous(ids, positions)
-        got, _ = converted.forward_contiguous(ids, positions)
-        fresh, _ = LlamaForCausalLM(config, seed=3).eval().forward_contiguous(ids, positions)
+        want, _ = forward_contiguous(reference, ids, positions)
+        got, _ = forward_contiguous(converted, ids, positions)
+        fresh, _ = forward_contiguous(LlamaForCausalLM(config, seed=3).eval(), ids, positions)
     assert torch.equal(got, want)
     assert not torch.equal(got, fresh)  # Q4_1 really changed the weights: the test sees the dequantised ones
 

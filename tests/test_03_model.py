@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from minipaged.blocks import OutOfBlocks
 from minipaged.cache import PagedKVCache
-from minipaged.generate import build_metadata, generate_contiguous, generate_paged
+from minipaged.generate import build_metadata, forward_contiguous, generate_contiguous, generate_paged
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 
 pytestmark = pytest.mark.ch03
@@ -100,7 +100,7 @@ def test_paged_prefill_logits_match_contiguous_logits(model, prompts):
     with torch.no_grad():
         paged = model(torch.tensor(sum(prompts, [])), md.positions(), cache, md, logits_rows=range(sum(PROMPT_LENS)))
         last = model(torch.tensor(sum(prompts, [])), md.positions(), cache, md)  # rewrites the same slots
-        contiguous = torch.cat([model.forward_contiguous(torch.tensor(p), torch.arange(len(p)))[0] for p in prompts])
+        contiguous = torch.cat([forward_contiguous(model, torch.tensor(p), torch.arange(len(p)))[0] for p in prompts])
     assert paged.shape == (sum(PROMPT_LENS), cfg.vocab_size)
     assert torch.allclose(paged, contiguous, atol=1e-4)
     ends = torch.tensor(PROMPT_LENS).cumsum(0) - 1

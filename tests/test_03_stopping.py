@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minipaged.generate import generate_contiguous, generate_paged
+from minipaged.generate import forward_contiguous, generate_contiguous, generate_paged
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 from minipaged.stopping import StopRules, eos_token_ids
 
@@ -88,7 +88,7 @@ def oracle(model, prompt, max_tokens, stop_token_ids, ignore_eos, min_tokens):
     out = []
     while len(out) < max_tokens:
         ids = torch.tensor(prompt + out)
-        row = model.forward_contiguous(ids, torch.arange(len(ids)))[0][-1].clone()
+        row = forward_contiguous(model, ids, torch.arange(len(ids)))[0][-1].clone()
         if len(out) < min_tokens:
             row[masked] = float("-inf")
         out.append(int(row.argmax()))

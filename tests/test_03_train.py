@@ -7,6 +7,7 @@ import torch
 
 from minipaged import tokenizer, train
 from minipaged.checkpoint import load_pretrained, save_pretrained
+from minipaged.generate import forward_contiguous
 from minipaged.model import LlamaForCausalLM
 
 pytestmark = pytest.mark.ch03
@@ -65,7 +66,7 @@ def test_the_loss_is_the_model_s_own_next_token_loss():
     windows = torch.randint(0, tokenizer.VOCAB_SIZE, (3, 9), generator=torch.Generator().manual_seed(0))
     expected = []
     for row in windows:
-        logits, _ = model.forward_contiguous(row[:-1], torch.arange(8))
+        logits, _ = forward_contiguous(model, row[:-1], torch.arange(8))
         expected.append(torch.nn.functional.cross_entropy(logits, row[1:]))
     assert train.causal_lm_loss(model, windows).item() == pytest.approx(torch.stack(expected).mean().item(), rel=1e-5)
 
@@ -117,7 +118,7 @@ def test_the_command_line_trains_and_exports_a_checkpoint_from_pretrained_loads(
     assert model.config.vocab_size == tokenizer.VOCAB_SIZE and model.config.hidden_size == 32
     summary = json.loads((out / "summary.json").read_text())
     assert summary["step"] == 3 and summary["held_out_bits_per_byte"]["mix"] > 0
-    logits, _ = model.forward_contiguous(torch.tensor(tokenizer.encode("def f")), torch.arange(5))
+    logits, _ = forward_contiguous(model, torch.tensor(tokenizer.encode("def f")), torch.arange(5))
     assert logits.shape == (5, tokenizer.VOCAB_SIZE) and torch.isfinite(logits).all()
 
 

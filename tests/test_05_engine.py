@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from minipaged.clock import VirtualClock
 from minipaged.engine import Engine
-from minipaged.generate import generate_contiguous
+from minipaged.generate import forward_contiguous, generate_contiguous
 from minipaged.latency import percentiles, summarize
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 from minipaged.scheduler import EngineConfig
@@ -201,7 +201,7 @@ def test_min_tokens_against_named_wrong_behaviours(model):
     def masked_argmax(tokens):
         """The greedy token after ``prompt + tokens`` with the EOS and the stop token masked (computed afresh)."""
         ids = torch.tensor(prompt + tokens)
-        row = with_eos.forward_contiguous(ids, torch.arange(len(ids)))[0][-1].clone()
+        row = forward_contiguous(with_eos, ids, torch.arange(len(ids)))[0][-1].clone()
         row[[eos, stop]] = float("-inf")
         return int(row.argmax())
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from minipaged.checkpoint import load_pretrained, save_pretrained
 from minipaged.engine import Engine
-from minipaged.generate import generate_contiguous
+from minipaged.generate import forward_contiguous, generate_contiguous
 from minipaged.llm import LLM
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 from minipaged.prepack import PackedLinear, is_prepacked, prepack, unpack
@@ -36,7 +36,7 @@ def prompts(n=6, length=20, seed=0):
 
 @torch.no_grad()
 def logits(model, ids):
-    return model.forward_contiguous(torch.tensor(ids), torch.arange(len(ids)))[0]
+    return forward_contiguous(model, torch.tensor(ids), torch.arange(len(ids)))[0]
 
 
 def test_prepacked_model_keeps_its_parameters_and_their_names():

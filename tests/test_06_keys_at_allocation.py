@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from minipaged.engine import Engine
-from minipaged.generate import generate_contiguous
+from minipaged.generate import forward_contiguous, generate_contiguous
 from minipaged.model import LlamaForCausalLM
 from minipaged.prefix_cache import PrefixCachingAllocator
 from minipaged.scheduler import EngineConfig, Scheduler
@@ -53,7 +53,7 @@ def broken_keys(engine: Engine, model) -> list[int]:
     B, cache, bad = engine.config.block_size, engine.cache, []
     for block_id, prefix in keyed_prefixes(engine.cache.allocator).items():
         ids = torch.tensor(prefix)
-        _, present = model.forward_contiguous(ids, torch.arange(len(prefix)))
+        _, present = forward_contiguous(model, ids, torch.arange(len(prefix)))
         for layer in (0, len(present) - 1):
             want = present[layer][0][-B:]
             if not torch.allclose(cache.k_caches[layer][block_id], want, atol=1e-3, rtol=1e-3):

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from minipaged.beam_search import beam_search, beam_search_contiguous
 from minipaged.block_math import blocks_needed
 from minipaged.blocks import BlockTable, OutOfBlocks
+from minipaged.generate import forward_contiguous
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 
 pytestmark = pytest.mark.ch08
@@ -66,7 +67,7 @@ def test_beams_are_ranked_and_scored_by_vllms_key():
 @torch.no_grad()
 def _sequence_logprob(model, prompt, tokens):
     ids = torch.tensor(prompt + tokens)
-    logits, _ = model.forward_contiguous(ids, torch.arange(len(ids)))
+    logits, _ = forward_contiguous(model, ids, torch.arange(len(ids)))
     logp = torch.log_softmax(logits.double(), -1)
     return sum(float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens))
 

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from minipaged.bench import vllm as V
-from minipaged.generate import generate_contiguous
+from minipaged.generate import forward_contiguous, generate_contiguous
 from minipaged.model import LlamaConfig, LlamaForCausalLM
 from minipaged.near_ties import (
     NEAR_TIE_THRESHOLD,
@@ -72,7 +72,7 @@ def test_teacher_forced_margins_are_those_of_the_logits_that_chose_each_token(ti
     with torch.no_grad():
         for i in range(len(out)):
             ids = torch.tensor(prompt + out[:i])
-            logits, _ = tiny.forward_contiguous(ids, torch.arange(len(ids)))
+            logits, _ = forward_contiguous(tiny, ids, torch.arange(len(ids)))
             stepwise.append(top2_margins(logits[-1:])[0])
     assert margins == pytest.approx(stepwise, abs=1e-5)
     assert teacher_forced_margins(tiny, prompt, []) == []
