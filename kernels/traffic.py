@@ -15,9 +15,10 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import numpy as np
+import torch
 
 from minipaged._triton import interpreted
-from minipaged.validation import check_tensor
+from minipaged.validation import check_instance
 
 
 @contextmanager
@@ -41,7 +42,7 @@ def count_loads(**tensors):
 
     ranges = {}
     for name, t in tensors.items():
-        storage = check_tensor(t, name).untyped_storage()
+        storage = check_instance(t, name, torch.Tensor, "a torch.Tensor").untyped_storage()
         ranges[name] = (storage.data_ptr(), storage.data_ptr() + storage.nbytes())
     counts = dict.fromkeys(tensors, 0)
     builder = interpreter.interpreter_builder

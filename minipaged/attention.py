@@ -36,11 +36,7 @@ import torch.nn.functional as F
 from minipaged.block_math import blocks_needed
 from minipaged.blocks import BlockTable, block_tables_tensor
 from minipaged.cache import write_kv_torch
-from minipaged.validation import (
-    check_callable,
-    check_choice,
-    check_scale,
-)
+from minipaged.validation import check_callable, check_choice, check_scale
 
 # Gathered K+V bytes the "torch" backend handles at once. A short batch is gathered
 # whole (one gather and one attention call per layer, whatever the batch size). A
@@ -499,13 +495,10 @@ class AttentionMetadata:
             slot_mapping: int64 ``[sum(num_new_tokens)]``, the slots ``append_tokens`` returned.
             device: where the metadata tensors go (the model's device).
         """
-        return cls(
-            slot_mapping=slot_mapping.to(device),
-            block_tables=block_tables_tensor(tables).to(device),
-            seq_lens=torch.tensor([t.num_tokens for t in tables], dtype=torch.int32, device=device),
-            query_start_loc=torch.tensor([0, *accumulate(num_new_tokens)], dtype=torch.int32, device=device),
-            max_query_len=max(num_new_tokens),
-        )
+        seq_lens = torch.tensor([t.num_tokens for t in tables], dtype=torch.int32, device=device)
+        query_start_loc = torch.tensor([0, *accumulate(num_new_tokens)], dtype=torch.int32, device=device)
+        return cls(slot_mapping=slot_mapping.to(device), block_tables=block_tables_tensor(tables).to(device),
+                   seq_lens=seq_lens, query_start_loc=query_start_loc, max_query_len=max(num_new_tokens))
 
     @property
     def is_decode(self) -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from minipaged.validation import check_multiple, check_scale, check_tensor
+from minipaged.validation import check_instance, check_multiple, check_scale
 
 
 def _check_devices(first: str, tensors: dict) -> None:
@@ -56,7 +56,7 @@ def check_kv_write(key, value, k_cache, v_cache, slot_mapping) -> None:
     """
     tensors = {"key": key, "value": value, "k_cache": k_cache, "v_cache": v_cache, "slot_mapping": slot_mapping}
     for name, t in tensors.items():
-        check_tensor(t, name)
+        check_instance(t, name, torch.Tensor, "a torch.Tensor")
     _check_cache_pair(k_cache, v_cache)
     row = tuple(k_cache.shape[2:])
     if key.dim() != 3 or tuple(key.shape[1:]) != row or value.shape != key.shape:
@@ -121,7 +121,7 @@ def check_paged_attention(
     if query_start_loc is not None:
         tensors["query_start_loc"] = query_start_loc
     for name, t in tensors.items():
-        check_tensor(t, name)
+        check_instance(t, name, torch.Tensor, "a torch.Tensor")
     num_seqs = _paged_attention_shapes(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     _paged_attention_dtypes(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     _check_devices("q", tensors)
@@ -233,7 +233,7 @@ def check_contiguous_attention(q, k, v, scale) -> float:
         ValueError: a shape that does not fit, or a bad ``scale``.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(t, name)
+        check_instance(t, name, torch.Tensor, "a torch.Tensor")
         if t.dim() != 3:
             raise ValueError(f"{name} must be 3-D [tokens, heads, head_dim], got shape {tuple(t.shape)}")
     if v.shape != k.shape:

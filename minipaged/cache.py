@@ -100,11 +100,8 @@ class PagedKVCache:
         if table.allocator is not self.allocator:
             raise ValueError("table belongs to another allocator: its block ids mean nothing in this cache")
         slots = table.slots().to(self.device)
-        row = (self.num_kv_heads, self.head_dim)
-        return (
-            self.k_caches[layer].view(-1, *row).index_select(0, slots),
-            self.v_caches[layer].view(-1, *row).index_select(0, slots),
-        )
+        row, pools = (self.num_kv_heads, self.head_dim), (self.k_caches[layer], self.v_caches[layer])
+        return tuple(pool.view(-1, *row).index_select(0, slots) for pool in pools)
 
     def __repr__(self) -> str:
         return (

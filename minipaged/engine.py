@@ -20,6 +20,7 @@ A request with ``SamplingParams.n`` samples is the sequences ``(request_id, 0) .
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import count
 
 import torch
 
@@ -130,10 +131,8 @@ class Engine(StepState):
         mc, now = self.model.config, self.clock.now()
         prompt_token_ids, params, cache_salt = check_request_args(mc, prompt_token_ids, sampling_params, arrival_time,
                                                                   now, request_id, cache_salt)  # fmt: skip
-        if request_id is None:
-            request_id = self._next_id
-            while request_id in self.requests or request_id in self.seqs:
-                request_id += 1
+        if request_id is None:  # the next integer that names no request and no sample
+            request_id = next(i for i in count(self._next_id) if i not in self.requests and i not in self.seqs)
         seq_ids = [request_id] if params.n == 1 else [(request_id, i) for i in range(params.n)]
         if request_id in self.requests or any(i in self.seqs for i in seq_ids):
             raise ValueError(f"request_id {request_id!r} is already in use")

@@ -28,15 +28,6 @@ def check_engine_args(config, clock, **parts) -> None:
     """
     check_instance(config, "config", (EngineConfig, type(None)), "an EngineConfig")
     check_methods(clock, "clock", ("now", "step", "wait_until"), "a VirtualClock, a WallClock or None")
-    check_factories(parts)
-
-
-def check_factories(parts: dict) -> None:
-    """A ``TypeError`` for the first of ``parts`` that cannot be called (a class or a factory is expected).
-
-    Args:
-        parts: argument name -> the class (or factory) given for it.
-    """
     for name, part in parts.items():
         check_callable(part, name, "a class (or a factory)")
 
@@ -70,8 +61,7 @@ def check_request_args(model_config, prompt_token_ids, sampling_params, arrival_
     Returns:
         ``(prompt ids as a list of ints, the sampling parameters (defaults for None), the normalised salt)``.
     """
-    if sampling_params is not None:
-        check_instance(sampling_params, "sampling_params", SamplingParams, "a SamplingParams")
+    check_instance(sampling_params, "sampling_params", (SamplingParams, type(None)), "a SamplingParams")
     params = sampling_params or SamplingParams()
     if params.stop:
         raise ValueError(f"sampling_params.stop={params.stop!r}: the engine sees token ids, never text, so it "

@@ -30,22 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minipaged.attention import (
-    AttentionMetadata,
-    get_backend,
-    paged_attention,
-    paged_prefill_attention,
-    write_kv,
-)
+from minipaged.attention import AttentionMetadata, get_backend, paged_attention, paged_prefill_attention, write_kv
 from minipaged.stopping import eos_token_ids
-from minipaged.validation import (
-    check_fields,
-    check_int,
-    check_multiple,
-    check_real,
-    check_token_ids,
-    errors_named,
-)
+from minipaged.validation import check_fields, check_int, check_multiple, check_real, check_token_ids, errors_named
 
 
 @dataclass
@@ -235,10 +222,8 @@ class LlamaForCausalLM(nn.Module):
             from minipaged.attention_checks import check_packed_batch
 
             check_packed_batch(input_ids, positions, md, caches, len(self.model.layers), logits_rows)
-        if logits_rows is None:
-            rows = md.query_start_loc[1:].long() - 1  # each sequence's last token
-        else:
-            rows = torch.as_tensor(logits_rows, dtype=torch.long)
+        rows = (md.query_start_loc[1:].long() - 1 if logits_rows is None  # None: each sequence's last token
+                else torch.as_tensor(logits_rows, dtype=torch.long))  # fmt: skip
         impl = get_backend(backend)  # an unknown name fails here, before any layer writes
 
         def attend(layer, q, k, v):
@@ -312,8 +297,6 @@ def check_positions(config, num_prompt_tokens: int, max_new_tokens: int, name: s
         name: the prompt's name in the caller, for the message.
     """
     if num_prompt_tokens + max_new_tokens > config.max_position_embeddings:
-        raise ValueError(
-            f"{name} has {num_prompt_tokens} tokens and {max_new_tokens} more are asked for: "
-            f"{num_prompt_tokens + max_new_tokens} exceeds the model's max_position_embeddings="
-            f"{config.max_position_embeddings}"
-        )
+        raise ValueError(f"{name} has {num_prompt_tokens} tokens and {max_new_tokens} more are asked for: "
+                         f"{num_prompt_tokens + max_new_tokens} exceeds the model's max_position_embeddings="
+                         f"{config.max_position_embeddings}")  # fmt: skip

@@ -45,7 +45,7 @@ import torch
 
 from minipaged.generate import forward_contiguous
 from minipaged.model import LlamaForCausalLM
-from minipaged.validation import check_int, check_real, check_tensor
+from minipaged.validation import check_instance, check_int, check_real
 
 NEAR_TIE_THRESHOLD = 1e-3  # see the module docstring for the measurements behind it
 
@@ -56,7 +56,7 @@ def top2_margins(logits: torch.Tensor) -> list[float]:
     Args:
         logits: ``[positions, vocab]`` floating-point logits, ``vocab >= 2``.
     """
-    check_tensor(logits, "logits")
+    check_instance(logits, "logits", torch.Tensor, "a torch.Tensor")
     if logits.dim() != 2 or logits.shape[1] < 2 or not logits.is_floating_point():
         raise ValueError(f"logits must be a floating-point [positions, vocab] tensor with vocab >= 2, "
                          f"got {logits.dtype} of shape {tuple(logits.shape)}")  # fmt: skip

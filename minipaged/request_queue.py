@@ -66,8 +66,6 @@ def register_policy(name: str, queue_class: type) -> None:
 
 def create_request_queue(policy: str) -> deque:
     """An empty waiting queue for ``policy`` (one of :data:`SCHEDULING_POLICIES`)."""
-    if policy not in SCHEDULING_POLICIES:
-        raise ValueError(f"scheduling_policy must be one of {sorted(SCHEDULING_POLICIES)}, got {policy!r}")
     return SCHEDULING_POLICIES[policy]()
 
 

@@ -67,8 +67,7 @@ class StepUndo:
         targets = set()
         for seq, slots in zip(out.seqs, out.slot_mappings):  # the blocks it writes, less those it held before
             targets |= {s // block_size for s in slots.tolist()} - set(self._attr_before(seq.block_table, "blocks", []))
-        targets |= {dst for _, dst in out.copies}
-        targets.update(*(seq.block_table.blocks for seq in out.swap_in))
+        targets.update((dst for _, dst in out.copies), *(seq.block_table.blocks for seq in out.swap_in))
         refcounts = self._attr_before(allocator, "_refcounts", ())
         entries = self._attr_before(allocator, "entries", None)  # None: no prefix cache
         held = sorted(b for b in targets if refcounts[b] > 0 or (entries is not None and entries[b] is not None))

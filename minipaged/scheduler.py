@@ -487,7 +487,5 @@ def check_num_samples(num_samples: int, max_num_seqs: int, request: str) -> None
         request: the request, for the message (``"request 'a'"``).
     """
     if num_samples > max_num_seqs:
-        raise ValueError(
-            f"{request}: SamplingParams.n = {num_samples} samples must run together, but "
-            f"max_num_seqs is {max_num_seqs}: lower n or raise max_num_seqs"
-        )
+        raise ValueError(f"{request}: SamplingParams.n = {num_samples} samples must run together, but "
+                         f"max_num_seqs is {max_num_seqs}: lower n or raise max_num_seqs")  # fmt: skip

@@ -147,9 +147,8 @@ class Sequence(StepState):
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None
         self.num_preemptions = 0
-        self.generator = None
-        if sampling_params.temperature > 0 and sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(sampling_params.seed)
+        seeded = sampling_params.temperature > 0 and sampling_params.seed is not None  # else: torch's global generator
+        self.generator = torch.Generator().manual_seed(sampling_params.seed) if seeded else None
 
     def save_state(self) -> tuple:
         """Its attributes, its forks, its generator's state, and the lengths of its token lists.

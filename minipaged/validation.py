@@ -268,19 +268,8 @@ def check_fits_memory(num_bytes: int, what: str, device="cpu") -> None:
     total = total_memory_bytes(device)
     if num_bytes > total:
         kind = "GPU" if str(device).startswith("cuda") else "physical"
-        raise ValueError(
-            f"{what} would take {num_bytes / 2**30:,.1f} GiB, more than the {total / 2**30:,.1f} GiB "
-            f"of {kind} memory this machine has in total"
-        )
-
-
-def check_tensor(value, name: str):
-    """``value`` if it is a ``torch.Tensor``, else a ``TypeError`` that names ``name``."""
-    import torch
-
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    return value
+        raise ValueError(f"{what} would take {num_bytes / 2**30:,.1f} GiB, more than the {total / 2**30:,.1f} GiB "
+                         f"of {kind} memory this machine has in total")  # fmt: skip
 
 
 def check_block_ids(block_ids, name: str, num_blocks: int, unique: bool = False) -> list[int]:

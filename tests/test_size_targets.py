@@ -24,7 +24,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "minipaged"
 NOT_CORE = {"validation", "accounting", "workload", "clock", "metrics"}  # reached, but not chapter 05's logic
 MAX_ENGINE_LINES = 350
-MAX_LOADED_CODE_LINES = 1950  # issue 39 measured 2,645 before, 1,943 after; its goal is 1,800
+MAX_LOADED_CODE_LINES = 1800  # issue 39 measured 2,645 before; its goal, 1,800, is kept
 MAX_FUNCTION_LINES = 50
 
 
