@@ -34,6 +34,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 import minipaged.engine as engine_module
+import minipaged.swap as swap_module
 from minipaged.blocks import BlockTable
 from minipaged.engine import Engine
 from minipaged.model import LlamaConfig, LlamaForCausalLM
@@ -59,7 +60,7 @@ def fault_sites(engine):
     return {
         "schedule": (engine.scheduler, "schedule", "before"),
         "schedule_midway": (BlockTable, "append_tokens", "after"),  # some tables already grew
-        "swap": (engine.cache, "swap_out", "before") if engine.config.preemption_mode == "swap"
+        "swap": (swap_module, "swap_out", "before") if engine.config.preemption_mode == "swap"
         else (engine.cache, "move_kv", "before"),
         "forward": (engine.model, "forward", "before"),
         "mask": (engine_module, "mask_stop_tokens", "after"),
@@ -211,7 +212,7 @@ class EngineMachine(RuleBasedStateMachine):
         except (Fault, KeyboardInterrupt):
             assert snapshot(self.engine) == before, stage
         finally:
-            if owner in (BlockTable, Sequence, StopRules, Scheduler, engine_module):
+            if owner in (BlockTable, Sequence, StopRules, Scheduler, engine_module, swap_module):
                 setattr(owner, name, original)
             else:
                 delattr(owner, name)  # the instance attribute hid the class's method
