@@ -3,6 +3,7 @@
     python -m minipaged.exercises              # regenerate exercises/*.ipynb
     python -m minipaged.exercises --check      # exit 1 if exercises/ is stale (CI)
     python -m minipaged.exercises release DIR  # write the learners' handout into DIR
+    python -m minipaged.exercises reveal 08 DIR  # fill exercise 08's pieces of the handout in DIR
 
 In a solution notebook the learner's part of a code cell sits between two
 markers; the optional text after ``BEGIN SOLUTION`` names the task and gives
@@ -39,11 +40,14 @@ them, so that a learner's checks still PASS and FAIL with the same messages.
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import json
 import re
 import shutil
 import sys
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 import nbformat
@@ -148,6 +152,104 @@ def first_hint(task: str) -> str:
     return hints[0] if hints else ""
 
 
+# ----------------------------------------------------------------- the package's holes (minipaged.pieces)
+
+_PIECE_BEGIN = re.compile(r"^(?P<indent>\s*)### BEGIN SOLUTION "
+                          r"\(Exercise (?P<exercise>\d\d), Task (?P<task>\d+\.\d+)\)\s*$")
+
+
+@dataclass(frozen=True)
+class Hole:
+    """One marked body of a package file: lines ``start`` to ``end`` (1-based, markers included)."""
+
+    exercise: str
+    task: str
+    piece: str  # the enclosing function, with its class: "NgramSpeculator.schedule_drafts"
+    indent: str
+    start: int
+    end: int
+    body: tuple[str, ...]  # the lines between the markers
+
+
+def find_holes(source: str, where: str) -> list[Hole]:
+    """The marked bodies of a Python file's source, in order; a :class:`MarkerError` naming ``where`` for bad ones.
+
+    Args:
+        source: the file's text.
+        where: the file, for messages.
+    """
+    lines, holes, begin = source.splitlines(), [], None
+    for number, line in enumerate(lines, 1):
+        if _PIECE_BEGIN.match(line):
+            if begin is not None:
+                raise MarkerError(f"{where}, line {number}: BEGIN SOLUTION inside another solution")
+            begin = number
+        elif _END.match(line):
+            if begin is None:
+                raise MarkerError(f"{where}, line {number}: END SOLUTION without BEGIN")
+            marker = _PIECE_BEGIN.match(lines[begin - 1])
+            holes.append(Hole(marker["exercise"], marker["task"], _enclosing(source, begin, where), marker["indent"],
+                              begin, number, tuple(lines[begin : number - 1])))  # fmt: skip
+            begin = None
+    if begin is not None:
+        raise MarkerError(f"{where}, line {begin}: BEGIN SOLUTION is never closed")
+    return holes
+
+
+def _enclosing(source: str, line: int, where: str) -> str:
+    """The qualified name of the innermost function around ``line``."""
+    found = []
+
+    def visit(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.ClassDef)) and child.lineno <= line <= child.end_lineno:
+                name = prefix + child.name
+                if isinstance(child, ast.FunctionDef):
+                    found.append(name)
+                visit(child, name + ".")
+
+    visit(ast.parse(source), "")
+    if not found:
+        raise MarkerError(f"{where}, line {line}: a BEGIN SOLUTION marker must sit inside a function")
+    return found[-1]
+
+
+def stub_source(source: str, path: str) -> str:
+    """``source`` with each marked body replaced by a stub that raises :class:`~minipaged.pieces.PieceNotBuilt`.
+
+    Args:
+        source: a package file's text.
+        path: the file relative to the handout's root (``"minipaged/speculative.py"``): the stubs name it.
+    """
+    holes = find_holes(source, path)
+    if not holes:
+        return source
+    lines = source.splitlines()
+    for hole in reversed(holes):
+        lines[hole.start - 1 : hole.end] = [
+            f"{hole.indent}# Exercise {hole.exercise}, Task {hole.task}: your code here (delete the raise)",
+            f"{hole.indent}raise PieceNotBuilt({hole.exercise!r}, {hole.task!r}, {hole.piece!r}, {path!r})",
+        ]
+    return _import_after_future(lines) + ("\n" if source.endswith("\n") else "")
+
+
+def _import_after_future(lines: list[str]) -> str:
+    """The file's lines with ``from minipaged.pieces import PieceNotBuilt`` after its ``__future__`` import."""
+    at = next((i + 1 for i, line in enumerate(lines) if line.startswith("from __future__ import")), 0)
+    return "\n".join(lines[:at] + ["", "from minipaged.pieces import PieceNotBuilt"] + lines[at:])
+
+
+def package_holes(root: Path) -> dict[Path, list[Hole]]:
+    """Every package file under ``root`` (``minipaged/``, ``kernels/``) that has holes, and its holes."""
+    found = {}
+    for folder in ("minipaged", "kernels"):
+        for path in sorted((root / folder).rglob("*.py")):
+            text = path.read_text()
+            if any(_PIECE_BEGIN.match(line) for line in text.splitlines()):
+                found[path] = find_holes(text, str(path.relative_to(root)))
+    return found
+
+
 def stub_code(source: str, where: str) -> str:
     """Replace every marked solution block in one code cell by a stub."""
     out, inside = [], False
@@ -248,19 +350,65 @@ def expected_transcripts() -> dict:
     return entries
 
 
+def check_release_target(target: Path) -> None:
+    """A :class:`ReleaseError` unless ``target`` is a new or empty folder outside everything the handout copies."""
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise ReleaseError(f"{target}: exists and is not an empty folder; release into a new one")
+    where = target.resolve()
+    for name in HANDOUT:
+        source = (ROOT / name).resolve()
+        if where == source or source in where.parents:
+            raise ReleaseError(f"{target}: inside {name}/, which the handout copies (it would copy itself); "
+                               "release into a folder outside it")  # fmt: skip
+
+
 def release(target: Path) -> list[Path]:
     """Write the learners' handout into ``target`` (new or empty); return the top-level paths written.
 
+    The package's pieces that exercises build (:mod:`minipaged.pieces`) are holes in it: each marked
+    body becomes a stub that raises :class:`~minipaged.pieces.PieceNotBuilt`.
+
     Args:
-        target: a folder that does not exist yet, or an empty one.
+        target: a folder that does not exist yet, or an empty one, outside the folders the handout copies.
     """
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise ReleaseError(f"{target}: exists and is not an empty folder; release into a new one")
+    check_release_target(target)
+    try:
+        target.mkdir(parents=True, exist_ok=True)  # before anything slow: an unwritable target says so at once
+    except OSError as exc:
+        raise ReleaseError(f"{target}: cannot write the handout there ({exc.strerror or exc})") from None
     stale = stale_exercises()
     if stale:
         raise ReleaseError(f"exercises/ is out of sync with solutions/ ({stale[0]}): "
                            "run `python -m minipaged.exercises`")
     entries = expected_transcripts()
+    try:
+        written = _copy_handout(target)
+    except OSError as exc:
+        raise ReleaseError(f"{target}: cannot write the handout there ({exc.strerror or exc})") from None
+    pyproject = target / "pyproject.toml"
+    if pyproject.exists():  # the handout has no instructor package to install
+        pyproject.write_text(pyproject.read_text().replace('"minipaged.checks.instructor", ', ""))
+    checks = target / "minipaged" / "checks" / "expected.json"
+    checks.write_text(json.dumps(entries, ensure_ascii=False) + "\n", encoding="utf-8")
+    stub_package(target)
+    return written
+
+
+def stub_package(root: Path) -> list[Path]:
+    """Replace every piece in the package under ``root`` by its stub (:func:`stub_source`); return the files changed."""
+    holes = package_holes(root)
+    for path in holes:
+        path.write_text(stub_source(path.read_text(), str(path.relative_to(root))))
+    return list(holes)
+
+
+def piece_files() -> list[str]:
+    """The package files that hold pieces, relative to the repository (what a learner hands in with the notebooks)."""
+    return [str(path.relative_to(ROOT)) for path in package_holes(ROOT)]
+
+
+def _copy_handout(target: Path) -> list[Path]:
+    """Copy :data:`HANDOUT` into ``target`` (made if need be); return the top-level paths written."""
     target.mkdir(parents=True, exist_ok=True)
     written = []
     for name in HANDOUT:
@@ -272,12 +420,71 @@ def release(target: Path) -> list[Path]:
         else:
             continue
         written.append(target / name)
-    pyproject = target / "pyproject.toml"
-    if pyproject.exists():  # the handout has no instructor package to install
-        pyproject.write_text(pyproject.read_text().replace('"minipaged.checks.instructor", ', ""))
-    checks = target / "minipaged" / "checks" / "expected.json"
-    checks.write_text(json.dumps(entries, ensure_ascii=False) + "\n", encoding="utf-8")
     return written
+
+
+REVEALED = Path(".minipaged") / "revealed.json"  # in a workspace: what ``reveal`` filled in, and when
+
+
+def reveal(exercise: str, workspace: Path) -> list[str]:
+    """Fill exercise ``exercise``'s pieces in ``workspace`` (a handout) with the model answers; return their names.
+
+    Each piece's whole function is replaced by the repository's, whatever the workspace holds there
+    (the stub, or the learner's attempt), and the workspace's :data:`REVEALED` records it.
+
+    Args:
+        exercise: the exercise, ``"08"`` (or ``"8"``).
+        workspace: the handout's folder.
+    """
+    number = f"{int(exercise):02d}" if str(exercise).isdigit() else str(exercise)
+    filled = []
+    for path, holes in package_holes(ROOT).items():
+        wanted = [h for h in holes if h.exercise == number]
+        if not wanted:
+            continue
+        theirs = workspace / path.relative_to(ROOT)
+        if not theirs.exists():
+            raise ReleaseError(f"{workspace}: no {path.relative_to(ROOT)}; is it a handout?")
+        text = theirs.read_text()
+        for piece in dict.fromkeys(h.piece for h in wanted):
+            text = _replace_function(text, piece, _function_source(path.read_text(), piece), str(theirs))
+            filled.append(piece)
+        theirs.write_text(text)
+    if not filled:
+        raise ReleaseError(f"exercise {number} builds no piece of the package")
+    record = workspace / REVEALED
+    record.parent.mkdir(exist_ok=True)
+    log = json.loads(record.read_text()) if record.exists() else []
+    log.append({"exercise": number, "pieces": filled, "when": datetime.now(timezone.utc).isoformat(timespec="seconds")})
+    record.write_text(json.dumps(log, indent=1) + "\n")
+    return filled
+
+
+def _function_node(source: str, piece: str, where: str):
+    """The ``ast`` node of function ``piece`` (``"Class.method"`` or ``"function"``) in ``source``."""
+    node = ast.parse(source)
+    for name in piece.split("."):
+        found = [c for c in node.body if isinstance(c, (ast.ClassDef, ast.FunctionDef)) and c.name == name]
+        if not found:
+            raise ReleaseError(f"{where}: no {piece} to fill in")
+        node = found[0]
+    return node
+
+
+def _function_source(source: str, piece: str) -> list[str]:
+    """Function ``piece``'s lines in the repository's ``source``, decorators included, markers left out."""
+    node = _function_node(source, piece, piece)
+    first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+    lines = source.splitlines()[first - 1 : node.end_lineno]
+    return [line for line in lines if not (_PIECE_BEGIN.match(line) or _END.match(line))]
+
+
+def _replace_function(source: str, piece: str, lines: list[str], where: str) -> str:
+    """``source`` with function ``piece`` (decorators included) replaced by ``lines``."""
+    node = _function_node(source, piece, where)
+    first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+    old = source.splitlines()
+    return "\n".join(old[: first - 1] + lines + old[node.end_lineno :]) + ("\n" if source.endswith("\n") else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,7 +493,18 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd")
     rel = sub.add_parser("release", help="write the learners' handout (no solutions, no instructor side) into DIR")
     rel.add_argument("dir", type=Path, help="a new or empty folder")
+    rev = sub.add_parser("reveal", help="fill one exercise's pieces of a handout with the model answers")
+    rev.add_argument("exercise", help="the exercise, e.g. 08")
+    rev.add_argument("dir", type=Path, help="the learner's handout (workspace)")
     args = parser.parse_args(argv)
+    if args.cmd == "reveal":
+        try:
+            filled = reveal(args.exercise, args.dir)
+        except ReleaseError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(f"revealed in {args.dir}: {', '.join(filled)} (recorded in {args.dir / REVEALED})")
+        return 0
     if args.cmd == "release":
         try:
             written = release(args.dir)

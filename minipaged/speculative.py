@@ -237,6 +237,7 @@ def rollback_drafts(table: BlockTable, num_computed_tokens: int, num_draft_token
         TypeError: ``table`` is not a BlockTable, or a count is not an int.
         ValueError: ``j`` is outside ``0 .. k``, or the table does not hold ``c + 1 + k`` tokens.
     """
+    ### BEGIN SOLUTION (Exercise 08, Task 8.1)
     if not isinstance(table, BlockTable):
         raise TypeError(f"table must be a BlockTable, got {type(table).__name__}")
     c = check_int(num_computed_tokens, "num_computed_tokens")
@@ -249,6 +250,7 @@ def rollback_drafts(table: BlockTable, num_computed_tokens: int, num_draft_token
                          f"{c} computed tokens leaves c + 1 + k = {c + 1 + k}")  # fmt: skip
     table.num_tokens = c + 1 + j
     return c + 1 + j
+    ### END SOLUTION
 
 
 @dataclass
@@ -341,6 +343,7 @@ class NgramSpeculator(StepState):
                 ``num_new_tokens`` and ``slot_mappings``.
             budget: tokens of the step's budget left.
         """
+        ### BEGIN SOLUTION (Exercise 08, Task 8.1)
         for i, seq in enumerate(out.seqs):
             if budget == 0 or out.num_new_tokens[i] != 1 or seq.num_uncomputed_tokens != 1 or seq.pending_forks:
                 continue
@@ -355,6 +358,7 @@ class NgramSpeculator(StepState):
                 out.slot_mappings[i] = torch.cat([out.slot_mappings[i], table.append_tokens(len(drafts))])
                 budget -= len(drafts)
         return budget
+        ### END SOLUTION
 
     def prepare_inputs(self, out, input_ids: list[int]) -> tuple[list[int], list[int]]:
         """Put this step's drafts into the engine's packed batch; return its token ids and logits rows.

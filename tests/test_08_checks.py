@@ -402,17 +402,9 @@ def test_the_reference_beam_step_matches_beam_search_events():
     assert alloc.num_used == 4
 
 
-def test_a_speculator_that_calls_the_packages_own_rollback_fails_and_names_it(capsys):
-    class Delegates(NgramSpeculator):
-        def schedule_drafts(self, scheduler, out, budget):
-            return super().schedule_drafts(scheduler, out, budget)
+def test_the_packages_own_speculator_is_the_model_answer_and_passes(capsys):
+    """Task 8.1's pieces are holes in the learner's minipaged/speculative.py: the repository's is the model answer.
 
-        def rollback(self, *args, **kwargs):
-            return super().rollback(*args, **kwargs)
-
-    before = dict(vars(NgramSpeculator))
-    result = ch08.check_speculator(Delegates)
-    assert result.status == "FAIL" and "NgramSpeculator.schedule_drafts is switched off" in result.message
-    assert dict(vars(NgramSpeculator)) == before  # put back after the check
-    package = ch08.check_speculator(NgramSpeculator)  # the package's class itself, passed as the learner's
-    assert package.status == "FAIL" and "switched off" in package.message
+    A learner's copy of the package has stubs there (tests/test_pieces.py runs the check on them).
+    """
+    assert ch08.check_speculator(NgramSpeculator).status == "PASS"

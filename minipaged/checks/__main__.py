@@ -132,10 +132,11 @@ class Outcome:
 
 @dataclass
 class Submission:
-    """One notebook to grade, and whose it is."""
+    """One notebook to grade, whose it is, and the learner's folder (where the package files they built are)."""
 
     learner: str
     path: Path
+    folder: Path | None = None
 
 
 @dataclass
@@ -547,13 +548,40 @@ class Kernel:
 
 
 def handout_package(target: Path) -> Path:
-    """Copy the package into ``target`` as a learner's handout has it: no instructor side, no solutions."""
+    """Copy the package into ``target`` as a learner's handout has it: no instructor side, no solutions, and a
+    stub in place of each piece an exercise builds (:func:`minipaged.exercises.stub_package`)."""
+    from minipaged.exercises import stub_package
+
     package = ROOT / "minipaged"
     shutil.copytree(package, target / "minipaged",
                     ignore=shutil.ignore_patterns("__pycache__", "instructor", "expected.json"))
     if (ROOT / "kernels").is_dir():  # installed as minipaged.kernels
         shutil.copytree(ROOT / "kernels", target / "minipaged" / "kernels",
                         ignore=shutil.ignore_patterns("__pycache__"))
+    stub_package(target)
+    return target
+
+
+def learner_package(base: Path, folder: Path | None, target: Path) -> Path:
+    """``base`` (a :func:`handout_package`) with the learner's own piece files from ``folder`` laid over it.
+
+    Only the files that hold pieces are taken (``minipaged/speculative.py``, ...), each from where the
+    learner's handout has it; without any, ``base`` itself is the learner's package.
+
+    Args:
+        base: the stubbed package, shared by every learner.
+        folder: the learner's submission folder (None: notebooks only).
+        target: a new folder for this learner's copy.
+    """
+    from minipaged.exercises import piece_files
+
+    theirs = [name for name in piece_files() if folder is not None and (folder / name).is_file()]
+    if not theirs:
+        return base
+    shutil.copytree(base, target)
+    for name in theirs:  # the handout's kernels/ is installed as minipaged.kernels
+        inside = name if name.startswith("minipaged/") else f"minipaged/{name}"
+        shutil.copyfile(folder / name, target / inside)
     return target
 
 
@@ -698,13 +726,15 @@ async def grade_all(submissions: list[Submission], exercises: dict[str, Exercise
     gate = asyncio.Semaphore(jobs)
     crashed = []
     with tempfile.TemporaryDirectory(prefix="minipaged-handout-") as tmp:
-        package = handout_package(Path(tmp))
+        base, packages = handout_package(Path(tmp) / "handout"), {}
+        for learner, folder in {s.learner: s.folder for s in submissions}.items():
+            packages[learner] = learner_package(base, folder, Path(tmp) / "learners" / f"{len(packages)}")
 
         async def one(submission: Submission) -> Graded:
             exercise = exercises[submission.path.name[:2]]
             async with gate:
                 try:
-                    return await grade_notebook(submission, exercise, limits, refs, package)
+                    return await grade_notebook(submission, exercise, limits, refs, packages[submission.learner])
                 except Exception as exc:  # a grader bug: say so, keep grading the others
                     traceback.print_exc()
                     crashed.append(submission.path)
@@ -737,9 +767,9 @@ def collect(paths: list[Path]) -> tuple[list[Submission], list[str]]:
                     errors.append(f"{notebook}: a notebook directly in {path}; put it in a folder named after "
                                   "its learner")
                 else:
-                    found.append(Submission(parts[0], notebook))
+                    found.append(Submission(parts[0], notebook, path / parts[0]))
         elif path.exists():
-            found.append(Submission(path.resolve().parent.name, path))
+            found.append(Submission(path.resolve().parent.name, path, path.resolve().parent))
         else:
             errors.append(f"{path}: no such file or folder")
     by_key: dict[tuple[str, str], list[Submission]] = {}

@@ -1,13 +1,14 @@
 """Checks for chapter 08: speculative decoding's draft bookkeeping and rollback in the real engine, and one beam step.
 
 Task 8.1's probe runs :class:`~minipaged.engine.Engine` on the course's check model with ngram
-speculation through the learner's speculator class (a subclass of
-:class:`~minipaged.speculative.NgramSpeculator` whose ``schedule_drafts`` and ``rollback`` are the
-learner's), with prefix caching on (:class:`~minipaged.prefix_cache.PrefixCachingAllocator`) or off,
-on a seeded workload of repetitive prompts, so that drafts are accepted, rejected, spill into new
-blocks and fill blocks. After every step it records, per running request, what the chapter's
-bookkeeping says: the drafts scheduled, ``num_computed_tokens``, the table's ``num_tokens`` and
-length, and each block's prefix-cache key. The reference (``minipaged.checks.instructor.ch08``) is
+speculation through a speculator class: the learner's :class:`~minipaged.speculative.NgramSpeculator`,
+whose ``schedule_drafts`` and ``rollback`` (``rollback_drafts``) are holes in their copy of the
+package (:mod:`minipaged.pieces`), or any subclass of it; with prefix caching on
+(:class:`~minipaged.prefix_cache.PrefixCachingAllocator`) or off, on a seeded workload of
+repetitive prompts, so that drafts are accepted, rejected, spill into new blocks and fill blocks.
+After every step it records, per running request, what the chapter's bookkeeping says: the drafts
+scheduled, ``num_computed_tokens``, the table's ``num_tokens`` and length, and each block's
+prefix-cache key. The reference (``minipaged.checks.instructor.ch08``) is
 the package's own speculator; its tokens equal plain decoding's, token for token (the tests check
 it). The judge names the first step and request where the learner's run differs, and the hint for
 that mistake: a rollback by one too few (the sampled token the step computed forgotten) or too many,
@@ -27,14 +28,13 @@ from collections import Counter
 
 from minipaged.blocks import BlockAllocator, BlockTable
 from minipaged.checks import CheckFailed, check, expect_equal
-from minipaged.checks.engine_run import first_token_divergence, package_methods_off, run_engine
+from minipaged.checks.engine_run import first_token_divergence, run_engine
 from minipaged.prefix_cache import PrefixCachingAllocator
-from minipaged.speculative import NgramSpeculator
 
-# The package modules this exercise rebuilds: the grader flags a learner's cell that imports, subclasses or
-# calls them (a flag for the instructor, not a verdict). Task 8.1's MySpeculator subclasses NgramSpeculator
-# for its proposer and verification, which the exercise gives: the solution imports it, so that is allowed.
-REBUILDS = ("minipaged.speculative",)
+# The package modules this exercise rebuilds in a notebook cell, which the grader flags a learner's cell for
+# importing, subclassing or calling (a flag for the instructor, not a verdict): none. Task 8.1's pieces are holes
+# in the learner's own minipaged/speculative.py, which the exercise's cells import and check.
+REBUILDS = ()
 
 # Staged hints: the first names the idea (stubs carry it), later ones come closer to code on request,
 # `hint("8.1", 2)`. None of them is the solution.
@@ -135,11 +135,9 @@ def check_speculator(case, speculator_class):
     """
     allocator = PrefixCachingAllocator if case["prefix_caching"] else BlockAllocator
     speculator = speculator_class(dict(case["speculative_config"]))
-    # The learner writes these two: the package's are off (the reference, on the instructor's side, has its own copies).
-    with package_methods_off(NgramSpeculator, ("schedule_drafts", "rollback")):
-        run = run_engine({"config": case["config"], "requests": case["requests"]}, observe=_observe,
-                         allocator=allocator, speculator=speculator)
-        bad = [_bad_rollback(speculator, *call) for call in BAD_ROLLBACKS]
+    run = run_engine({"config": case["config"], "requests": case["requests"]}, observe=_observe,
+                     allocator=allocator, speculator=speculator)
+    bad = [_bad_rollback(speculator, *call) for call in BAD_ROLLBACKS]
     return {"tokens": run["tokens"] if run["finished"] else None, "steps": run["steps"], "bad_rollbacks": bad}
 
 

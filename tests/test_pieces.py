@@ -1,0 +1,227 @@
+"""The learner's package has holes (issue 40): each piece an exercise builds is a stub in the handout.
+
+A piece's body is marked in the repository (``### BEGIN SOLUTION (Exercise NN, Task N.M)``); ``release``
+writes a stub there that raises ``PieceNotBuilt``; ``reveal`` fills one exercise's pieces of a handout
+with the model answers, the way a learner fills them (in the file); the grader grades the piece files a
+learner hands in.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from minipaged import exercises
+from minipaged.checks import __main__ as grader
+from minipaged.exercises import ROOT, MarkerError, ReleaseError, find_holes, package_holes, stub_source
+from minipaged.pieces import PieceNotBuilt, show_unbuilt_pieces_briefly
+
+pytestmark = pytest.mark.exercises
+
+SOURCE = '''"""A module with two pieces."""
+
+from __future__ import annotations
+
+import math
+
+
+class Pool:
+    def grow(self, n):
+        """Grow by ``n``."""
+        n = int(n)  # given: stays in the handout
+        ### BEGIN SOLUTION (Exercise 02, Task 2.1)
+        self.size = getattr(self, "size", 0) + n
+        return math.ceil(self.size / 4)
+        ### END SOLUTION
+
+
+def double(x):
+    ### BEGIN SOLUTION (Exercise 02, Task 2.2)
+    return x * 2
+    ### END SOLUTION
+'''
+
+
+def test_a_stub_keeps_what_is_given_and_names_the_exercise_task_piece_and_file():
+    out = stub_source(SOURCE, "minipaged/pool.py")
+    assert "self.size" not in out and "x * 2" not in out
+    assert "n = int(n)  # given: stays in the handout" in out and '"""Grow by ``n``."""' in out
+    lines = out.splitlines()
+    assert lines[2].startswith("from __future__") and lines[4] == "from minipaged.pieces import PieceNotBuilt"
+    namespace = {}
+    exec(compile(out, "pool.py", "exec"), namespace)
+    with pytest.raises(PieceNotBuilt) as raised:
+        namespace["Pool"]().grow(3)
+    assert (raised.value.exercise, raised.value.task, raised.value.piece) == ("02", "2.1", "Pool.grow")
+    assert str(raised.value) == "Pool.grow is not built yet: exercise 02, Task 2.1 builds it in minipaged/pool.py"
+    with pytest.raises(PieceNotBuilt, match=r"^double is not built yet: exercise 02, Task 2\.2"):
+        namespace["double"](1)
+    assert isinstance(raised.value, NotImplementedError)  # what the checks report as NOT IMPLEMENTED YET
+    assert stub_source("x = 1\n", "m.py") == "x = 1\n"  # a file without pieces is left as it is
+
+
+BEGIN = "    ### BEGIN SOLUTION (Exercise 02, Task 2.1)"
+END = "    ### END SOLUTION"
+
+
+@pytest.mark.parametrize("source, match", [
+    (f"def f():\n{BEGIN}\n    return 1\n", "line 2: BEGIN SOLUTION is never closed"),
+    (f"def f():\n{BEGIN}\n{BEGIN}\n    return 1\n{END}\n{END}\n", "line 3: BEGIN SOLUTION inside another"),
+    (f"def f():\n    return 1\n{END}\n", "line 3: END SOLUTION without BEGIN"),
+    (f"if True:\n{BEGIN}\n    x = 1\n{END}\n", "line 2: a BEGIN SOLUTION marker must sit inside a function"),
+])  # fmt: skip
+def test_bad_markers_are_refused_with_the_file_and_line(source, match):
+    with pytest.raises(MarkerError, match=f"^m.py, {match}"):
+        find_holes(source, "m.py")
+
+
+def test_the_package_marks_exercise_08s_pieces():
+    holes = {h.piece: h for hs in package_holes(ROOT).values() for h in hs}
+    assert {"NgramSpeculator.schedule_drafts", "rollback_drafts"} <= set(holes)
+    assert {(h.exercise, h.task) for h in holes.values() if "rollback" in h.piece or "draft" in h.piece} == {
+        ("08", "8.1")}
+    assert exercises.piece_files() == ["minipaged/speculative.py"]
+
+
+def test_in_a_notebook_an_unbuilt_piece_prints_one_line_not_a_traceback(capsys):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    try:
+        show_unbuilt_pieces_briefly()
+        shell.run_cell("from minipaged.pieces import PieceNotBuilt\n"
+                       "raise PieceNotBuilt('08', '8.1', 'rollback_drafts', 'minipaged/speculative.py')")
+        out = capsys.readouterr()
+        assert out.out == ("⏳ rollback_drafts is not built yet: exercise 08, Task 8.1 builds it in "
+                           "minipaged/speculative.py\n")
+        assert "Traceback" not in out.out + out.err
+        shell.run_cell("raise ValueError('other errors keep their traceback')")
+        assert "Traceback" in capsys.readouterr().out
+    finally:
+        InteractiveShell.clear_instance()
+
+
+# ----------------------------------------------------------------- the handout
+
+
+@pytest.fixture(scope="module")
+def handout(tmp_path_factory):
+    target = tmp_path_factory.mktemp("release") / "handout"
+    exercises.release(target)
+    return target
+
+
+def _normalized(path: Path) -> str:
+    """A file's text, whitespace-normalised; a notebook's sources and saved outputs."""
+    if path.suffix == ".ipynb":
+        parts = []
+        for cell in nbformat.read(path, as_version=4).cells:
+            parts.append(cell.source)
+            for out in cell.get("outputs", []):
+                parts.append(out.get("text", ""))
+                parts += [str(v) for v in out.get("data", {}).values()]
+        text = " ".join(parts)
+    else:
+        text = path.read_text(errors="replace")
+    return " ".join(text.split())
+
+
+def test_no_line_of_any_piece_is_anywhere_in_the_handout(handout):
+    bodies = {" ".join(line.split("#")[0].split()) for holes in package_holes(ROOT).values() for hole in holes
+              for line in hole.body}  # fmt: skip
+    bodies = {line for line in bodies if len(line) >= 25}  # shorter ones (`table = seq.block_table`) say nothing
+    assert len(bodies) >= 10
+    scanned = 0
+    for path in sorted(handout.rglob("*")):
+        if path.is_file() and path.suffix in (".py", ".ipynb", ".md", ".json", ".toml", ".txt", ".cfg"):
+            text = _normalized(path)
+            leaked = sorted(line for line in bodies if line in text)
+            assert not leaked, f"{path.relative_to(handout)} holds lines of a piece: {leaked[:3]}"
+            scanned += 1
+    assert scanned > 100
+
+
+def _check_speculator(package: Path) -> list[str]:
+    """Exercise 08's check on ``package``'s own NgramSpeculator, run as a learner's kernel would."""
+    script = ("from minipaged.checks import ch08\nfrom minipaged.speculative import NgramSpeculator\n"
+              "ch08.check_speculator(NgramSpeculator)\n")
+    done = subprocess.run([sys.executable, "-c", script], env={"PYTHONPATH": str(package), "PATH": "/usr/bin"},
+                          capture_output=True, text=True, timeout=300, cwd=package)  # fmt: skip
+    return done.stdout.splitlines() or [done.stderr]
+
+
+def test_untouched_stubs_do_not_pass_and_reveal_fills_them_as_a_learner_would(handout, tmp_path):
+    lines = _check_speculator(handout)
+    assert lines[0].startswith("⏳ NOT IMPLEMENTED YET   ch08.speculator"), lines
+    assert "exercise 08, Task 8.1 builds it in minipaged/speculative.py" in lines[0]
+    workspace = tmp_path / "workspace"
+    shutil.copytree(handout, workspace)
+    mine = workspace / "minipaged" / "speculative.py"
+    mine.write_text(mine.read_text().replace("raise PieceNotBuilt('08', '8.1', 'rollback_drafts'",
+                                             "return 0  # a wrong try\n    raise PieceNotBuilt('08', '8.1', "
+                                             "'rollback_drafts'"))  # fmt: skip
+    assert exercises.main(["reveal", "08", str(workspace)]) == 0
+    assert _check_speculator(workspace)[0].startswith("✅ PASS   ch08.speculator"), _check_speculator(workspace)
+    assert "a wrong try" not in mine.read_text() and "### BEGIN SOLUTION" not in mine.read_text()
+    record = json.loads((workspace / exercises.REVEALED).read_text())
+    assert [(r["exercise"], r["pieces"]) for r in record] == [("08", ["rollback_drafts",
+                                                                      "NgramSpeculator.schedule_drafts"])]  # fmt: skip
+    assert exercises.main(["reveal", "03", str(workspace)]) == 2  # builds no piece yet: one line, nothing written
+
+
+def test_release_refuses_a_target_inside_what_it_copies_and_an_unwritable_one(tmp_path, capsys):
+    inside = ROOT / "notebooks" / "handout"
+    with pytest.raises(ReleaseError, match=r"inside notebooks/, which the handout copies"):
+        exercises.release(inside)
+    assert not inside.exists()
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    assert exercises.main(["release", str(blocker / "handout")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {blocker / 'handout'}: cannot write the handout there")
+
+
+def test_the_grader_grades_the_piece_files_a_learner_hands_in(tmp_path):
+    """Exercise 08's notebook and, for ada, her minipaged/speculative.py (the model answer); bo hands in none."""
+    notebook = ROOT / "exercises" / "08_beyond.ipynb"
+    for learner in ("ada", "bo"):
+        (tmp_path / "submissions" / learner).mkdir(parents=True)
+        shutil.copy(notebook, tmp_path / "submissions" / learner / notebook.name)
+    (tmp_path / "submissions" / "ada" / "minipaged").mkdir()
+    shutil.copy(ROOT / "minipaged" / "speculative.py", tmp_path / "submissions" / "ada" / "minipaged")
+    (tmp_path / "submissions" / "bo" / "minipaged").mkdir()
+    (tmp_path / "submissions" / "bo" / "minipaged" / "checks.py").write_text("raise SystemExit  # not a piece file")
+    prefix = tmp_path / "book"
+    grader.main(["grade", str(tmp_path / "submissions"), "--gradebook", str(prefix)])
+    book = json.loads(prefix.with_suffix(".json").read_text())
+    ada, bo = (book["learners"][name]["checks"]["ch08.speculator"] for name in ("ada", "bo"))
+    assert ada["status"] == "PASS", ada
+    assert bo["status"] == "NOT IMPLEMENTED YET" and "exercise 08, Task 8.1" in bo["message"], bo
+
+
+def test_the_handout_filled_the_learners_way_runs_chapter_08_and_exercise_08(handout, tmp_path):
+    """The pieces revealed into the handout's files: chapter 08 gives its committed outputs (nbval), exercise 08
+    runs to the end, its Task 8.1 check PASSes, and chapter 08's speculative runs are the handout's own code."""
+    workspace = tmp_path / "workspace"
+    shutil.copytree(handout, workspace)
+    assert exercises.main(["reveal", "08", str(workspace)]) == 0
+    env = {"PYTHONPATH": str(workspace), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "OMP_NUM_THREADS": "2"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval",
+                           "--nbval-current-env", "--nbval-sanitize-with", str(ROOT / "nbval_sanitize.cfg"),
+                           "notebooks/08_beyond.ipynb"], cwd=workspace, env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:]
+    ran = tmp_path / "ran.ipynb"
+    done = subprocess.run([sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute",
+                           "--allow-errors", "--output", str(ran), "exercises/08_beyond.ipynb"], cwd=workspace,
+                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    nb = nbformat.read(ran, as_version=4)
+    errors = [out for cell in nb.cells for out in cell.get("outputs", []) if out.output_type == "error"]
+    assert not errors, errors[0]
+    printed = "".join(out.get("text", "") for cell in nb.cells for out in cell.get("outputs", []))
+    assert "✅ PASS   ch08.speculator" in printed
