@@ -14,7 +14,7 @@ VLLM_VENV     ?= .venv-vllm
 VLLM_STAMP    := $(VLLM_VENV)/.vllm-installed
 VLLM_PIP_ARGS ?=
 
-.PHONY: setup lab test nbval-notebooks exercises vllm-setup vllm-check clean
+.PHONY: setup lab learner test nbval-notebooks exercises vllm-setup vllm-check clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,14 @@ $(STAMP): pyproject.toml constraints.txt requirements-model.txt
 
 lab: setup
 	$(VENV)/bin/jupyter lab --ip=127.0.0.1 $(ROOT_FLAG) --ServerApp.root_dir=$(CURDIR) notebooks/00_setup.ipynb
+
+# A learner's workspace beside this repository, which holds the answers: the handout (the package has
+# holes where the exercises build its pieces) with an environment of its own, opened in JupyterLab.
+# Run it again to reopen: the workspace and the learner's work in it are kept.
+WORKSPACE ?= ../minipaged-workspace
+learner: setup
+	$(PY) -m minipaged.exercises workspace $(WORKSPACE)
+	cd $(WORKSPACE) && .venv/bin/python -m jupyter lab --ip=127.0.0.1 $(ROOT_FLAG) notebooks/00_setup.ipynb
 
 # Lint, then unit tests, every notebook under nbval (outputs compared, 60 s
 # budget each), the exercise sync check and the shipped exercise notebooks,

@@ -4,6 +4,7 @@
     python -m minipaged.exercises --check      # exit 1 if exercises/ is stale (CI)
     python -m minipaged.exercises release DIR  # write the learners' handout into DIR
     python -m minipaged.exercises reveal 08 DIR  # fill exercise 08's pieces of the handout in DIR
+    python -m minipaged.exercises workspace DIR  # a learner's workspace: the handout and its own environment
 
 In a solution notebook the learner's part of a code cell sits between two
 markers; the optional text after ``BEGIN SOLUTION`` names the task and gives
@@ -45,7 +46,10 @@ import importlib
 import json
 import re
 import shutil
+import subprocess
 import sys
+import sysconfig
+import venv
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -423,6 +427,32 @@ def _copy_handout(target: Path) -> list[Path]:
     return written
 
 
+def workspace(target: Path) -> bool:
+    """A learner's workspace in ``target``: a handout (:func:`release`) with an environment of its own.
+
+    The environment, ``target/.venv``, sees this environment's third-party packages (torch, Jupyter,
+    ...) and has the handout's own package installed, editable: never the repository's, whose
+    pieces are the answers. An existing workspace keeps everything in it (the learner's work);
+    only a missing environment is made. Returns True when the handout was written now.
+
+    Args:
+        target: the workspace's folder (``../minipaged-workspace`` from ``make learner``).
+    """
+    made = not (target / "minipaged").is_dir()
+    if made:
+        release(target)
+    python = target / ".venv" / "bin" / "python"
+    if not python.exists():
+        venv.EnvBuilder(with_pip=False, symlinks=True).create(target / ".venv")
+        site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                   capture_output=True, text=True, check=True).stdout.strip())  # fmt: skip
+        # A plain path, not a site folder: its .pth files (this repository's editable install) do not run.
+        (site / "minipaged-workspace-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+        subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps",
+                        "--no-build-isolation", "-e", str(target.resolve())], check=True)  # fmt: skip
+    return made
+
+
 REVEALED = Path(".minipaged") / "revealed.json"  # in a workspace: what ``reveal`` filled in, and when
 
 
@@ -487,32 +517,42 @@ def _replace_function(source: str, piece: str, lines: list[str], where: str) -> 
     return "\n".join(old[: first - 1] + lines + old[node.end_lineno :]) + ("\n" if source.endswith("\n") else "")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _handout_command(args) -> str:
+    """Run the ``release``, ``workspace`` or ``reveal`` subcommand; return what to print (a ReleaseError escapes)."""
+    if args.cmd == "workspace":
+        made = workspace(args.dir)
+        return (f"{'made' if made else 'kept'} the workspace {args.dir}: its package has holes where the exercises "
+                f"build pieces; start it with `cd {args.dir} && .venv/bin/python -m jupyter lab`")
+    if args.cmd == "reveal":
+        filled = reveal(args.exercise, args.dir)
+        return f"revealed in {args.dir}: {', '.join(filled)} (recorded in {args.dir / REVEALED})"
+    written = release(args.dir)
+    return (f"wrote the handout to {args.dir}: {', '.join(p.name for p in written)} (no solutions/, no tests/, "
+            "no minipaged/checks/instructor/; a stub where each piece an exercise builds goes)")
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m minipaged.exercises", description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="only report whether exercises/ is in sync")
     sub = parser.add_subparsers(dest="cmd")
     rel = sub.add_parser("release", help="write the learners' handout (no solutions, no instructor side) into DIR")
     rel.add_argument("dir", type=Path, help="a new or empty folder")
+    work = sub.add_parser("workspace", help="make (or reuse) a learner's workspace: a handout with its own environment")
+    work.add_argument("dir", type=Path, help="the workspace's folder")
     rev = sub.add_parser("reveal", help="fill one exercise's pieces of a handout with the model answers")
     rev.add_argument("exercise", help="the exercise, e.g. 08")
     rev.add_argument("dir", type=Path, help="the learner's handout (workspace)")
-    args = parser.parse_args(argv)
-    if args.cmd == "reveal":
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.cmd:
         try:
-            filled = reveal(args.exercise, args.dir)
+            print(_handout_command(args))
         except ReleaseError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        print(f"revealed in {args.dir}: {', '.join(filled)} (recorded in {args.dir / REVEALED})")
-        return 0
-    if args.cmd == "release":
-        try:
-            written = release(args.dir)
-        except ReleaseError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        print(f"wrote the handout to {args.dir}: {', '.join(p.name for p in written)} (no solutions/, no tests/, "
-              "no minipaged/checks/instructor/)")
         return 0
     if args.check:
         problems = stale_exercises()

@@ -225,3 +225,22 @@ def test_the_handout_filled_the_learners_way_runs_chapter_08_and_exercise_08(han
     assert not errors, errors[0]
     printed = "".join(out.get("text", "") for cell in nb.cells for out in cell.get("outputs", []))
     assert "✅ PASS   ch08.speculator" in printed
+
+
+def test_a_workspace_has_an_environment_of_its_own_whose_package_is_the_handouts(handout, tmp_path):
+    """``make learner``'s workspace: the repository's editable install (the answers) is not what it imports."""
+    target = tmp_path / "workspace"
+    shutil.copytree(handout, target)
+    assert exercises.main(["workspace", str(target)]) == 0
+    probe = ("import jupyterlab, ipykernel, torch\nimport minipaged, minipaged.kernels, minipaged.speculative as s\n"
+             "print(minipaged.__file__)\nprint(minipaged.kernels.__file__)\n"
+             "try:\n    s.rollback_drafts(None, 0, 0, 0)\nexcept NotImplementedError as exc:\n"
+             "    print(type(exc).__name__)\n")  # fmt: skip
+    done = subprocess.run([str(target / ".venv" / "bin" / "python"), "-c", probe], env={"PATH": "/usr/bin:/bin"},
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.stdout.splitlines() == [str(target / "minipaged" / "__init__.py"),
+                                        str(target / "kernels" / "__init__.py"), "PieceNotBuilt"], done.stderr
+    mine = target / "minipaged" / "speculative.py"
+    mine.write_text(mine.read_text() + "# the learner's work\n")
+    assert exercises.main(["workspace", str(target)]) == 0  # reopened: the work is kept
+    assert mine.read_text().endswith("# the learner's work\n")
