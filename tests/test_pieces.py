@@ -14,6 +14,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from test_exercises import chapter_text
 
 from minipaged import exercises
 from minipaged.checks import __main__ as grader
@@ -118,16 +119,8 @@ def handout(tmp_path_factory):
 def _normalized(path: Path) -> str:
     """A file's text, whitespace-normalised; a notebook's sources and saved outputs."""
     if path.suffix == ".ipynb":
-        parts = []
-        for cell in nbformat.read(path, as_version=4).cells:
-            parts.append(cell.source)
-            for out in cell.get("outputs", []):
-                parts.append(out.get("text", ""))
-                parts += [str(v) for v in out.get("data", {}).values()]
-        text = " ".join(parts)
-    else:
-        text = path.read_text(errors="replace")
-    return " ".join(text.split())
+        return chapter_text(path)
+    return " ".join(path.read_text(errors="replace").split())
 
 
 def test_no_line_of_any_piece_is_anywhere_in_the_handout(handout):
