@@ -65,7 +65,8 @@ _MD_SOLUTION = re.compile(r"<!-- BEGIN SOLUTION -->.*?<!-- END SOLUTION -->", re
 
 BANNER = (
     "> **Exercise version.** Generated from `solutions/{name}` by `python -m minipaged.exercises`. "
-    "Replace each `raise NotImplementedError(...)` with your code, then run the check cell below it."
+    "Replace each `raise NotImplementedError(...)` with your code (and, where a task names a package file, the "
+    "`raise PieceNotBuilt(...)` in it), then run the check cell below it."
 )
 
 
