@@ -449,8 +449,10 @@ def workspace(target: Path) -> bool:
                                    capture_output=True, text=True, check=True).stdout.strip())  # fmt: skip
         # A plain path, not a site folder: its .pth files (this repository's editable install) do not run.
         (site / "minipaged-workspace-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-        subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps",
-                        "--no-build-isolation", "-e", str(target.resolve())], check=True)  # fmt: skip
+        done = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps",
+                               "--no-build-isolation", "-e", str(target.resolve())], capture_output=True, text=True)
+        if done.returncode:  # the build's own warnings are noise when it works
+            raise ReleaseError(f"{target}: installing the handout into .venv failed: {done.stderr[-500:]}")
     return made
 
 
