@@ -222,10 +222,10 @@ def rollback_drafts(table: BlockTable, num_computed_tokens: int, num_draft_token
 
     Before the step the sequence had ``c = num_computed_tokens`` computed tokens plus one sampled
     token; the step wrote K/V for that token and ``k`` drafts at positions ``c .. c + k``, so the
-    table holds ``c + 1 + k`` tokens. With ``j`` drafts accepted, positions ``c .. c + j`` are
-    verified: the counter and the table's ``num_tokens`` become ``c + 1 + j``. The ``k - j``
-    rejected slots keep their stale K/V until the next step overwrites them, and the table keeps
-    every block (see the module docstring for why); nothing else changes.
+    table holds ``c + 1 + k`` tokens. With the first ``j`` drafts accepted, the counter and the
+    table's ``num_tokens`` then count exactly the verified tokens. The rejected slots keep their
+    stale K/V until the next step overwrites them, and the table keeps every block (see the module
+    docstring for why); nothing else changes.
 
     Args:
         table: the sequence's block table, holding the step's ``c + 1 + k`` tokens.
