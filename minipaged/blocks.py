@@ -97,6 +97,7 @@ class BlockAllocator(AllocatorBase):
 
     def allocate(self, seq_id=None) -> int:
         """Take one free block for ``seq_id`` (refcount 1), or raise OutOfBlocks."""
+        ### BEGIN SOLUTION (Exercise 02, Task 2.1)
         if not self.num_free:
             raise OutOfBlocks(f"no free block: all {self.num_blocks} blocks are in use")
         with self.hold_events():  # a subclass's events of taking the block (an eviction) come after it is held
@@ -105,6 +106,7 @@ class BlockAllocator(AllocatorBase):
             self._ever_allocated[block_id] = 1
             self.emit("allocate", block_id, seq_id)
         return block_id
+        ### END SOLUTION
 
     def _take_free_block(self, seq_id) -> int:
         """Pop the next free block (one is free: :meth:`allocate` checked). Chapter 06 overrides it.
@@ -125,38 +127,47 @@ class BlockAllocator(AllocatorBase):
 
     def allocate_many(self, num_blocks: int, seq_id=None) -> list[int]:
         """Take ``num_blocks`` free blocks for ``seq_id``, all or none (OutOfBlocks takes nothing)."""
+        ### BEGIN SOLUTION (Exercise 02, Task 2.1)
         # Check first, so a request that cannot be met takes nothing (no half-grown sequence).
         n = check_int(num_blocks, "num_blocks")
         if n > self.num_free:
             raise OutOfBlocks(f"need {n} blocks but only {self.num_free} of {self.num_blocks} are free")
         with self.hold_events():
             return [self.allocate(seq_id) for _ in range(n)]
+        ### END SOLUTION
 
     def _check_block_id(self, block_id, action: str) -> int:
         return check_block_id(block_id, action, self.num_blocks)
 
     def _check_allocated(self, block_id, action: str) -> int:
+        """``block_id``, checked: an IndexError outside the pool, a BlockError naming ``action`` if it is free."""
+        ### BEGIN SOLUTION (Exercise 02, Task 2.1)
         block_id = self._check_block_id(block_id, action)
         if self._refcounts[block_id] == 0:
             never = not self._ever_allocated[block_id]
             what = "never allocated" if never else "double free" if action == "free" else "not allocated"
             raise BlockError(f"cannot {action} block {block_id}: it is free ({what})")
         return block_id
+        ### END SOLUTION
 
     def incref(self, block_id: int, seq_id=None) -> None:
         """One more holder of ``block_id`` (a forked sequence sharing it)."""
+        ### BEGIN SOLUTION (Exercise 02, Task 2.1)
         block_id = self._check_allocated(block_id, "incref")
         self._refcounts[block_id] += 1
         self.emit("incref", block_id, seq_id, refcount=self._refcounts[block_id])
+        ### END SOLUTION
 
     def free(self, block_id: int, seq_id=None) -> None:
         """Drop one reference; the block returns to the pool when nobody holds it."""
+        ### BEGIN SOLUTION (Exercise 02, Task 2.1)
         block_id = self._check_allocated(block_id, "free")
         self._refcounts[block_id] -= 1
         if self._refcounts[block_id] == 0:
             self.emit("free", block_id, seq_id, **self._put_free_block(block_id))
         else:
             self.emit("decref", block_id, seq_id, refcount=self._refcounts[block_id])
+        ### END SOLUTION
 
     def free_sequence(self, block_ids: list[int], seq_id=None) -> None:
         """Drop one reference on each of a sequence's blocks, in table order.
@@ -173,13 +184,16 @@ class BlockAllocator(AllocatorBase):
             IndexError: an id outside the pool.
             BlockError: an id that is free, or that appears more often than it has references.
         """
+        ### BEGIN SOLUTION (Exercise 02, Task 2.1)
         block_ids = self._check_free_sequence(block_ids)
         with self.hold_events():
             for block_id in block_ids:
                 self.free(block_id, seq_id)
+        ### END SOLUTION
 
     def _check_free_sequence(self, block_ids) -> list[int]:
         """``block_ids`` as ints, once every one is known to be freeable as often as it appears."""
+        ### BEGIN SOLUTION (Exercise 02, Task 2.1)
         check_instance(block_ids, "block_ids", (list, tuple), "a list of block ids")
         ids = [self._check_allocated(b, "free") for b in block_ids]
         for block_id, times in Counter(ids).items():
@@ -187,10 +201,13 @@ class BlockAllocator(AllocatorBase):
                 raise BlockError(f"cannot free block {block_id} {times} times: it has {self._refcounts[block_id]} "
                                  "reference(s) (block_ids holds it more than once)")
         return ids
+        ### END SOLUTION
 
     def refcount(self, block_id: int) -> int:
         """How many sequences hold ``block_id`` (0: it is free)."""
+        ### BEGIN SOLUTION (Exercise 02, Task 2.1)
         return self._refcounts[self._check_block_id(block_id, "read the refcount of")]
+        ### END SOLUTION
 
     @property
     def refcounts(self) -> list[int]:
@@ -257,7 +274,9 @@ class BlockTable(StepState):
         return self._num_new_blocks(check_int(num_tokens, "num_tokens"))
 
     def _num_new_blocks(self, n: int) -> int:  # n checked: called for every sequence at every step
+        ### BEGIN SOLUTION (Exercise 02, Task 2.2)
         return max(0, ceil_div(self.num_tokens + n, self.block_size) - len(self.blocks)) + self._shares_last_block(n)
+        ### END SOLUTION
 
     def append_tokens(self, num_tokens: int) -> torch.Tensor:
         """Make room for ``num_tokens`` more tokens; return their slots (int64) for the cache write.
@@ -265,6 +284,7 @@ class BlockTable(StepState):
         All or nothing: if the pool is short, OutOfBlocks is raised and the table is
         unchanged. A write into a shared last block first gets a copy of it (chapter 06).
         """
+        ### BEGIN SOLUTION (Exercise 02, Task 2.2)
         n = check_int(num_tokens, "num_tokens")
         need = self._num_new_blocks(n)
         if need > self.allocator.num_free:
@@ -279,6 +299,7 @@ class BlockTable(StepState):
             self.num_tokens += n
             self.released = False
         return self._slots(range(start, start + n))
+        ### END SOLUTION
 
     def _copy_on_write(self) -> None:
         """Swap the shared last block for a fresh one and record the copy ``(old, new)``.
@@ -300,16 +321,19 @@ class BlockTable(StepState):
         return copies
 
     def _slots(self, positions: range) -> torch.Tensor:
+        """The slots (int64) of the tokens at ``positions``, each in the block the table maps it to."""
+        ### BEGIN SOLUTION (Exercise 02, Task 2.2)
         # A Python loop plus one tensor: decode appends one token, where a chain of tensor ops costs more.
         B, blocks = self.block_size, self.blocks
         return torch.tensor([blocks[p // B] * B + p % B for p in positions], dtype=torch.int64)
+        ### END SOLUTION
 
     def slot(self, position: int) -> int:
         """The slot of the token at ``position`` (0-based) in this sequence."""
         position = check_int(position, "position", minimum=None)
         if not 0 <= position < self.num_tokens:
             raise IndexError(f"position {position} is outside this sequence's {self.num_tokens} tokens")
-        return self.blocks[position // self.block_size] * self.block_size + position % self.block_size
+        return int(self._slots(range(position, position + 1))[0])
 
     def slots(self) -> torch.Tensor:
         """Slots of every token, in order: where a contiguous read gathers from."""
@@ -325,12 +349,14 @@ class BlockTable(StepState):
 
         Pending copies are dropped too: their destination blocks went back with the rest.
         """
+        ### BEGIN SOLUTION (Exercise 02, Task 2.2)
         with self.allocator.hold_events():  # subscribers hear of the frees once the table is empty
             blocks, self.blocks = self.blocks, []
             self.num_tokens = 0
             self.pending_copies = []
             self.released = True
             self.allocator.free_sequence(blocks, self.seq_id)
+        ### END SOLUTION
 
     def fork(self, seq_id=None) -> BlockTable:
         """A new table that shares all of this one's blocks (each gets one more reference).
@@ -348,7 +374,8 @@ class BlockTable(StepState):
         if self.released:
             raise ValueError(f"cannot fork the block table of sequence {self.seq_id!r}: it was released")
         for block_id in self.blocks:  # all checked before any incref: a block freed behind the table's back leaks none
-            self.allocator._check_allocated(block_id, f"fork the table of sequence {self.seq_id!r}, which holds")
+            if self.allocator.refcount(block_id) == 0:
+                raise BlockError(f"cannot fork sequence {self.seq_id!r}'s table: its block {block_id} is free")
         child = type(self)(self.allocator, seq_id)  # a subclass (a learner's table) forks into its own kind
         with self.allocator.hold_events():  # subscribers hear of the increfs once the child holds the blocks
             for block_id in self.blocks:

@@ -26,8 +26,7 @@ Markdown answers use ``<!-- BEGIN SOLUTION -->`` / ``<!-- END SOLUTION -->``.
 The capstone (:data:`CAPSTONE`) assembles the pieces of earlier exercises. Its cells tagged
 ``piece:NN:Name`` are copies of the solution cell of exercise NN that defines ``Name``, kept in sync
 here (:func:`sync_capstone`): the tasks become the capstone's, under a comment naming where the code
-comes from, and a line that ends ``# in the capstone: LINE`` becomes ``LINE`` (a prefix cache's base class
-becomes the learner's own allocator).
+comes from.
 Cells tagged ``solution-only`` are dropped. Outputs are cleared, because the
 learner runs the notebook; the checks then print "not implemented yet".
 
@@ -83,7 +82,6 @@ class MarkerError(ValueError):
 CAPSTONE = "09_your_engine.ipynb"
 CAPSTONE_TASK = "Task 9.1"
 _PIECE = re.compile(r"^piece:(?P<number>\d\d):(?P<name>\w+)$")
-_IN_CAPSTONE = re.compile(r"^(?P<indent>\s*).*?#\s*in the capstone:\s*(?P<line>.+?)\s*$")
 
 
 def capstone_piece(source: str, number: str) -> str:
@@ -95,13 +93,11 @@ def capstone_piece(source: str, number: str) -> str:
     """
     lines = []
     for line in source.splitlines():
-        begin, swap = _BEGIN.match(line), _IN_CAPSTONE.match(line)
+        begin = _BEGIN.match(line)
         if begin:
             origin = f", {begin['task']}" if begin["task"] else ""
             lines.append(f"{begin['indent']}# yours from exercise {number}{origin}")
             line = f"{begin['indent']}### BEGIN SOLUTION ({CAPSTONE_TASK})"
-        elif swap:
-            line = swap["indent"] + swap["line"]
         lines.append(line)
     return "\n".join(lines)
 
@@ -219,14 +215,15 @@ def _enclosing(source: str, line: int, where: str) -> str:
     return found[-1]
 
 
-def stub_source(source: str, path: str) -> str:
+def stub_source(source: str, path: str, exercise: str | None = None) -> str:
     """``source`` with each marked body replaced by a stub that raises :class:`~minipaged.pieces.PieceNotBuilt`.
 
     Args:
         source: a package file's text.
         path: the file relative to the handout's root (``"minipaged/speculative.py"``): the stubs name it.
+        exercise: stub only this exercise's pieces (``"02"``); None: every piece.
     """
-    holes = find_holes(source, path)
+    holes = [h for h in find_holes(source, path) if exercise is None or h.exercise == exercise]
     if not holes:
         return source
     lines = source.splitlines()
@@ -399,12 +396,51 @@ def release(target: Path) -> list[Path]:
     return written
 
 
-def stub_package(root: Path) -> list[Path]:
-    """Replace every piece in the package under ``root`` by its stub (:func:`stub_source`); return the files changed."""
-    holes = package_holes(root)
-    for path in holes:
-        path.write_text(stub_source(path.read_text(), str(path.relative_to(root))))
-    return list(holes)
+def stub_package(root: Path, exercise: str | None = None) -> list[Path]:
+    """Replace every piece (or only ``exercise``'s) in the package under ``root`` by its stub; return the files changed.
+
+    Args:
+        root: the folder that holds ``minipaged/`` (and ``kernels/``).
+        exercise: as :func:`stub_source` takes it.
+    """
+    changed = []
+    for path, holes in package_holes(root).items():
+        if exercise is None or any(h.exercise == exercise for h in holes):
+            text = path.read_text()
+            path.unlink()  # a new file: ``root`` may be a copy made of hard links
+            path.write_text(stub_source(text, str(path.relative_to(root)), exercise))
+            changed.append(path)
+    return changed
+
+
+def lay_pieces(reference: str, theirs: str, exercise: str, where: str) -> str:
+    """``reference`` (a piece file's text) with exercise ``exercise``'s pieces taken from a learner's copy, ``theirs``.
+
+    A file whose pieces are all this exercise's is taken whole, as is one that does not parse (its error is
+    the learner's). Otherwise each top-level class or function that holds one of the exercise's pieces is
+    the learner's, with whatever helpers the learner gave it; the rest stays the reference's.
+
+    Args:
+        reference: the repository's text of the file.
+        theirs: the learner's text of it.
+        exercise: the exercise graded, ``"02"``.
+        where: the file, for messages.
+    """
+    holes = find_holes(reference, where)
+    if all(h.exercise == exercise for h in holes):
+        return theirs
+    try:
+        mine = {node.name: node for node in ast.parse(theirs).body if hasattr(node, "name")}
+    except SyntaxError:
+        return theirs
+    tops = dict.fromkeys(h.piece.split(".")[0] for h in holes if h.exercise == exercise)
+    text = reference
+    for name in tops:
+        if name in mine:
+            node = mine[name]
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            text = _replace_function(text, name, theirs.splitlines()[first - 1 : node.end_lineno], where)
+    return text
 
 
 def piece_files() -> list[str]:

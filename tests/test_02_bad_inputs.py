@@ -88,7 +88,7 @@ def test_fork_after_a_block_was_freed_behind_the_tables_back_leaks_no_reference(
     table.append_tokens(5)  # blocks 0, 1, 2
     alloc.free(table.blocks[1])  # behind the table's back
     before = pool_state(alloc)
-    with pytest.raises(BlockError, match=r"cannot fork the table of sequence 'p', which holds block 1: it is free"):
+    with pytest.raises(BlockError, match=r"cannot fork sequence 'p'\'s table: its block 1 is free"):
         table.fork("c")
     assert pool_state(alloc) == before  # was: block 0's refcount raised to 2 before the error
 

@@ -94,7 +94,10 @@ def test_shipped_exercise_runs_without_traceback(path):
     NotebookClient(nb, timeout=300, allow_errors=True, resources={"metadata": {"path": str(path.parent)}}).execute()
     errors = [out for cell in nb.cells for out in cell.get("outputs", []) if out.output_type == "error"]
     assert not errors, f"{path.name} raised {errors[0].ename}: {errors[0].evalue}"
-    assert TODO in printed(nb), f"{path.name} should report unimplemented tasks, not crash or pass"
+    if any("raise NotImplementedError(" in c.source for c in nb.cells if c.cell_type == "code"):
+        assert TODO in printed(nb), f"{path.name} should report unimplemented tasks, not crash or pass"
+    else:  # every task builds a piece of the package, which here (the repository) holds the model answers
+        assert PASS in printed(nb) and FAIL not in printed(nb), f"{path.name} should pass on the model answers"
 
 
 # ----------------------------------------------------------------- the chapters do not give the answers
@@ -253,19 +256,20 @@ def test_every_solution_has_a_model_answer_for_the_gradebook(path):
 
 
 def test_the_capstone_carries_each_piece_as_its_exercise_solves_it():
-    source = ("class Cache(Base):  # in the capstone: class Cache(MyAllocator):\n"
+    source = ("class Cache(Base):\n"
               "    def f(self):\n"
               "        ### BEGIN SOLUTION (Task 6.2)\n"
               "        return 1\n"
               "        ### END SOLUTION\n")
     piece = exercises.capstone_piece(source, "06")
-    assert piece.splitlines() == ["class Cache(MyAllocator):", "    def f(self):",
+    assert piece.splitlines() == ["class Cache(Base):", "    def f(self):",
                                   "        # yours from exercise 06, Task 6.2",
                                   f"        ### BEGIN SOLUTION ({exercises.CAPSTONE_TASK})", "        return 1",
                                   "        ### END SOLUTION"]
     capstone = nbformat.read(ROOT / "solutions" / exercises.CAPSTONE, as_version=4)
     pieces = [c for c in capstone.cells if any(t.startswith("piece:") for t in c.metadata.get("tags", []))]
-    assert len(pieces) >= 7 and exercises.sync_capstone(capstone).cells == capstone.cells
-    pieces[0].source = "class MyAllocator:\n    pass"  # an edited copy is put back as the exercise has it
+    assert len(pieces) >= 3 and exercises.sync_capstone(capstone).cells == capstone.cells
+    first = pieces[-1].source.splitlines()[0]
+    pieces[-1].source = "class MyCowTable:\n    pass"  # an edited copy is put back as the exercise has it
     synced = exercises.sync_capstone(capstone)
-    assert synced.cells[capstone.cells.index(pieces[0])].source.startswith("class MyAllocator(AllocatorBase):")
+    assert synced.cells[capstone.cells.index(pieces[-1])].source.startswith(first + "\n")

@@ -116,7 +116,7 @@ def test_the_model_solutions_and_exercises_are_not_flagged(solution):
     assert grader.delegations(nbformat.read(ROOT / "exercises" / solution.name, as_version=4), exercise) == []
     bare = grader.Exercise(solution, exercise.check_cells, {}, {}, rebuilds=exercise.rebuilds)
     nb.cells = [c for c in nb.cells if c.cell_type == "code" and "### BEGIN SOLUTION" in c.source]
-    assert nb.cells and grader.delegations(nb, bare) == []
+    assert grader.delegations(nb, bare) == []  # (exercise 02 has none: its pieces are holes in the package)
 
 
 @settings(max_examples=30, deadline=None)
@@ -128,19 +128,20 @@ def test_renaming_the_alias_does_not_hide_the_module(exercise06, alias, attr):
         f"cell t uses {PC} (import {PC} as {alias}, attribute {alias}.{attr})"]
 
 
-DELEGATE = "from minipaged.blocks import BlockAllocator\n\nclass MyAllocator(BlockAllocator):\n    pass\n"
-# The same allocator reached without naming the module: not flagged (the rule is a flag, not a boundary).
-HIDDEN = ("MyAllocator = type('MyAllocator', (getattr(__import__('minipaged').blocks, 'BlockAllocator'),),"
-          " {})\n")
+DELEGATE = ("from minipaged.prefix_cache import PrefixCachingAllocator\n\n"
+            "class MyPrefixCache(PrefixCachingAllocator):\n    pass\n")
+# The same cache reached without naming the module: not flagged (the rule is a flag, not a boundary).
+HIDDEN = ("MyPrefixCache = type('MyPrefixCache', (getattr(__import__('minipaged').prefix_cache, "
+          "'PrefixCachingAllocator'),), {})\n")
 
 
 @pytest.mark.exercises
 def test_a_delegating_learner_is_flagged_and_keeps_its_verdicts(tmp_path, capsys):
-    exercise = ROOT / "exercises" / "02_blocks_and_block_tables.ipynb"
+    exercise = ROOT / "exercises" / "06_prefix_sharing_cow.ipynb"
     for learner, source in (("delegate", DELEGATE), ("hidden", HIDDEN)):
         nb = nbformat.read(exercise, as_version=4)
         for cell in nb.cells:
-            if cell.get("id") == "02-03":
+            if cell.get("id") == "e6c1a2b1":
                 cell.source = source
         path = tmp_path / "submissions" / learner / exercise.name
         path.parent.mkdir(parents=True)
@@ -150,14 +151,15 @@ def test_a_delegating_learner_is_flagged_and_keeps_its_verdicts(tmp_path, capsys
                           "--seed", "3", "--check-timeout", "20"])
     report = capsys.readouterr().out
     book = json.loads(prefix.with_suffix(".json").read_text())
-    flag = "cell 02-03 uses minipaged.blocks (from-import BlockAllocator, subclass of BlockAllocator)"
+    flag = ("cell e6c1a2b1 uses minipaged.prefix_cache (from-import PrefixCachingAllocator, subclass of "
+            "PrefixCachingAllocator)")
     assert book["learners"]["delegate"]["flags"] == {exercise.name: [flag]}
     assert f"delegate · {exercise.name}: FLAG: {flag}" in report
     assert book["learners"]["hidden"]["flags"] == {}
     delegate, hidden = (book["learners"][name]["checks"] for name in ("delegate", "hidden"))
     assert delegate == hidden  # the same code, flagged or not, gets the same verdicts and messages
-    assert delegate["ch02.engine"]["status"] == "NOT IMPLEMENTED YET" and status == 1  # MyBlockTable is a stub
-    assert {delegate[name]["status"] for name in ("ch02.allocator", "ch02.constant_time")} <= {"PASS", "FAIL"}
+    assert delegate["ch06.cow_table"]["status"] == "NOT IMPLEMENTED YET" and status == 1  # MyCowTable is a stub
+    assert {delegate[name]["status"] for name in ("ch06.prefix_cache", "ch06.constant_time")} <= {"PASS", "FAIL"}
 
 
 def test_a_reveals_imports_are_skipped_and_not_given_to_the_learner():

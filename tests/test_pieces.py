@@ -65,6 +65,36 @@ def test_a_stub_keeps_what_is_given_and_names_the_exercise_task_piece_and_file()
     assert stub_source("x = 1\n", "m.py") == "x = 1\n"  # a file without pieces is left as it is
 
 
+MIXED = SOURCE.replace("(Exercise 02, Task 2.2)", "(Exercise 06, Task 6.1)")  # a file with two exercises' pieces
+THEIRS = '''import math
+
+
+class Pool:
+    def _add(self, n):  # a helper of the learner's own
+        self.size = getattr(self, "size", 0) + n
+
+    def grow(self, n):
+        self._add(int(n))
+        return -(-self.size // 4)
+
+
+def double(x):
+    return x  # exercise 06 not done yet
+'''
+
+
+def test_one_exercises_pieces_are_stubbed_or_taken_from_a_learner_with_the_classes_around_them():
+    only_06 = stub_source(MIXED, "minipaged/pool.py", "06")
+    assert "self.size = getattr" in only_06 and "x * 2" not in only_06 and "PieceNotBuilt('06', '6.1'" in only_06
+    assert exercises.lay_pieces(SOURCE, THEIRS, "02", "m.py") == THEIRS  # every piece is 02's: the file is theirs
+    laid = exercises.lay_pieces(MIXED, THEIRS, "02", "m.py")
+    namespace = {}
+    exec(compile(laid, "pool.py", "exec"), namespace)
+    assert namespace["Pool"]().grow(5) == 2 and "_add" in vars(namespace["Pool"])  # theirs, with their helper
+    assert namespace["double"](3) == 6  # exercise 06's piece stays the reference's
+    assert exercises.lay_pieces(MIXED, "def (", "02", "m.py") == "def ("  # a file that does not parse is theirs
+
+
 BEGIN = "    ### BEGIN SOLUTION (Exercise 02, Task 2.1)"
 END = "    ### END SOLUTION"
 
@@ -80,12 +110,14 @@ def test_bad_markers_are_refused_with_the_file_and_line(source, match):
         find_holes(source, "m.py")
 
 
-def test_the_package_marks_exercise_08s_pieces():
+def test_the_package_marks_the_pieces_of_exercises_02_and_08():
     holes = {h.piece: h for hs in package_holes(ROOT).values() for h in hs}
     assert {"NgramSpeculator.schedule_drafts", "rollback_drafts"} <= set(holes)
     assert {(h.exercise, h.task) for h in holes.values() if "rollback" in h.piece or "draft" in h.piece} == {
         ("08", "8.1")}
-    assert exercises.piece_files() == ["minipaged/speculative.py"]
+    assert {(h.exercise, h.task) for h in holes.values() if h.piece.startswith(("BlockAllocator.", "BlockTable."))} == {
+        ("02", "2.1"), ("02", "2.2")}
+    assert exercises.piece_files() == ["minipaged/blocks.py", "minipaged/speculative.py"]
 
 
 def test_in_a_notebook_an_unbuilt_piece_prints_one_line_not_a_traceback(capsys):
@@ -124,9 +156,16 @@ def _normalized(path: Path) -> str:
 
 
 def test_no_line_of_any_piece_is_anywhere_in_the_handout(handout):
-    bodies = {" ".join(line.split("#")[0].split()) for holes in package_holes(ROOT).values() for hole in holes
+    pieces = package_holes(ROOT)
+    bodies = {" ".join(line.split("#")[0].split()) for holes in pieces.values() for hole in holes
               for line in hole.body}  # fmt: skip
     bodies = {line for line in bodies if len(line) >= 25}  # shorter ones (`table = seq.block_table`) say nothing
+    given = set()  # a line the package also has outside every piece (`n = check_int(num_tokens, ...)`) is no answer
+    for path in sorted((ROOT / "minipaged").rglob("*.py")) + sorted((ROOT / "kernels").rglob("*.py")):
+        spans = {(h.start, h.end) for h in pieces.get(path, [])}
+        given |= {" ".join(line.split("#")[0].split()) for number, line in enumerate(path.read_text().splitlines(), 1)
+                  if not any(a <= number <= b for a, b in spans)}  # fmt: skip
+    bodies -= given
     assert len(bodies) >= 10
     scanned = 0
     for path in sorted(handout.rglob("*")):
@@ -138,10 +177,14 @@ def test_no_line_of_any_piece_is_anywhere_in_the_handout(handout):
     assert scanned > 100
 
 
-def _check_speculator(package: Path) -> list[str]:
-    """Exercise 08's check on ``package``'s own NgramSpeculator, run as a learner's kernel would."""
-    script = ("from minipaged.checks import ch08\nfrom minipaged.speculative import NgramSpeculator\n"
+SPECULATOR = ("from minipaged.checks import ch08\nfrom minipaged.speculative import NgramSpeculator\n"
               "ch08.check_speculator(NgramSpeculator)\n")
+ALLOCATOR = ("from minipaged.checks import ch02\nfrom minipaged.blocks import BlockAllocator, BlockTable\n"
+             "ch02.check_allocator(BlockAllocator)\nch02.check_engine(BlockAllocator, BlockTable)\n")
+
+
+def _check_speculator(package: Path, script: str = SPECULATOR) -> list[str]:
+    """A check (exercise 08's by default) on ``package``'s own pieces, run as a learner's kernel would."""
     done = subprocess.run([sys.executable, "-c", script], env={"PYTHONPATH": str(package), "PATH": "/usr/bin"},
                           capture_output=True, text=True, timeout=300, cwd=package)  # fmt: skip
     return done.stdout.splitlines() or [done.stderr]
@@ -151,6 +194,10 @@ def test_untouched_stubs_do_not_pass_and_reveal_fills_them_as_a_learner_would(ha
     lines = _check_speculator(handout)
     assert lines[0].startswith("⏳ NOT IMPLEMENTED YET   ch08.speculator"), lines
     assert "exercise 08, Task 8.1 builds it in minipaged/speculative.py" in lines[0]
+    lines = [line for line in _check_speculator(handout, ALLOCATOR) if not line.startswith(" ")]  # verdicts, no hints
+    assert lines[0].startswith("⏳ NOT IMPLEMENTED YET   ch02.allocator"), lines
+    assert "exercise 02, Task 2.1 builds it in minipaged/blocks.py" in lines[0]
+    assert lines[1].startswith("⏳ NOT IMPLEMENTED YET   ch02.engine"), lines
     workspace = tmp_path / "workspace"
     shutil.copytree(handout, workspace)
     mine = workspace / "minipaged" / "speculative.py"
@@ -158,12 +205,15 @@ def test_untouched_stubs_do_not_pass_and_reveal_fills_them_as_a_learner_would(ha
                                              "return 0  # a wrong try\n    raise PieceNotBuilt('08', '8.1', "
                                              "'rollback_drafts'"))  # fmt: skip
     assert exercises.main(["reveal", "08", str(workspace)]) == 0
+    assert _check_speculator(workspace)[0].startswith("⏳ NOT IMPLEMENTED YET   ch08.speculator")  # its engine: 02's
+    assert exercises.main(["reveal", "2", str(workspace)]) == 0
     assert _check_speculator(workspace)[0].startswith("✅ PASS   ch08.speculator"), _check_speculator(workspace)
     assert "a wrong try" not in mine.read_text() and "### BEGIN SOLUTION" not in mine.read_text()
     record = json.loads((workspace / exercises.REVEALED).read_text())
-    assert [(r["exercise"], r["pieces"]) for r in record] == [("08", ["rollback_drafts",
-                                                                      "NgramSpeculator.schedule_drafts"])]  # fmt: skip
-    assert exercises.main(["reveal", "03", str(workspace)]) == 2  # builds no piece yet: one line, nothing written
+    assert [(r["exercise"], r["pieces"][:2]) for r in record] == [
+        ("08", ["rollback_drafts", "NgramSpeculator.schedule_drafts"]),
+        ("02", ["BlockAllocator.allocate", "BlockAllocator.allocate_many"])]
+    assert exercises.main(["reveal", "07", str(workspace)]) == 2  # builds no piece: one line, nothing written
 
 
 def test_release_refuses_a_target_inside_what_it_copies_and_an_unwritable_one(tmp_path, capsys):
@@ -179,13 +229,17 @@ def test_release_refuses_a_target_inside_what_it_copies_and_an_unwritable_one(tm
 
 
 def test_the_grader_grades_the_piece_files_a_learner_hands_in(tmp_path):
-    """Exercise 08's notebook and, for ada, her minipaged/speculative.py (the model answer); bo hands in none."""
+    """Exercise 08's notebook and, for ada, her minipaged/speculative.py (the model answer) and a blocks.py with
+    exercise 02 not done (exercise 08 is graded on the model allocator); bo hands in no piece file."""
     notebook = ROOT / "exercises" / "08_beyond.ipynb"
     for learner in ("ada", "bo"):
         (tmp_path / "submissions" / learner).mkdir(parents=True)
         shutil.copy(notebook, tmp_path / "submissions" / learner / notebook.name)
     (tmp_path / "submissions" / "ada" / "minipaged").mkdir()
     shutil.copy(ROOT / "minipaged" / "speculative.py", tmp_path / "submissions" / "ada" / "minipaged")
+    blocks = ROOT / "minipaged" / "blocks.py"
+    (tmp_path / "submissions" / "ada" / "minipaged" / "blocks.py").write_text(
+        stub_source(blocks.read_text(), "minipaged/blocks.py"))
     (tmp_path / "submissions" / "bo" / "minipaged").mkdir()
     (tmp_path / "submissions" / "bo" / "minipaged" / "checks.py").write_text("raise SystemExit  # not a piece file")
     prefix = tmp_path / "book"
@@ -196,28 +250,36 @@ def test_the_grader_grades_the_piece_files_a_learner_hands_in(tmp_path):
     assert bo["status"] == "NOT IMPLEMENTED YET" and "exercise 08, Task 8.1" in bo["message"], bo
 
 
-def test_the_handout_filled_the_learners_way_runs_chapter_08_and_exercise_08(handout, tmp_path):
-    """The pieces revealed into the handout's files: chapter 08 gives its committed outputs (nbval), exercise 08
-    runs to the end, its Task 8.1 check PASSes, and chapter 08's speculative runs are the handout's own code."""
+# exercise: its notebooks' name, its checks, and the exercises whose pieces its chapter runs on
+FILLED = {"02": ("02_blocks_and_block_tables.ipynb", ["ch02.allocator", "ch02.engine", "ch02.constant_time"], ["02"]),
+          "08": ("08_beyond.ipynb", ["ch08.speculator"], ["02", "08"])}
+
+
+@pytest.mark.parametrize("exercise", FILLED)
+def test_the_handout_filled_the_learners_way_runs_the_chapter_and_the_exercise(handout, tmp_path, exercise):
+    """One exercise's pieces revealed into the handout's files: its chapter gives its committed outputs (nbval) on
+    them, and the exercise runs to the end with every check PASSing."""
+    name, checks, needs = FILLED[exercise]
     workspace = tmp_path / "workspace"
     shutil.copytree(handout, workspace)
-    assert exercises.main(["reveal", "08", str(workspace)]) == 0
+    for number in needs:
+        assert exercises.main(["reveal", number, str(workspace)]) == 0
     env = {"PYTHONPATH": str(workspace), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "OMP_NUM_THREADS": "2"}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval",
                            "--nbval-current-env", "--nbval-sanitize-with", str(ROOT / "nbval_sanitize.cfg"),
-                           "notebooks/08_beyond.ipynb"], cwd=workspace, env=env, capture_output=True, text=True,
+                           f"notebooks/{name}"], cwd=workspace, env=env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:]
     ran = tmp_path / "ran.ipynb"
     done = subprocess.run([sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute",
-                           "--allow-errors", "--output", str(ran), "exercises/08_beyond.ipynb"], cwd=workspace,
+                           "--allow-errors", "--output", str(ran), f"exercises/{name}"], cwd=workspace,
                           env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     nb = nbformat.read(ran, as_version=4)
     errors = [out for cell in nb.cells for out in cell.get("outputs", []) if out.output_type == "error"]
     assert not errors, errors[0]
     printed = "".join(out.get("text", "") for cell in nb.cells for out in cell.get("outputs", []))
-    assert "✅ PASS   ch08.speculator" in printed
+    assert all(f"✅ PASS   {check}" in printed for check in checks), printed[-2000:]
 
 
 def test_a_workspace_has_an_environment_of_its_own_whose_package_is_the_handouts(handout, tmp_path):

@@ -547,9 +547,10 @@ class Kernel:
                                error)
 
 
-def handout_package(target: Path) -> Path:
-    """Copy the package into ``target`` as a learner's handout has it: no instructor side, no solutions, and a
-    stub in place of each piece an exercise builds (:func:`minipaged.exercises.stub_package`)."""
+def exercise_package(target: Path, exercise: str) -> Path:
+    """Copy the package into ``target`` as exercise ``exercise`` is graded on it: no instructor side, no
+    solutions, a stub in place of each of that exercise's pieces and the model answer of every other piece
+    (the pieces a check's engine run needs from other exercises are never the learner's business there)."""
     from minipaged.exercises import stub_package
 
     package = ROOT / "minipaged"
@@ -558,30 +559,36 @@ def handout_package(target: Path) -> Path:
     if (ROOT / "kernels").is_dir():  # installed as minipaged.kernels
         shutil.copytree(ROOT / "kernels", target / "minipaged" / "kernels",
                         ignore=shutil.ignore_patterns("__pycache__"))
-    stub_package(target)
+    stub_package(target, exercise)
     return target
 
 
-def learner_package(base: Path, folder: Path | None, target: Path) -> Path:
-    """``base`` (a :func:`handout_package`) with the learner's own piece files from ``folder`` laid over it.
+def learner_package(base: Path, folder: Path | None, exercise: str, target: Path) -> Path:
+    """``base`` (an :func:`exercise_package`) with the learner's own code for exercise ``exercise``'s pieces.
 
-    Only the files that hold pieces are taken (``minipaged/speculative.py``, ...), each from where the
-    learner's handout has it; without any, ``base`` itself is the learner's package.
+    Only the files that hold that exercise's pieces are read (``minipaged/blocks.py``, ...), each from where
+    the learner's handout has it, and only those pieces (with the classes around them) are taken
+    (:func:`minipaged.exercises.lay_pieces`); without any, ``base`` itself is the learner's package.
 
     Args:
-        base: the stubbed package, shared by every learner.
+        base: the package graded for this exercise, shared by every learner.
         folder: the learner's submission folder (None: notebooks only).
+        exercise: the exercise graded, ``"02"``.
         target: a new folder for this learner's copy.
     """
-    from minipaged.exercises import piece_files
+    from minipaged.exercises import lay_pieces, package_holes
 
-    theirs = [name for name in piece_files() if folder is not None and (folder / name).is_file()]
+    theirs = {path.relative_to(ROOT): holes for path, holes in package_holes(ROOT).items()
+              if folder is not None and any(h.exercise == exercise for h in holes)
+              and (folder / path.relative_to(ROOT)).is_file()}  # fmt: skip
     if not theirs:
         return base
-    shutil.copytree(base, target)
+    shutil.copytree(base, target, copy_function=os.link)  # hard links: each piece file is replaced, never written
     for name in theirs:  # the handout's kernels/ is installed as minipaged.kernels
-        inside = name if name.startswith("minipaged/") else f"minipaged/{name}"
-        shutil.copyfile(folder / name, target / inside)
+        inside = target / (name if name.parts[0] == "minipaged" else Path("minipaged", name))
+        text = lay_pieces((ROOT / name).read_text(), (folder / name).read_text(errors="replace"), exercise, str(name))
+        inside.unlink()
+        inside.write_text(text)
     return target
 
 
@@ -726,15 +733,21 @@ async def grade_all(submissions: list[Submission], exercises: dict[str, Exercise
     gate = asyncio.Semaphore(jobs)
     crashed = []
     with tempfile.TemporaryDirectory(prefix="minipaged-handout-") as tmp:
-        base, packages = handout_package(Path(tmp) / "handout"), {}
-        for learner, folder in {s.learner: s.folder for s in submissions}.items():
-            packages[learner] = learner_package(base, folder, Path(tmp) / "learners" / f"{len(packages)}")
+        bases, packages = {}, {}
+        for s in submissions:
+            number = s.path.name[:2]
+            if number not in bases:
+                bases[number] = exercise_package(Path(tmp) / "exercises" / number, number)
+            if (s.learner, number) not in packages:
+                packages[s.learner, number] = learner_package(bases[number], s.folder, number,
+                                                              Path(tmp) / "learners" / str(len(packages)))
 
         async def one(submission: Submission) -> Graded:
             exercise = exercises[submission.path.name[:2]]
+            package = packages[submission.learner, submission.path.name[:2]]
             async with gate:
                 try:
-                    return await grade_notebook(submission, exercise, limits, refs, packages[submission.learner])
+                    return await grade_notebook(submission, exercise, limits, refs, package)
                 except Exception as exc:  # a grader bug: say so, keep grading the others
                     traceback.print_exc()
                     crashed.append(submission.path)

@@ -28,9 +28,9 @@ from minipaged.checks import CheckFailed, _where, check, outcome, plain, same
 from minipaged.checks.engine_run import first_divergence, first_token_divergence, run_engine
 from minipaged.checks.op_count import instrument, judge_growth, measured
 
-# The package modules this exercise rebuilds: the grader flags a learner's cell that imports, subclasses or
-# calls them (a flag for the instructor, not a verdict). Importing AllocatorBase and the errors is allowed.
-REBUILDS = ("minipaged.blocks",)
+# The package modules this exercise rebuilds in a notebook cell: none. Its pieces are holes in the learner's own
+# minipaged/blocks.py (see minipaged.pieces), so the notebook imports the package's classes: they are the learner's.
+REBUILDS = ()
 
 HINTS = {
     "2.1": [
@@ -44,8 +44,8 @@ HINTS = {
     "2.2": [
         "a table takes a new block only when a token lands past its last block: it needs ceil(num_tokens / B) "
         "blocks",
-        "num_new_blocks(n) is ceil((num_tokens + n) / B) minus the blocks it holds (never below 0); append_tokens "
-        "takes that many with allocate_many before it changes the table",
+        "_num_new_blocks(n) is ceil((num_tokens + n) / B) minus the blocks it holds (never below 0), plus the copy "
+        "when _shares_last_block(n); append_tokens compares it with num_free before it changes the table",
         "position p lives at slot blocks[p // B] * B + p % B: work out each new position's slot on its own and "
         "return them as an int64 tensor; release hands every block to free_sequence and empties the table",
     ],
@@ -123,13 +123,23 @@ def with_side_queue(cls: type) -> type:
 
 
 def run_script(alloc, ops: list) -> list[dict]:
-    """Make each call of ``ops`` (``[name, arg]``) on ``alloc``; its outcome and the pool after it, per call.
+    """Make each call of ``ops`` (``[name, arg]``) on ``alloc``; per call, its outcome, the pool after it, its events.
+
+    An event is recorded as ``[kind, block_id, seq_id, info, num_free]``, ``num_free`` as a subscriber
+    saw it when the event reached it: a call made of several changes is heard of once it is complete.
 
     Args:
         alloc: the allocator under test.
         ops: the script, ``[["allocate", seq_id], ["free", block_id], ...]`` (see ``_CALLS``).
     """
-    return [dict(outcome(_CALLS[op[0]], alloc, op[1] if len(op) > 1 else None), **_state(alloc)) for op in ops]
+    heard: list = []
+    alloc.subscribe(lambda e: heard.append(plain([e.kind, e.block_id, e.seq_id, dict(e.info), alloc.num_free])))
+    steps = []
+    for op in ops:
+        heard.clear()
+        steps.append(dict(outcome(_CALLS[op[0]], alloc, op[1] if len(op) > 1 else None), **_state(alloc),
+                          events=list(heard)))  # fmt: skip
+    return steps
 
 
 def _call_text(op) -> str:
@@ -162,8 +172,8 @@ def check_allocator(case, cls):
 
 def _missing_failure(missing: list[str], what: str) -> CheckFailed:
     return CheckFailed(f"your {what} has no {', '.join(missing)}; the engine needs it",
-                       "subclass AllocatorBase and keep the package's names: free_block_ids (a deque), _refcounts "
-                       "(a list), and the methods the exercise's opening cell lists")  # fmt: skip
+                       "keep the package's names: free_block_ids (a deque), _refcounts (a list), and the methods the "
+                       "exercise's opening cell lists")  # fmt: skip
 
 
 @check_allocator.judge
@@ -216,6 +226,22 @@ def _judge_call(where: str, op, before: dict, g: dict, w: dict) -> None:
                           f"was {before['free']})", hint)  # fmt: skip
     if not same(state, {"free": w["free"], "refcounts": w["refcounts"]}):
         raise _state_failure(where, state, w, before)
+    if "events" in w and not same(g.get("events"), w["events"]):
+        raise CheckFailed(f"{where} published the events {_events_text(g.get('events'))}; expected "
+                          f"{_events_text(w['events'])}", EVENTS_HINT)  # fmt: skip
+
+
+EVENTS_HINT = ("publish each change after it with self.emit(kind, block_id, seq_id, ...): allocate; incref and decref "
+               "with refcount=; free (back in the pool) with what _put_free_block returned; a call made of several "
+               "changes holds them (with self.hold_events():) so that they are heard once it is complete")
+
+
+def _events_text(events) -> str:
+    """``[kind, block_id, seq_id, info, num_free]`` records as ``allocate(3, 'A') [num_free 2 when heard]``."""
+    if not events:
+        return "none"
+    return ", ".join(f"{k}({b!r}, {s!r}{''.join(f', {n}={v!r}' for n, v in info.items())}) [heard with {f} free]"
+                     for k, b, s, info, f in events)[:300]
 
 
 def _raise_hint(kind: str, exc: str) -> str:
@@ -333,7 +359,7 @@ def _engine_label(case) -> str:
 
 @check("ch02.engine", hint=HINTS["2.2"][0], label=_engine_label,
        summary=lambda cases, seen: f"{len(cases)} runs of the engine on your allocator and table: every step's "
-                                   "blocks, slots, free queue and refcounts, and every token, as the package's")
+                                   "blocks, slots, free queue and refcounts, and every token, as the model answer's")
 def check_engine(case, allocator, block_table):
     """``case``: a :func:`~minipaged.checks.engine_run.run_engine` case; the learner's allocator and table classes.
 

@@ -135,7 +135,7 @@ def transparent_hash(parent, token_ids, extra):
 class TableWithoutCow(BlockTable):
     """Chapter 02's block table without copy-on-write: a write into a shared last block lands in it.
 
-    The base of exercise 06's ``MyCowTable`` (in the capstone, your own table from exercise 02).
+    The base of exercise 06's ``MyCowTable``: in a learner's package, their own table from exercise 02.
     """
 
     def _shares_last_block(self, num_tokens: int) -> bool:
