@@ -30,7 +30,9 @@ class FCFSQueue(deque):
         Args:
             running: the running sequences, in admission order (not modified).
         """
+        ### BEGIN SOLUTION (Exercise 05, Task 5.1)
         return max(reversed(running), key=lambda s: s.arrival_time)
+        ### END SOLUTION
 
 
 class ShortestPromptFirstQueue(FCFSQueue):

@@ -224,12 +224,20 @@ class Scheduler(StepState):
         return len(self.running) + sum(len(s.pending_forks) for s in self.running)
 
     def _chunk(self, seq: Sequence, budget: int, start: int | None = None) -> int:
-        """How many of ``seq``'s tokens from ``start`` (default: its computed ones) fit this step (0: none)."""
+        """How many of ``seq``'s tokens from ``start`` (default: its computed ones) fit this step (0: none).
+
+        Args:
+            seq: a running or waiting sequence.
+            budget: the step's tokens left.
+            start: the position its chunk starts at (None: ``seq.num_computed_tokens``).
+        """
+        ### BEGIN SOLUTION (Exercise 05, Task 5.1)
         uncomputed = seq.num_tokens - (seq.num_computed_tokens if start is None else start)
         n = min(uncomputed, budget)
         if not self.config.chunked_prefill and n < uncomputed:
             return 0  # without chunking, a prefill runs whole or not at all
         return n
+        ### END SOLUTION
 
     def schedule(self) -> SchedulerOutput:
         """This step's plan (see the module docstring): blocks allocated, victims preempted, sequences admitted."""
@@ -245,7 +253,13 @@ class Scheduler(StepState):
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        """Plan the running sequences, decodes first, preempting where the pool runs out; return the budget left."""
+        """Plan the running sequences, decodes first, preempting where the pool runs out; return the budget left.
+
+        Args:
+            out: the step's plan so far (empty: the running sequences come first).
+            budget: the step's token budget, ``max_num_batched_tokens``.
+        """
+        ### BEGIN SOLUTION (Exercise 05, Task 5.1)
         pending = sorted(self.running, key=lambda s: s.is_prefill)  # stable: admission order within each kind
         while pending:
             seq = pending.pop(0)
@@ -266,9 +280,16 @@ class Scheduler(StepState):
                 out.add(seq, n, seq.block_table.append_tokens(n))
                 budget -= n
         return budget
+        ### END SOLUTION
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        """Admit waiting sequences in the policy's order while the head fits (see :meth:`fits`)."""
+        """Admit waiting sequences in the policy's order while the head fits (see :meth:`fits`).
+
+        Args:
+            out: the step's plan, the running sequences' chunks in it.
+            budget: the tokens :meth:`_schedule_running` left.
+        """
+        ### BEGIN SOLUTION (Exercise 05, Task 5.2)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             match = self.match_prefix(seq)
@@ -282,6 +303,7 @@ class Scheduler(StepState):
             out.add(seq, n, seq.block_table.append_tokens(n))
             self._cache_blocks(seq, start + n)
             budget -= n
+        ### END SOLUTION
 
     def match_prefix(self, seq: Sequence):
         """The longest cached prefix of ``seq``'s tokens in this pool (None without prefix caching)."""

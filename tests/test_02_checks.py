@@ -320,7 +320,7 @@ TABLE_MUTANTS = {
     BlockTooEarly: ("num_new_blocks(4) said 2, expected 1: 4 tokens need 1 block(s), so it asks for a new block too "
                     "early", "ceil(num_tokens / block_size)"),
     RunsPastTheBlock: ("the slots run on past the end of block", "contiguous only inside a block"),
-    LeakyRelease: ("but no running sequence's table holds it: it leaked", "release() must hand every block"),
+    LeakyRelease: ("blocks went missing from yours", "release() must hand every block"),
     TailFirstRelease: ("free_block_ids is [", "free_sequence frees in table order"),
     Int32Slots: ("returned int32 slots", "dtype=torch.int64"),
     BlockTooLate: ("num_new_blocks(2) said 0, expected 1: 2 tokens need 1 block(s), so it asks for a new block too "

@@ -110,14 +110,17 @@ def test_bad_markers_are_refused_with_the_file_and_line(source, match):
         find_holes(source, "m.py")
 
 
-def test_the_package_marks_the_pieces_of_exercises_02_and_08():
+def test_the_package_marks_the_pieces_of_exercises_02_05_and_08():
     holes = {h.piece: h for hs in package_holes(ROOT).values() for h in hs}
     assert {"NgramSpeculator.schedule_drafts", "rollback_drafts"} <= set(holes)
     assert {(h.exercise, h.task) for h in holes.values() if "rollback" in h.piece or "draft" in h.piece} == {
         ("08", "8.1")}
     assert {(h.exercise, h.task) for h in holes.values() if h.piece.startswith(("BlockAllocator.", "BlockTable."))} == {
         ("02", "2.1"), ("02", "2.2")}
-    assert exercises.piece_files() == ["minipaged/blocks.py", "minipaged/speculative.py"]
+    assert {(h.exercise, h.task) for h in holes.values() if h.piece.startswith(("Scheduler.", "FCFSQueue."))} == {
+        ("05", "5.1"), ("05", "5.2")}
+    assert exercises.piece_files() == ["minipaged/blocks.py", "minipaged/request_queue.py", "minipaged/scheduler.py",
+                                       "minipaged/speculative.py"]
 
 
 def test_in_a_notebook_an_unbuilt_piece_prints_one_line_not_a_traceback(capsys):
@@ -191,28 +194,35 @@ def _check_speculator(package: Path, script: str = SPECULATOR) -> list[str]:
 
 
 def test_untouched_stubs_do_not_pass_and_reveal_fills_them_as_a_learner_would(handout, tmp_path):
-    lines = _check_speculator(handout)
-    assert lines[0].startswith("⏳ NOT IMPLEMENTED YET   ch08.speculator"), lines
-    assert "exercise 08, Task 8.1 builds it in minipaged/speculative.py" in lines[0]
+    """A check reports the first piece it meets that is not built: its own exercise's, or an earlier one's that its
+    engine runs on (exercise 08's speculator runs in an engine with 02's allocator and 05's scheduler)."""
     lines = [line for line in _check_speculator(handout, ALLOCATOR) if not line.startswith(" ")]  # verdicts, no hints
     assert lines[0].startswith("⏳ NOT IMPLEMENTED YET   ch02.allocator"), lines
     assert "exercise 02, Task 2.1 builds it in minipaged/blocks.py" in lines[0]
-    assert lines[1].startswith("⏳ NOT IMPLEMENTED YET   ch02.engine"), lines
+    assert lines[1].startswith("⏳ NOT IMPLEMENTED YET   ch02.engine"), lines  # the scheduler is replayed: 02's own
+    assert "exercise 02, Task 2." in lines[1]
     workspace = tmp_path / "workspace"
     shutil.copytree(handout, workspace)
+    assert _check_speculator(workspace)[0].startswith("⏳ NOT IMPLEMENTED YET   ch08.speculator")
+    first = _check_speculator(workspace)[0]  # the first unbuilt piece its engine meets: an earlier exercise's
+    assert "is not built yet: exercise 0" in first and "exercise 08" not in first, first
+    for earlier in ("2", "5"):
+        assert exercises.main(["reveal", earlier, str(workspace)]) == 0
+    lines = _check_speculator(workspace)
+    assert lines[0].startswith("⏳ NOT IMPLEMENTED YET   ch08.speculator"), lines
+    assert "exercise 08, Task 8.1 builds it in minipaged/speculative.py" in lines[0]
     mine = workspace / "minipaged" / "speculative.py"
     mine.write_text(mine.read_text().replace("raise PieceNotBuilt('08', '8.1', 'rollback_drafts'",
                                              "return 0  # a wrong try\n    raise PieceNotBuilt('08', '8.1', "
                                              "'rollback_drafts'"))  # fmt: skip
     assert exercises.main(["reveal", "08", str(workspace)]) == 0
-    assert _check_speculator(workspace)[0].startswith("⏳ NOT IMPLEMENTED YET   ch08.speculator")  # its engine: 02's
-    assert exercises.main(["reveal", "2", str(workspace)]) == 0
     assert _check_speculator(workspace)[0].startswith("✅ PASS   ch08.speculator"), _check_speculator(workspace)
     assert "a wrong try" not in mine.read_text() and "### BEGIN SOLUTION" not in mine.read_text()
     record = json.loads((workspace / exercises.REVEALED).read_text())
     assert [(r["exercise"], r["pieces"][:2]) for r in record] == [
-        ("08", ["rollback_drafts", "NgramSpeculator.schedule_drafts"]),
-        ("02", ["BlockAllocator.allocate", "BlockAllocator.allocate_many"])]
+        ("02", ["BlockAllocator.allocate", "BlockAllocator.allocate_many"]),
+        ("05", ["FCFSQueue.victim", "Scheduler._chunk"]),
+        ("08", ["rollback_drafts", "NgramSpeculator.schedule_drafts"])]
     assert exercises.main(["reveal", "07", str(workspace)]) == 2  # builds no piece: one line, nothing written
 
 
@@ -252,7 +262,8 @@ def test_the_grader_grades_the_piece_files_a_learner_hands_in(tmp_path):
 
 # exercise: its notebooks' name, its checks, and the exercises whose pieces its chapter runs on
 FILLED = {"02": ("02_blocks_and_block_tables.ipynb", ["ch02.allocator", "ch02.engine", "ch02.constant_time"], ["02"]),
-          "08": ("08_beyond.ipynb", ["ch08.speculator"], ["02", "08"])}
+          "05": ("05_continuous_batching.ipynb", ["ch05.schedule_running", "ch05.scheduler"], ["02", "05"]),
+          "08": ("08_beyond.ipynb", ["ch08.speculator"], ["02", "05", "08"])}
 
 
 @pytest.mark.parametrize("exercise", FILLED)

@@ -425,6 +425,13 @@ def _judge_engine(case, got, want):
             problem = _append_problem(append, B)
             if problem:
                 raise CheckFailed(f"step {len(steps)}: {problem[0]}", problem[1])
+        if got["error"].startswith("OutOfBlocks") and len(want["steps"]) > len(steps):
+            went = want["steps"][len(steps)]["preempted"]
+            released = f" (it released {', '.join(went)})" if went else ""
+            raise CheckFailed(f"step {len(steps)}: your code raised {got['error']}; the model answer's pool met the "
+                              f"same calls in this step{released} with the blocks they needed: blocks went missing "
+                              "from yours", "release() must hand every block of the table to free_sequence, and a "
+                              "block whose refcount reaches 0 goes back to the pool")  # fmt: skip
         raise CheckFailed(f"step {len(steps)}: your code raised {got['error']}", HINTS["2.2"][1])
     first_divergence(steps, want["steps"], _describe_step(B))
     try:

@@ -1,14 +1,16 @@
 """Checks for exercise 05: the learner's scheduling step, inside the real engine.
 
-The learner writes a :class:`~minipaged.scheduler.Scheduler` subclass with their own ``chunk_size`` and
-``_schedule_running`` (Task 5.1: running sequences first, decodes before prefill chunks, the token
-budget, chunked prefill, preempting the youngest) and ``_admit`` (Task 5.2: first come, first served
-admission of the waiting queue's head). The probes run :func:`~minipaged.checks.engine_run.run_engine`
-with ``scheduler=`` the learner's class, on a workload whose pool is small enough to preempt, and record
+The learner builds :class:`~minipaged.scheduler.Scheduler`'s ``_chunk`` and ``_schedule_running`` with
+FCFS's ``victim`` (Task 5.1: running sequences first, decodes before prefill chunks, the token budget,
+chunked prefill, preempting the youngest) and ``_admit`` (Task 5.2: first come, first served admission
+of the waiting queue's head), in the package (:mod:`minipaged.pieces`). The probes run
+:func:`~minipaged.checks.engine_run.run_engine` with ``scheduler=`` that class (or a subclass: the tests'
+wrong ones), on a workload whose pool is small enough to preempt, and record
 every step's plan as the scheduler made it: the state it started from, which sequences computed how many
 tokens, who was preempted, who was admitted. Then the tokens and every request's TTFT and TPOT (the
 engine's virtual clock). The judge compares them with the package's own scheduler on the same workload
-and names the first step where they part, and which rule that step broke.
+and names the first step where they part, and which rule that step broke. Task 5.1's check runs before
+Task 5.2 is built: its admissions are the reference run's, replayed step by step from the case.
 
 Envelope: recompute preemption, no prefix caching, one sample per request, no speculation, FCFS.
 The references and the workloads are on the instructor's side (``minipaged.checks.instructor.ch05``).
@@ -16,15 +18,13 @@ The references and the workloads are on the instructor's side (``minipaged.check
 
 from __future__ import annotations
 
-import sys
-
 from minipaged.checks import CheckFailed, _where, check
-from minipaged.checks.engine_run import first_divergence, first_token_divergence, package_methods_off, run_engine
+from minipaged.checks.engine_run import first_divergence, first_token_divergence, run_engine
 from minipaged.scheduler import Scheduler
 
-# The package modules this exercise rebuilds: the grader flags a learner's cell that imports, subclasses or
-# calls them (a flag for the instructor, not a verdict). The solution subclasses Scheduler for its plumbing.
-REBUILDS = ("minipaged.scheduler", "minipaged.request_queue")
+# The package modules this exercise rebuilds in a notebook cell: none. Its pieces are holes in the learner's own
+# minipaged/scheduler.py and request_queue.py (see minipaged.pieces).
+REBUILDS = ()
 
 HINTS = {
     "5.1": [
@@ -75,37 +75,7 @@ FAILURE_HINTS = {
             "in this step",
     "admit": "admit the head of the waiting queue whenever its first chunk fits (self.fits) and the budget is not "
              "spent, then the next head, and so on",
-    "own": "this exercise is the scheduling step itself: size the chunks and pick the victims in your own code",
 }
-
-# The package's own halves of the step, as they are before a probe switches them off for the learner's code.
-PACKAGE_STEP = {name: Scheduler.__dict__[name] for name in ("_schedule_running", "_admit", "_chunk")}
-_OWN = {"ch05.schedule_running": ("_schedule_running",), "ch05.scheduler": ("_schedule_running", "_admit")}
-
-
-class _NotYours(RuntimeError):
-    """The learner's code called the package's piece that the exercise asks them to write."""
-
-
-def _package_caller(*methods) -> bool:
-    """Whether the caller of the function that asks is one of the package's ``Scheduler`` ``methods``."""
-    return sys._getframe(2).f_code in {PACKAGE_STEP[m].__code__ for m in methods}
-
-
-def _refused_chunk(self, seq, budget, start=None):
-    """The base class's ``_chunk``, for the package's own methods only (check 5.1 borrows its admission)."""
-    if not _package_caller("_admit", "_schedule_running"):
-        raise _NotYours("the package's Scheduler._chunk is switched off in this check: size the chunk yourself")
-    return PACKAGE_STEP["_chunk"](self, seq, budget, start)
-
-
-def _refused_victim(running):
-    """The waiting queue's ``victim``, for the package's own ``_schedule_running`` only."""
-    from minipaged.request_queue import FCFSQueue
-
-    if not _package_caller("_schedule_running"):
-        raise _NotYours("the waiting queue's victim() is switched off in this check: pick the youngest yourself")
-    return FCFSQueue.victim(running)
 
 
 def _state(scheduler) -> dict:
@@ -116,11 +86,17 @@ def _state(scheduler) -> dict:
     return {"running": running, "waiting": waiting, "free": scheduler.allocator.num_free}
 
 
-def _recording(cls, record: list, borrow_admit: bool):
-    """``cls`` with every ``schedule()`` recorded into ``record``; the package's ``_chunk`` and ``victim`` refused.
+def _recording(cls, record: list, admissions: dict | None):
+    """``cls`` with every ``schedule()`` recorded into ``record``; with ``admissions``, its admission replayed.
 
     Also a block table class that notes which sequence last asked for blocks, so that each preemption is
     recorded with the sequence it made room for. Returns ``(scheduler class, block table class)``.
+
+    Args:
+        cls: the scheduler class.
+        record: where each step's observation goes.
+        admissions: ``{step: [[seq_id, tokens], ...]}``, the reference run's admissions (Task 5.1's check,
+            before ``_admit`` is built), or None for ``cls``'s own.
     """
     from minipaged.blocks import BlockTable
 
@@ -131,35 +107,42 @@ def _recording(cls, record: list, borrow_admit: bool):
             asker[0] = str(self.seq_id)
             return super().num_new_blocks(num_tokens)
 
-    body = {}
-    if cls._chunk is PACKAGE_STEP["_chunk"]:  # a learner's own helper of that name is theirs to call
-        body["_chunk"] = _refused_chunk
-    if borrow_admit:
-        body["_admit"] = PACKAGE_STEP["_admit"]
-
-    def __init__(self, *args, **kwargs):
-        cls.__init__(self, *args, **kwargs)
-        self.waiting.victim = _refused_victim
+    def _replayed_admit(self, out, budget):
+        for seq_id, tokens in admissions.get(str(len(record)), []):
+            joining = next((s for s in self.waiting if str(s.seq_id) == seq_id), None)
+            if joining is None:
+                raise RuntimeError(f"{seq_id}, which the reference admitted in this step, is not waiting")
+            self.waiting.remove(joining)
+            self._start(joining, None, 0, out)
+            out.add(joining, tokens, joining.block_table.append_tokens(tokens))
 
     def _preempt(self, seq, out):
         victims.append([str(seq.seq_id), asker[0]])
         return cls._preempt(self, seq, out)
 
+    def _schedule_running(self, out, budget):
+        left[:] = [cls._schedule_running(self, out, budget)]
+        return left[0]
+
     def schedule(self):
         before = _state(self)
         victims.clear()
+        left[:] = [None]
         out = cls.schedule(self)
         record.append({"before": before,
                        "plan": [[str(s.seq_id), n] for s, n in zip(out.seqs, out.num_new_tokens)],
                        "preempted": [str(s.seq_id) for s in out.preempted], "victims": list(victims),
-                       "admitted": [str(s.seq_id) for s in out.admitted]})
+                       "admitted": [str(s.seq_id) for s in out.admitted], "budget_left": left[0]})
         return out
 
-    methods = {**body, "__init__": __init__, "schedule": schedule, "_preempt": _preempt}
+    left = [None]  # what _schedule_running returned in this step: the budget it left for admission
+    methods = {"schedule": schedule, "_preempt": _preempt, "_schedule_running": _schedule_running}
+    if admissions is not None:
+        methods["_admit"] = _replayed_admit
     return type(cls.__name__, (cls,), methods), AskingTable
 
 
-def _run(case, cls, own: tuple[str, ...], borrow_admit: bool) -> dict:
+def _run(case, cls, admissions: dict | None) -> dict:
     """Run ``case`` on the engine with scheduler ``cls``; its schedule, tokens and latencies as plain data."""
     if not isinstance(cls, type) or not issubclass(cls, Scheduler):
         return {"not_a_scheduler": type(cls).__name__ if not isinstance(cls, type) else cls.__name__}
@@ -169,13 +152,10 @@ def _run(case, cls, own: tuple[str, ...], borrow_admit: bool) -> dict:
         engines[:] = [engine]
         times.append(out.time)
 
-    result = {"own": [name for name in own if getattr(cls, name) is not PACKAGE_STEP[name]], "raised": None}
-    if len(result["own"]) < len(own):  # the package's own methods: nothing of the learner's to run
-        return result
+    result = {"raised": None}
     try:
-        scheduler, table = _recording(cls, record, borrow_admit)
-        with package_methods_off(Scheduler, own):  # a learner's super() call reaches a refusal
-            run = run_engine(case, observe=observe, scheduler=scheduler, block_table=table)
+        scheduler, table = _recording(cls, record, admissions)
+        run = run_engine(case, observe=observe, scheduler=scheduler, block_table=table)
     except NotImplementedError:
         raise
     except Exception as exc:  # the step it happened in is named by the judge
@@ -202,39 +182,28 @@ def _label(case) -> str:
 
 @check("ch05.schedule_running", hint=HINTS["5.1"][0], label=_label,
        summary=lambda cases, seen: f"{sum(len(s['steps']) for s in seen)} steps on {len(cases)} workloads: the "
-                                   "running sequences' plans and victims equal the package's (its admission)")
+                                   "running sequences' plans and victims equal the model answer's (its admissions "
+                                   "replayed)")
 def check_schedule_running(case, cls):
-    """Task 5.1: ``cls``'s ``_schedule_running`` with the package's ``_admit``, on the engine, step by step."""
-    return _run(case, cls, _OWN["ch05.schedule_running"], borrow_admit=True)
+    """Task 5.1: ``cls``'s ``_schedule_running``, the reference's admissions replayed, on the engine, step by step."""
+    return _run(case, cls, case["admissions"])
 
 
 @check("ch05.scheduler", hint=HINTS["5.2"][0], label=_label,
        summary=lambda cases, seen: f"{sum(len(s['steps']) for s in seen)} steps on {len(cases)} workloads: plans, "
-                                   "victims, admissions, tokens, TTFT and TPOT equal the package's")
+                                   "victims, admissions, tokens, TTFT and TPOT equal the model answer's")
 def check_scheduler(case, cls):
     """Task 5.2: ``cls`` whole (``_schedule_running`` and ``_admit``) on the engine, step by step."""
-    return _run(case, cls, _OWN["ch05.scheduler"], borrow_admit=False)
+    return _run(case, cls, None)
 
 
 @check_schedule_running.judge
-def _judge_running(case, got, want):
-    _judge(case, got, want, _OWN["ch05.schedule_running"])
-
-
 @check_scheduler.judge
-def _judge_scheduler(case, got, want):
-    _judge(case, got, want, _OWN["ch05.scheduler"])
-
-
-def _judge(case, got, want, own: tuple[str, ...]) -> None:
+def _judge(case, got, want) -> None:
     if "not_a_scheduler" in got:
-        raise CheckFailed(f"got {got['not_a_scheduler']}, not a class: pass your Scheduler subclass itself "
-                          "(MyScheduler, not MyScheduler())" if got["not_a_scheduler"] in ("type", "") else
+        raise CheckFailed(f"got {got['not_a_scheduler']}, not a class: pass the Scheduler class itself "
+                          "(Scheduler, not Scheduler(...))" if got["not_a_scheduler"] in ("type", "") else
                           f"{got['not_a_scheduler']} is not a subclass of minipaged.scheduler.Scheduler")
-    missing = [name for name in own if name not in got["own"]]
-    if missing:
-        raise CheckFailed(f"your class does not define {' and '.join(missing)}: it runs the package's; write your own",
-                          FAILURE_HINTS["own"])
     steps, right = got["steps"], want["steps"]
     describe = lambda step, g, w: _diagnose(case, step, steps[step], right[step])  # noqa: E731
     mine, theirs = [_decisions(s) for s in steps], [_decisions(s) for s in right]
@@ -242,7 +211,7 @@ def _judge(case, got, want, own: tuple[str, ...]) -> None:
     if raised is not None:  # the steps it planned (the last one perhaps the plan the engine choked on) first
         first_divergence(mine, theirs[: len(mine)], describe)
         agreed = " (your plan for that step agreed with the package's)" if raised["step"] < len(steps) else ""
-        raise CheckFailed(f"step {raised['step']}: {raised['message']}{agreed}", _raised_hint(raised["message"]))
+        raise CheckFailed(f"step {raised['step']}: {raised['message']}{agreed}", "")
     first_divergence(mine, theirs, describe)
     if not got["finished"]:
         raise CheckFailed("the run had not finished after the engine's step limit")
@@ -257,13 +226,10 @@ def _judge(case, got, want, own: tuple[str, ...]) -> None:
             raise CheckFailed(f"request {seq_id}: (TTFT, TPOT) = {mine}, expected {[ttft, tpot]} (the engine's clock)")
 
 
-def _raised_hint(message: str) -> str:
-    return FAILURE_HINTS["own"] if "switched off in this check" in message else ""
-
-
 def _decisions(obs: dict) -> dict:
     """What a step decided (the state it started from is context, not a decision)."""
-    return {"plan": dict(sorted(map(tuple, obs["plan"]))), "preempted": obs["preempted"], "admitted": obs["admitted"]}
+    return {"plan": dict(sorted(map(tuple, obs["plan"]))), "preempted": obs["preempted"], "admitted": obs["admitted"],
+            "budget_left": obs["budget_left"]}
 
 
 def _diagnose(case, step: int, got: dict, want: dict) -> tuple[str, str]:
@@ -272,8 +238,10 @@ def _diagnose(case, step: int, got: dict, want: dict) -> tuple[str, str]:
     budget = config["max_num_batched_tokens"]
     got_plan, want_plan = dict(map(tuple, got["plan"])), dict(map(tuple, want["plan"]))
     running = {row[0]: row for row in want["before"]["running"]}
-    if sum(got_plan.values()) > budget:
-        return (f"your plan {got['plan']} computes {sum(got_plan.values())} tokens, over the budget of {budget}",
+    running_plan = {seq_id: n for seq_id, n in got_plan.items() if seq_id not in got["admitted"]}
+    yours = running_plan if "admissions" in case else got_plan  # replayed admissions (Task 5.1) are not yours
+    if sum(yours.values()) > budget:
+        return (f"your plan {sorted(yours.items())} computes {sum(yours.values())} tokens, over the budget of {budget}",
                 FAILURE_HINTS["budget"])
     for seq_id, n in got_plan.items():
         row = running.get(seq_id)
@@ -302,6 +270,10 @@ def _diagnose(case, step: int, got: dict, want: dict) -> tuple[str, str]:
         return _diagnose_victims(step, got, want, running)
     if got["admitted"] != want["admitted"]:
         return _diagnose_admission(config, got, want)
+    if got["budget_left"] != want["budget_left"] and got_plan == want_plan:
+        return (f"your _schedule_running planned {sum(running_plan.values())} of the budget's {budget} tokens and "
+                f"returned {got['budget_left']!r} as the budget left, expected {want['budget_left']!r}",
+                FAILURE_HINTS["budget"])
     return _diagnose_plan(config, got_plan, want_plan, running, want["before"])
 
 

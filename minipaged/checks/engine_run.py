@@ -17,7 +17,13 @@ A case is plain data::
      "requests": [{"id": "r0", "prompt": [5, 9, 2], "max_tokens": 6,
                    "arrive": 0,          # the step before which it is added
                    "abort": None,        # the step before which it is aborted (None: never)
-                   "n": 1, "cache_salt": None}, ...]}
+                   "n": 1, "cache_salt": None}, ...],
+     "script": {"0": [["start", "r0", 0], ["add", "r0", 3]], ...}}   # optional: see with_script
+
+A check of an exercise that comes before the scheduler's (exercise 05) cannot run the learner's
+scheduler: in a learner's package it is not built yet. Its cases carry the reference run's schedule
+(:func:`with_script`), and :class:`ScriptedScheduler` makes those decisions again, call for call, so
+that the learner's allocator, table or attention meet exactly the calls the package's met.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from functools import cache
 import torch
 
 from minipaged.checks import CheckFailed
+from minipaged.scheduler import Scheduler
 
 MODEL_SEED = 0
 VOCAB_SIZE = 64
@@ -123,6 +130,8 @@ def run_engine(case: dict, *, observe=None, backend=None, **seams) -> dict:
     requests = sorted(case["requests"], key=lambda r: r["arrive"])
     steps, step = [], 0
     config = dict(case["config"], keep_finished=True)
+    if "script" in case and "scheduler" not in seams:
+        seams["scheduler"] = type("ScriptedScheduler", (ScriptedScheduler,), {"script": case["script"]})
     with engine_with(check_model(), config, backend, **seams) as engine, torch.no_grad(), one_thread():
         while (requests or engine.has_unfinished()) and step < MAX_STEPS:
             for r in case["requests"]:
@@ -143,37 +152,70 @@ def run_engine(case: dict, *, observe=None, backend=None, **seams) -> dict:
     return {"tokens": tokens, "steps": steps, "finished": finished}
 
 
-class PackageMethodOff(RuntimeError):
-    """The learner's code reached the package's version of a method the exercise asks them to write."""
+class ScriptedScheduler(Scheduler):
+    """A scheduler that decides nothing: each step it makes the calls of :attr:`script`'s entry, in order.
+
+    ``["start", seq_id, start]`` takes a waiting sequence off the queue and starts it at ``start``;
+    ``["add", seq_id, tokens]`` plans that many of its tokens (its table takes their blocks);
+    ``["preempt", seq_id]`` preempts it (a sequence planned earlier in the step is taken back first).
+    """
+
+    script: dict = {}
+
+    def _schedule_running(self, out, budget):
+        step = getattr(self, "_script_step", 0)
+        self._script_step = step + 1
+        for op, seq_id, *arg in self.script.get(str(step), []):
+            seq = next(s for s in [*self.running, *self.waiting] if str(s.seq_id) == seq_id)
+            if op == "start":
+                self.waiting.remove(seq)
+                self._start(seq, None, arg[0], out)
+            elif op == "add":
+                out.add(seq, arg[0], seq.block_table.append_tokens(arg[0]))
+            else:
+                if seq in out.seqs:
+                    out.take_back(seq)
+                self._preempt(seq, out)
+        return budget
+
+    def _admit(self, out, budget):
+        return None  # the script's "start" entries are its admissions
 
 
-@contextlib.contextmanager
-def package_methods_off(cls: type, names: tuple[str, ...]):
-    """While it lasts, ``cls.<name>`` raises :class:`PackageMethodOff` for each of ``names``.
-
-    A learner's class that inherits one of them, or calls it with ``super()``, then fails with a message
-    that names it, instead of passing on the package's code.
+def with_script(case: dict) -> dict:
+    """``case`` with ``"script"``: the package's scheduler's calls on it, step by step (the instructor's side).
 
     Args:
-        cls: the package's class the learner's subclasses.
-        names: the methods the exercise asks the learner to write.
+        case: a case without a script; the package's own pieces run it.
     """
-    originals = {name: cls.__dict__[name] for name in names}
+    from minipaged.blocks import BlockTable
 
-    def refuse(name):
-        def refused(self, *args, **kwargs):
-            raise PackageMethodOff(f"the package's {cls.__name__}.{name} is switched off in this check: write your "
-                                   "own (no super() call)")
+    script, step = {}, [0]
 
-        return refused
+    def log(*entry):
+        script.setdefault(str(step[0]), []).append(list(entry))
 
-    for name in names:
-        setattr(cls, name, refuse(name))
-    try:
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(cls, name, original)
+    class Recording(Scheduler):
+        def schedule(self):
+            out = super().schedule()
+            step[0] += 1
+            return out
+
+        def _start(self, seq, match, start, out):
+            log("start", str(seq.seq_id), start)
+            return super()._start(seq, match, start, out)
+
+        def _preempt(self, seq, out):
+            log("preempt", str(seq.seq_id))
+            return super()._preempt(seq, out)
+
+    class Table(BlockTable):
+        def append_tokens(self, num_tokens):
+            log("add", str(self.seq_id), num_tokens)
+            return super().append_tokens(num_tokens)
+
+    run_engine(case, scheduler=Recording, block_table=Table)
+    return dict(case, script=script)
 
 
 @contextlib.contextmanager

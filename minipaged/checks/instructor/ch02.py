@@ -11,7 +11,7 @@ import random
 from minipaged.block_math import blocks_needed
 from minipaged.blocks import BlockAllocator, BlockTable
 from minipaged.checks.ch02 import run_script
-from minipaged.checks.engine_run import seeded_requests
+from minipaged.checks.engine_run import seeded_requests, with_script
 from minipaged.checks.instructor import Side
 
 # A pool of 6 blocks, driven call by call; the comments say what each call tests.
@@ -88,12 +88,18 @@ CONSTANT_TIME_CASES = [{"sizes": [32, 1024], "block_size": 4}]
 
 
 def _engine_case(seed: int, block_size: int) -> dict:
-    """A pool too small for its workload (preemptions) with aborts, drawn from ``seed``."""
+    """A pool too small for its workload (preemptions) with aborts, drawn from ``seed``.
+
+    It runs where a learner of exercise 02 has nothing else built: the package's scheduling decisions
+    replayed (:func:`~minipaged.checks.engine_run.with_script`) and chapter 03's block-by-block ``"loop"``
+    attention, which no exercise builds.
+    """
     rng = random.Random(seed)
     requests = seeded_requests(rng, 7, (2, 13), (3, 12), arrive_within=5, abort_prob=0.3)
     num_blocks = max(blocks_needed(len(r["prompt"]) + r["max_tokens"], block_size) for r in requests) + 1
-    return {"config": {"num_blocks": num_blocks, "block_size": block_size, "max_num_seqs": 4,
-                       "max_num_batched_tokens": 16, "watermark": 0.0}, "requests": requests}  # fmt: skip
+    return with_script({"config": {"num_blocks": num_blocks, "block_size": block_size, "max_num_seqs": 4,
+                                   "max_num_batched_tokens": 16, "watermark": 0.0, "backend": "loop"},
+                        "requests": requests})  # fmt: skip
 
 
 ENGINE_CASES = [_engine_case(3, 4), _engine_case(7, 3)]  # 6 and 4 preemptions; 1 and 2 aborts

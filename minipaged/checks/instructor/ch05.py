@@ -1,16 +1,15 @@
 """Exercise 05's workloads, hidden workloads and reference (the instructor's side of ``minipaged.checks.ch05``).
 
-The reference is the package's own :class:`~minipaged.scheduler.Scheduler`. Every workload runs in the
-exercise's envelope (recompute preemption, no prefix caching, n = 1, no speculation, FCFS) on a pool
-small enough that sequences are preempted, some of them by themselves.
+The reference is the package's own :class:`~minipaged.scheduler.Scheduler` (the model answer of its pieces).
+Every workload runs in the exercise's envelope (recompute preemption, no prefix caching, n = 1, no
+speculation, FCFS) on a pool small enough that sequences are preempted, some of them by themselves.
 """
 
 from __future__ import annotations
 
 import random
 
-from minipaged.checks.ch05 import PACKAGE_STEP
-from minipaged.checks.engine_run import VOCAB_SIZE
+from minipaged.checks.engine_run import VOCAB_SIZE, run_engine
 from minipaged.checks.instructor import Side
 from minipaged.scheduler import Scheduler
 
@@ -75,21 +74,23 @@ def hidden_cases(rng: random.Random) -> list[dict]:
     return cases
 
 
-class PackageScheduler(Scheduler):
-    """The package's scheduler, its two halves restated so that the probe runs them as a learner's."""
+def with_admissions(cases: list[dict]) -> list[dict]:
+    """``cases``, each with ``"admissions"``: the reference run's admissions, ``{step: [[seq_id, tokens], ...]}``.
 
-    def _schedule_running(self, out, budget):
-        return PACKAGE_STEP["_schedule_running"](self, out, budget)
-
-    def _admit(self, out, budget):
-        return PACKAGE_STEP["_admit"](self, out, budget)
+    Task 5.1's check replays them, so that the learner's running pass is checked before their admission exists.
+    """
+    for case in cases:
+        steps = run_engine(case, observe=lambda engine, out: [[str(s), out.scheduled[s]] for s in out.admitted])
+        case["admissions"] = {str(step): admitted for step, admitted in enumerate(steps["steps"]) if admitted}
+    return cases
 
 
 def reference():
-    return (PackageScheduler,)
+    return (Scheduler,)
 
 
 SIDES = {
-    "schedule_running": Side(public_cases, hidden_cases, reference),
+    "schedule_running": Side(lambda: with_admissions(public_cases()), lambda rng: with_admissions(hidden_cases(rng)),
+                             reference),
     "scheduler": Side(public_cases, hidden_cases, reference),
 }
