@@ -336,6 +336,7 @@ def gathered_attention(q, k, v, padded=None, out=None):
 
     For a decode step's handful of query rows per KV head, the two matmuls measured faster on a CPU
     than one ``scaled_dot_product_attention`` call, whose fused kernel pays a fixed cost per head.
+    Given (not a piece): a decode (exercise 03) may call it, and ``bench attention`` times it alone.
     """
     scores = torch.bmm(q, k.float().transpose(1, 2))
     if padded is not None:
@@ -355,6 +356,9 @@ def _gather_plan(block_tables, seq_lens, block_size: int, num_kv_heads: int):
     Every layer of a step asks with the same metadata, so the last plan is kept and given again while
     the metadata's values are the same: compared, not trusted by identity (a caller may change a table
     in place, or free it and make another at the same address).
+
+    A helper of the package's decode, part of its answer to Task 3.1: a decode of your own may use it (and fill it
+    in), or leave it as it is.
     """
     ### BEGIN SOLUTION (Exercise 03, Task 3.1)
     key = (block_size, num_kv_heads, block_tables.shape, block_tables.device, seq_lens.shape, seq_lens.dtype)
@@ -443,7 +447,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_s
 
 
 def _paged_prefill_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
-    """The torch backend's prefill: decode rows in one vectorised call, each longer chunk on its gathered context.
+    """The torch backend's prefill: each sequence's new tokens attend causally over its paged context.
 
     The arguments and the result are :class:`AttentionBackend`'s ``prefill``'s: sequence ``s``'s rows of ``q``
     are the last ``q_len`` positions of its context, and its query ``j`` sees positions
@@ -451,22 +455,21 @@ def _paged_prefill_torch(q, k_cache, v_cache, block_tables, seq_lens, query_star
     free: exercise 03, Task 3.2.
     """
     ### BEGIN SOLUTION (Exercise 03, Task 3.2)
-    starts = query_start_loc.tolist()
+    bounds = query_start_loc.tolist()  # sequence i's rows are bounds[i] : bounds[i + 1]
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)  # every row is written below
     # In a mixed step (chapter 05: decodes plus prefill chunks) a one-token query is
     # plain decode: those rows take the vectorised decode path in one call instead of
     # one small attention call per sequence.
-    decoding = [i for i in range(len(starts) - 1) if starts[i + 1] - starts[i] == 1]
+    decoding = [i for i in range(len(bounds) - 1) if bounds[i + 1] - bounds[i] == 1]
     if len(decoding) > 1:
-        rows, seqs = (torch.tensor(x, device=q.device) for x in ([starts[i] for i in decoding], decoding))
+        rows, seqs = (torch.tensor(x, device=q.device) for x in ([bounds[i] for i in decoding], decoding))
         out[rows] = _paged_decode_torch(q[rows], k_cache, v_cache, block_tables[seqs], seq_lens[seqs], scale)
     done = set(decoding) if len(decoding) > 1 else set()
     wide = torch.float64 if q.dtype == torch.float64 else torch.float32  # what SDPA computes in
-    for i, seq_len in enumerate(seq_lens.tolist()):
+    for i, (seq_len, a, b) in enumerate(zip(seq_lens.tolist(), bounds, bounds[1:])):
         if i in done:
             continue
-        a, b = starts[i], starts[i + 1]
         ids = block_tables[i, : blocks_needed(seq_len, block_size)]
         # Slicing to seq_len drops the unwritten tail, so no masking of V is needed here.
         k = k_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:seq_len]

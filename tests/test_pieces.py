@@ -85,7 +85,14 @@ def test_the_package_marks_exercise_08s_pieces():
     assert {"NgramSpeculator.schedule_drafts", "rollback_drafts"} <= set(holes)
     assert {(h.exercise, h.task) for h in holes.values() if "rollback" in h.piece or "draft" in h.piece} == {
         ("08", "8.1")}
-    assert exercises.piece_files() == ["minipaged/speculative.py"]
+    assert exercises.piece_files() == ["minipaged/attention.py", "minipaged/speculative.py"]
+
+
+def test_the_package_marks_exercise_03s_pieces():
+    """The "torch" backend's decode (with the gather plan it reads) and prefill; their given neighbours stay."""
+    holes = [h for hs in package_holes(ROOT).values() for h in hs if h.exercise == "03"]
+    assert [(h.piece, h.task) for h in holes] == [("_gather_plan", "3.1"), ("_paged_decode_torch", "3.1"),
+                                                  ("_paged_prefill_torch", "3.2")]  # fmt: skip
 
 
 def test_in_a_notebook_an_unbuilt_piece_prints_one_line_not_a_traceback(capsys):
@@ -148,11 +155,15 @@ def _check_speculator(package: Path) -> list[str]:
 
 
 def test_untouched_stubs_do_not_pass_and_reveal_fills_them_as_a_learner_would(handout, tmp_path):
-    lines = _check_speculator(handout)
+    lines = _check_speculator(handout)  # the first step reaches the speculator before exercise 03's attention
     assert lines[0].startswith("⏳ NOT IMPLEMENTED YET   ch08.speculator"), lines
     assert "exercise 08, Task 8.1 builds it in minipaged/speculative.py" in lines[0]
     workspace = tmp_path / "workspace"
     shutil.copytree(handout, workspace)
+    assert exercises.main(["reveal", "03", str(workspace)]) == 0  # a learner who has done exercise 03
+    lines = _check_speculator(workspace)
+    assert lines[0].startswith("⏳ NOT IMPLEMENTED YET   ch08.speculator"), lines
+    assert "exercise 08, Task 8.1 builds it in minipaged/speculative.py" in lines[0]
     mine = workspace / "minipaged" / "speculative.py"
     mine.write_text(mine.read_text().replace("raise PieceNotBuilt('08', '8.1', 'rollback_drafts'",
                                              "return 0  # a wrong try\n    raise PieceNotBuilt('08', '8.1', "
@@ -161,9 +172,34 @@ def test_untouched_stubs_do_not_pass_and_reveal_fills_them_as_a_learner_would(ha
     assert _check_speculator(workspace)[0].startswith("✅ PASS   ch08.speculator"), _check_speculator(workspace)
     assert "a wrong try" not in mine.read_text() and "### BEGIN SOLUTION" not in mine.read_text()
     record = json.loads((workspace / exercises.REVEALED).read_text())
-    assert [(r["exercise"], r["pieces"]) for r in record] == [("08", ["rollback_drafts",
-                                                                      "NgramSpeculator.schedule_drafts"])]  # fmt: skip
-    assert exercises.main(["reveal", "03", str(workspace)]) == 2  # builds no piece yet: one line, nothing written
+    assert [(r["exercise"], r["pieces"]) for r in record] == [
+        ("03", ["_gather_plan", "_paged_decode_torch", "_paged_prefill_torch"]),
+        ("08", ["rollback_drafts", "NgramSpeculator.schedule_drafts"])]  # fmt: skip
+    assert exercises.main(["reveal", "07", str(workspace)]) == 2  # builds no piece: one line, nothing written
+
+
+def _check_attention(package: Path) -> list[str]:
+    """Exercise 03's checks on ``package``'s own "torch" backend, run as a learner's kernel would."""
+    script = ("from minipaged.checks import ch03\nfor check in (ch03.check_paged_attention, ch03.check_vectorised, "
+              "ch03.check_engine):\n    check('torch')\n")
+    done = subprocess.run([sys.executable, "-c", script], env={"PYTHONPATH": str(package), "PATH": "/usr/bin"},
+                          capture_output=True, text=True, timeout=300, cwd=package)  # fmt: skip
+    return [line for line in done.stdout.splitlines() if not line.startswith(" ")] or [done.stderr]
+
+
+def test_exercise_03s_untouched_stubs_are_not_implemented_and_reveal_makes_them_pass(handout, tmp_path):
+    """Tasks 3.1 and 3.2 in the handout's minipaged/attention.py: every check names the exercise, then PASSes."""
+    lines = _check_attention(handout)
+    assert len(lines) == 3 and all(line.startswith("⏳ NOT IMPLEMENTED YET   ch03.") for line in lines), lines
+    assert all("exercise 03, Task 3." in line and "minipaged/attention.py" in line for line in lines), lines
+    workspace = tmp_path / "workspace"
+    shutil.copytree(handout, workspace)
+    assert exercises.main(["reveal", "03", str(workspace)]) == 0
+    lines = _check_attention(workspace)
+    assert [line.split(":")[0] for line in lines] == ["✅ PASS   ch03.paged_attention", "✅ PASS   ch03.vectorised",
+                                                      "✅ PASS   ch03.engine"], lines  # fmt: skip
+    record = json.loads((workspace / exercises.REVEALED).read_text())
+    assert record[0]["pieces"] == ["_gather_plan", "_paged_decode_torch", "_paged_prefill_torch"]
 
 
 def test_release_refuses_a_target_inside_what_it_copies_and_an_unwritable_one(tmp_path, capsys):
@@ -179,13 +215,15 @@ def test_release_refuses_a_target_inside_what_it_copies_and_an_unwritable_one(tm
 
 
 def test_the_grader_grades_the_piece_files_a_learner_hands_in(tmp_path):
-    """Exercise 08's notebook and, for ada, her minipaged/speculative.py (the model answer); bo hands in none."""
+    """Exercise 08's notebook and, for ada, her minipaged/speculative.py and minipaged/attention.py (exercise 03,
+    whose backend the engine runs on: the model answers); bo hands in none."""
     notebook = ROOT / "exercises" / "08_beyond.ipynb"
     for learner in ("ada", "bo"):
         (tmp_path / "submissions" / learner).mkdir(parents=True)
         shutil.copy(notebook, tmp_path / "submissions" / learner / notebook.name)
     (tmp_path / "submissions" / "ada" / "minipaged").mkdir()
-    shutil.copy(ROOT / "minipaged" / "speculative.py", tmp_path / "submissions" / "ada" / "minipaged")
+    for piece_file in ("speculative.py", "attention.py"):
+        shutil.copy(ROOT / "minipaged" / piece_file, tmp_path / "submissions" / "ada" / "minipaged")
     (tmp_path / "submissions" / "bo" / "minipaged").mkdir()
     (tmp_path / "submissions" / "bo" / "minipaged" / "checks.py").write_text("raise SystemExit  # not a piece file")
     prefix = tmp_path / "book"
@@ -198,9 +236,11 @@ def test_the_grader_grades_the_piece_files_a_learner_hands_in(tmp_path):
 
 def test_the_handout_filled_the_learners_way_runs_chapter_08_and_exercise_08(handout, tmp_path):
     """The pieces revealed into the handout's files: chapter 08 gives its committed outputs (nbval), exercise 08
-    runs to the end, its Task 8.1 check PASSes, and chapter 08's speculative runs are the handout's own code."""
+    runs to the end, its Task 8.1 check PASSes, and chapter 08's speculative runs are the handout's own code
+    (on exercise 03's attention backend, revealed too)."""
     workspace = tmp_path / "workspace"
     shutil.copytree(handout, workspace)
+    assert exercises.main(["reveal", "03", str(workspace)]) == 0
     assert exercises.main(["reveal", "08", str(workspace)]) == 0
     env = {"PYTHONPATH": str(workspace), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "OMP_NUM_THREADS": "2"}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval",
