@@ -94,7 +94,10 @@ def test_shipped_exercise_runs_without_traceback(path):
     NotebookClient(nb, timeout=300, allow_errors=True, resources={"metadata": {"path": str(path.parent)}}).execute()
     errors = [out for cell in nb.cells for out in cell.get("outputs", []) if out.output_type == "error"]
     assert not errors, f"{path.name} raised {errors[0].ename}: {errors[0].evalue}"
-    assert TODO in printed(nb), f"{path.name} should report unimplemented tasks, not crash or pass"
+    if any("raise NotImplementedError" in c.source for c in nb.cells if c.cell_type == "code"):
+        assert TODO in printed(nb), f"{path.name} should report unimplemented tasks, not crash or pass"
+    else:  # every code task is a piece of the package: here the model answer (test_pieces runs the handout's stubs)
+        assert PASS in printed(nb) and FAIL not in printed(nb), f"{path.name}'s checks should pass on the package"
 
 
 # ----------------------------------------------------------------- the chapters do not give the answers
@@ -265,7 +268,7 @@ def test_the_capstone_carries_each_piece_as_its_exercise_solves_it():
                                   "        ### END SOLUTION"]
     capstone = nbformat.read(ROOT / "solutions" / exercises.CAPSTONE, as_version=4)
     pieces = [c for c in capstone.cells if any(t.startswith("piece:") for t in c.metadata.get("tags", []))]
-    assert len(pieces) >= 7 and exercises.sync_capstone(capstone).cells == capstone.cells
+    assert len(pieces) >= 5 and exercises.sync_capstone(capstone).cells == capstone.cells
     pieces[0].source = "class MyAllocator:\n    pass"  # an edited copy is put back as the exercise has it
     synced = exercises.sync_capstone(capstone)
     assert synced.cells[capstone.cells.index(pieces[0])].source.startswith("class MyAllocator(AllocatorBase):")
