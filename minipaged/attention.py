@@ -18,6 +18,8 @@ checks (:func:`minipaged.attention_checks.check_paged_attention`, ``check_kv_wri
 the call to the backend, so a bad input gets the same error on every backend. Registered here:
 
 - ``"torch"``: vectorised gather through the block table, then batched matmuls and a masked softmax (this module).
+  Its decode and prefill are exercise 03's pieces (Tasks 3.1 and 3.2, :mod:`minipaged.pieces`): in a learner's
+  copy of the package they are the learner's own.
 - ``"loop"``: block by block, one sequence at a time. Slow and obviously right
   (:mod:`minipaged.attention_loop`, loaded when asked for).
 - ``"triton"``: the chapter-04 kernels in :mod:`minipaged.kernels` (loaded when asked for, so an
@@ -65,7 +67,7 @@ def contiguous_attention(q, k, v, *, scale=None, causal=True):
 
 
 def _contiguous_attention(q, k, v, scale: float, causal: bool = True):
-    """:func:`contiguous_attention` on inputs known to be valid (the torch prefill's gathered contexts)."""
+    """:func:`contiguous_attention` on inputs known to be valid."""
     q_len, kv_len = q.shape[0], k.shape[0]
     mask = None
     if causal and q_len > 1:
@@ -334,6 +336,7 @@ def gathered_attention(q, k, v, padded=None, out=None):
 
     For a decode step's handful of query rows per KV head, the two matmuls measured faster on a CPU
     than one ``scaled_dot_product_attention`` call, whose fused kernel pays a fixed cost per head.
+    Given (not a piece): a decode (exercise 03) may call it, and ``bench attention`` times it alone.
     """
     scores = torch.bmm(q, k.float().transpose(1, 2))
     if padded is not None:
@@ -353,7 +356,11 @@ def _gather_plan(block_tables, seq_lens, block_size: int, num_kv_heads: int):
     Every layer of a step asks with the same metadata, so the last plan is kept and given again while
     the metadata's values are the same: compared, not trusted by identity (a caller may change a table
     in place, or free it and make another at the same address).
+
+    A helper of the package's decode, part of its answer to Task 3.1: a decode of your own may use it (and fill it
+    in), or leave it as it is.
     """
+    ### BEGIN SOLUTION (Exercise 03, Task 3.1)
     key = (block_size, num_kv_heads, block_tables.shape, block_tables.device, seq_lens.shape, seq_lens.dtype)
     if _last_plan and _last_plan[0] == key and all(map(torch.equal, _last_plan[1:3], (block_tables, seq_lens))):
         return _last_plan[3]
@@ -374,13 +381,17 @@ def _gather_plan(block_tables, seq_lens, block_size: int, num_kv_heads: int):
     _last_plan[:] = [key, block_tables.clone(), seq_lens.clone(),
                      (lens, ctx, None if valid is None else ~valid[:, None, None, :], rows)]  # fmt: skip
     return _last_plan[3]
+    ### END SOLUTION
 
 
 def _paged_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, scale):
     """The torch backend's decode: each context gathered through its block table, head by head, then attended.
 
-    The arguments and the result are :class:`AttentionBackend`'s ``decode``'s.
+    The arguments and the result are :class:`AttentionBackend`'s ``decode``'s: each sequence's one query
+    against its positions ``0 .. seq_lens[s] - 1``, read through its block table, for the whole batch at once
+    (no Python loop over blocks or positions). The contract and what is free: exercise 03, Task 3.1.
     """
+    ### BEGIN SOLUTION (Exercise 03, Task 3.1)
     (num_seqs, num_heads, head_dim), (block_size, num_kv_heads) = q.shape, k_cache.shape[1:3]
     lens, ctx, padded, rows = _gather_plan(block_tables, seq_lens, block_size, num_kv_heads)
     # GQA without copying K/V per query head: the query heads that share a KV head are its query rows.
@@ -401,6 +412,7 @@ def _paged_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, scale):
         mask = padded[start:end, ..., :n] if min(lens[start:end]) < n else None
         gathered_attention(qg[heads], k, v, mask, out=out[heads])
     return out.view(num_seqs, num_heads, head_dim).to(q.dtype)
+    ### END SOLUTION
 
 
 # --------------------------------------------------------------------------- prefill
@@ -435,31 +447,43 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_s
 
 
 def _paged_prefill_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
-    """The torch backend's prefill: decode rows in one vectorised call, each longer chunk on its gathered context.
+    """The torch backend's prefill: each sequence's new tokens attend causally over its paged context.
 
-    The arguments and the result are :class:`AttentionBackend`'s ``prefill``'s.
+    The arguments and the result are :class:`AttentionBackend`'s ``prefill``'s: sequence ``s``'s rows of ``q``
+    are the last ``q_len`` positions of its context, and its query ``j`` sees positions
+    ``0 .. seq_lens[s] - q_len + j`` (no Python loop over blocks or query tokens). The contract and what is
+    free: exercise 03, Task 3.2.
     """
-    starts = query_start_loc.tolist()
+    ### BEGIN SOLUTION (Exercise 03, Task 3.2)
+    bounds = query_start_loc.tolist()  # sequence i's rows are bounds[i] : bounds[i + 1]
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)  # every row is written below
     # In a mixed step (chapter 05: decodes plus prefill chunks) a one-token query is
     # plain decode: those rows take the vectorised decode path in one call instead of
     # one small attention call per sequence.
-    decoding = [i for i in range(len(starts) - 1) if starts[i + 1] - starts[i] == 1]
+    decoding = [i for i in range(len(bounds) - 1) if bounds[i + 1] - bounds[i] == 1]
     if len(decoding) > 1:
-        rows, seqs = (torch.tensor(x, device=q.device) for x in ([starts[i] for i in decoding], decoding))
+        rows, seqs = (torch.tensor(x, device=q.device) for x in ([bounds[i] for i in decoding], decoding))
         out[rows] = _paged_decode_torch(q[rows], k_cache, v_cache, block_tables[seqs], seq_lens[seqs], scale)
     done = set(decoding) if len(decoding) > 1 else set()
-    for i, seq_len in enumerate(seq_lens.tolist()):
+    wide = torch.float64 if q.dtype == torch.float64 else torch.float32  # what SDPA computes in
+    for i, (seq_len, a, b) in enumerate(zip(seq_lens.tolist(), bounds, bounds[1:])):
         if i in done:
             continue
-        a, b = starts[i], starts[i + 1]
         ids = block_tables[i, : blocks_needed(seq_len, block_size)]
         # Slicing to seq_len drops the unwritten tail, so no masking of V is needed here.
         k = k_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:seq_len]
         v = v_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:seq_len]
-        out[a:b] = _contiguous_attention(q[a:b], k, v, scale)
+        # The chunk is the context's last b - a positions, so the causal mask is aligned to the context's end
+        # (SDPA's is_causal aligns query 0 with key 0). A single query sees the whole context: no mask.
+        first_query = seq_len - (b - a)
+        sees = None if b - a == 1 else (torch.arange(seq_len, device=q.device)[None, :]
+                                        <= torch.arange(first_query, seq_len, device=q.device)[:, None])
+        heads_first = [t.to(wide).transpose(0, 1) for t in (q[a:b], k, v)]  # [heads, tokens, head_dim]
+        attended = F.scaled_dot_product_attention(*heads_first, attn_mask=sees, scale=scale, enable_gqa=True)
+        out[a:b] = attended.transpose(0, 1)
     return out
+    ### END SOLUTION
 
 
 # The built-in backends go straight in (register_backend checks what a caller hands in).

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from minipaged.attention import AttentionBackend, get_backend
+from minipaged.attention import AttentionBackend, contiguous_attention, get_backend, paged_attention
 from minipaged.cache import write_kv_torch
 from minipaged.checks import FAIL, PASS, ch03, find, instructor_side, reference_transcript
 from minipaged.checks.engine_run import run_engine
@@ -101,6 +101,29 @@ def loop_over_tokens():
     return AttentionBackend("mutant", decode=backend().decode, prefill=prefill, write=write_kv_torch)
 
 
+def contiguous_per_sequence():
+    """Right, but hands each sequence to the package's reference, contiguous_attention, after a gather."""
+    def prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
+        block_size, starts, out = k_cache.shape[1], query_start_loc.tolist(), []
+        for s, seq_len in enumerate(seq_lens.tolist()):
+            ids = block_tables[s, : -(-seq_len // block_size)]
+            k = k_cache[ids].flatten(0, 1)[:seq_len]
+            v = v_cache[ids].flatten(0, 1)[:seq_len]
+            out.append(contiguous_attention(q[starts[s] : starts[s + 1]], k, v, scale=scale))
+        return torch.cat(out)
+
+    return AttentionBackend("mutant", decode=lambda q, k, v, t, lens, scale: prefill(
+        q, k, v, t, lens, torch.arange(len(lens) + 1), scale), prefill=prefill, write=write_kv_torch)
+
+
+def through_paged_attention():
+    """Right, but its decode is the package's read path on the loop backend (its prefill the reference's)."""
+    def decode(q, k_cache, v_cache, block_tables, seq_lens, scale):
+        return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=scale, backend="loop")
+
+    return AttentionBackend("mutant", decode=decode, prefill=REFERENCE.prefill, write=write_kv_torch)
+
+
 def off_by_one_write():
     """Right attention, but the write puts every token one slot further on."""
     def write(key, value, k_cache, v_cache, slot_mapping):
@@ -124,8 +147,11 @@ MUTANTS = {
     "slot indices in int32": (PAGED, backend(int64=False), "int32", ch03.H_INT32),
     "float32 output": (PAGED, backend(keep_dtype=False), "bfloat16 inputs", ch03.H_DTYPE),
     "nan_to_num_ on the shared cache": (PAGED, backend(in_place=True), "changed k_cache", ch03.H_CACHE),
-    "the package's torch backend": (PAGED, get_backend("torch"), "_paged_decode_torch", ch03.H_DELEGATED),
     "the chapter's loop backend": (PAGED, get_backend("loop"), "_attend_blocks", ch03.H_DELEGATED),
+    "the package's contiguous_attention per sequence": (PAGED, contiguous_per_sequence(),
+                                                        "minipaged.attention.contiguous_attention", ch03.H_DELEGATED),
+    "the package's paged_attention on the loop backend": (PAGED, through_paged_attention(),
+                                                          "minipaged.attention.paged_attention", ch03.H_DELEGATED),
     "a Python loop over blocks": (ch03.check_vectorised, loop_over_blocks(), "grows with the blocks",
                                   ch03.H_LOOP_BLOCKS),
     "a Python loop over query tokens": (ch03.check_vectorised, loop_over_tokens(), "grows with the tokens",
@@ -147,6 +173,16 @@ def test_mutant_fails_with_its_reason_and_hint(name, capsys):
     assert result.status == FAIL and reason in result.message, result.message
     assert result.hint == hint, result.hint
     assert "Traceback" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("check", [ch03.check_paged_attention, ch03.check_vectorised, ch03.check_engine],
+                         ids=lambda c: c.name)
+def test_the_packages_torch_backend_is_the_model_answer_and_passes(check):
+    """Tasks 3.1 and 3.2 are holes in the learner's minipaged/attention.py: the repository's "torch" backend is the
+    model answer. It differs from the reference (the instructor's side) in free choices: a reused gather buffer, a
+    plan kept per step, float32 for float64 inputs, and a prefill that loops over the sequences and hands its decode
+    rows to the decode. A learner's copy of the package has stubs there (tests/test_pieces.py checks them)."""
+    assert check("torch").status == PASS
 
 
 def test_the_right_loop_mutants_pass_the_direct_calls():

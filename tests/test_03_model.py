@@ -216,5 +216,8 @@ def test_forward_returns_the_logits_of_the_rows_asked_for_in_order(model):
         every = model(torch.arange(5), torch.arange(5), cache, md, logits_rows=range(5))
         some = model(torch.arange(5), torch.arange(5), cache, md, logits_rows=[4, 0, 4])
         none = model(torch.arange(5), torch.arange(5), cache, md, logits_rows=[])
-    assert torch.equal(some, every[[4, 0, 4]])
+    # The same rows, in the order asked for; a matmul over 3 rows may round apart from one over 5 (BLAS blocking
+    # differs by CPU), so equal up to float32 rounding, and row 0 is far from row 4.
+    torch.testing.assert_close(some, every[[4, 0, 4]])
+    assert not torch.allclose(some[0], some[1], atol=1e-3)
     assert none.shape == (0, cfg.vocab_size)

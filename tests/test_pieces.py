@@ -119,8 +119,15 @@ def test_the_package_marks_the_pieces_of_exercises_02_05_and_08():
         ("02", "2.1"), ("02", "2.2")}
     assert {(h.exercise, h.task) for h in holes.values() if h.piece.startswith(("Scheduler.", "FCFSQueue."))} == {
         ("05", "5.1"), ("05", "5.2")}
-    assert exercises.piece_files() == ["minipaged/blocks.py", "minipaged/request_queue.py", "minipaged/scheduler.py",
-                                       "minipaged/speculative.py"]
+    assert exercises.piece_files() == ["minipaged/attention.py", "minipaged/blocks.py", "minipaged/request_queue.py",
+                                       "minipaged/scheduler.py", "minipaged/speculative.py"]
+
+
+def test_the_package_marks_exercise_03s_pieces():
+    """The "torch" backend's decode (with the gather plan it reads) and prefill; their given neighbours stay."""
+    holes = [h for hs in package_holes(ROOT).values() for h in hs if h.exercise == "03"]
+    assert [(h.piece, h.task) for h in holes] == [("_gather_plan", "3.1"), ("_paged_decode_torch", "3.1"),
+                                                  ("_paged_prefill_torch", "3.2")]  # fmt: skip
 
 
 def test_in_a_notebook_an_unbuilt_piece_prints_one_line_not_a_traceback(capsys):
@@ -206,7 +213,7 @@ def test_untouched_stubs_do_not_pass_and_reveal_fills_them_as_a_learner_would(ha
     assert _check_speculator(workspace)[0].startswith("⏳ NOT IMPLEMENTED YET   ch08.speculator")
     first = _check_speculator(workspace)[0]  # the first unbuilt piece its engine meets: an earlier exercise's
     assert "is not built yet: exercise 0" in first and "exercise 08" not in first, first
-    for earlier in ("2", "5"):
+    for earlier in ("2", "3", "5"):
         assert exercises.main(["reveal", earlier, str(workspace)]) == 0
     lines = _check_speculator(workspace)
     assert lines[0].startswith("⏳ NOT IMPLEMENTED YET   ch08.speculator"), lines
@@ -221,9 +228,37 @@ def test_untouched_stubs_do_not_pass_and_reveal_fills_them_as_a_learner_would(ha
     record = json.loads((workspace / exercises.REVEALED).read_text())
     assert [(r["exercise"], r["pieces"][:2]) for r in record] == [
         ("02", ["BlockAllocator.allocate", "BlockAllocator.allocate_many"]),
+        ("03", ["_gather_plan", "_paged_decode_torch"]),
         ("05", ["FCFSQueue.victim", "Scheduler._chunk"]),
         ("08", ["rollback_drafts", "NgramSpeculator.schedule_drafts"])]
     assert exercises.main(["reveal", "07", str(workspace)]) == 2  # builds no piece: one line, nothing written
+
+
+def _check_attention(package: Path) -> list[str]:
+    """Exercise 03's checks on ``package``'s own "torch" backend, run as a learner's kernel would."""
+    script = ("from minipaged.checks import ch03\nfor check in (ch03.check_paged_attention, ch03.check_vectorised, "
+              "ch03.check_engine):\n    check('torch')\n")
+    done = subprocess.run([sys.executable, "-c", script], env={"PYTHONPATH": str(package), "PATH": "/usr/bin"},
+                          capture_output=True, text=True, timeout=300, cwd=package)  # fmt: skip
+    return [line for line in done.stdout.splitlines() if not line.startswith(" ")] or [done.stderr]
+
+
+def test_exercise_03s_untouched_stubs_are_not_implemented_and_reveal_makes_them_pass(handout, tmp_path):
+    """Tasks 3.1 and 3.2 in the handout's minipaged/attention.py: every check names the exercise (the engine's, the
+    first piece it meets: exercise 02's allocator), then PASSes once 02 and 03 are done; no check needs exercise 05."""
+    lines = _check_attention(handout)
+    assert len(lines) == 3 and all(line.startswith("⏳ NOT IMPLEMENTED YET   ch03.") for line in lines), lines
+    assert all("exercise 03, Task 3." in line and "minipaged/attention.py" in line for line in lines[:2]), lines
+    assert "exercise 02, Task 2." in lines[2], lines
+    workspace = tmp_path / "workspace"
+    shutil.copytree(handout, workspace)
+    assert exercises.main(["reveal", "02", str(workspace)]) == 0
+    assert exercises.main(["reveal", "03", str(workspace)]) == 0
+    lines = _check_attention(workspace)
+    assert [line.split(":")[0] for line in lines] == ["✅ PASS   ch03.paged_attention", "✅ PASS   ch03.vectorised",
+                                                      "✅ PASS   ch03.engine"], lines  # fmt: skip
+    record = json.loads((workspace / exercises.REVEALED).read_text())
+    assert record[-1]["pieces"] == ["_gather_plan", "_paged_decode_torch", "_paged_prefill_torch"]
 
 
 def test_release_refuses_a_target_inside_what_it_copies_and_an_unwritable_one(tmp_path, capsys):
@@ -262,8 +297,10 @@ def test_the_grader_grades_the_piece_files_a_learner_hands_in(tmp_path):
 
 # exercise: its notebooks' name, its checks, and the exercises whose pieces its chapter runs on
 FILLED = {"02": ("02_blocks_and_block_tables.ipynb", ["ch02.allocator", "ch02.engine", "ch02.constant_time"], ["02"]),
-          "05": ("05_continuous_batching.ipynb", ["ch05.schedule_running", "ch05.scheduler"], ["02", "05"]),
-          "08": ("08_beyond.ipynb", ["ch08.speculator"], ["02", "05", "08"])}
+          "03": ("03_paged_attention_pytorch.ipynb", ["ch03.paged_attention", "ch03.vectorised", "ch03.engine"],
+                 ["02", "03"]),
+          "05": ("05_continuous_batching.ipynb", ["ch05.schedule_running", "ch05.scheduler"], ["02", "03", "05"]),
+          "08": ("08_beyond.ipynb", ["ch08.speculator"], ["02", "03", "05", "08"])}
 
 
 @pytest.mark.parametrize("exercise", FILLED)

@@ -1,18 +1,21 @@
 """Checks for exercise 03: the learner's vectorised paged attention, as an attention backend.
 
-The learner builds an :class:`~minipaged.attention.AttentionBackend` (its ``decode`` and ``prefill``; its
-``write`` may be the package's :func:`~minipaged.cache.write_kv_torch`, shown in chapter 03). Three checks
-take it:
+The learner builds the package's ``"torch"`` :class:`~minipaged.attention.AttentionBackend`: its ``decode``
+(``_paged_decode_torch``, Task 3.1) and ``prefill`` (``_paged_prefill_torch``, Task 3.2) are holes in their copy
+of ``minipaged/attention.py`` (:mod:`minipaged.pieces`); its ``write`` is the package's
+:func:`~minipaged.cache.write_kv_torch`, shown in chapter 03. Three checks take a backend (``"torch"``, or
+any backend, by name or itself):
 
 - ``ch03.paged_attention`` calls its ``decode`` and ``prefill`` on :func:`minipaged.testing.make_paged_case`'s
   batches (shuffled blocks, NaN in every slot no sequence wrote, chunks that start mid-block, MHA, GQA,
   MQA, a given scale) and compares every output row with contiguous attention in float64. A wrong row is
   named (sequence, query token, position) and diagnosed against the classic mistakes, each with its own
-  hint. It also watches the call: the package's attention functions must not run inside it, the shared
-  cache must not change, and no slot arithmetic may run in int32;
+  hint. It also watches the call: the package's reference and read paths (:data:`DELEGATES`) must not run
+  inside it, the shared cache must not change, and no slot arithmetic may run in int32;
 - ``ch03.vectorised`` counts the work of one call (torch calls through a ``TorchFunctionMode``, plus the
-  lines of the learner's own Python) on the same batch at two sizes: four times the blocks, then four times
-  the query tokens. The count must not grow: a Python loop over blocks or tokens makes it grow;
+  lines of the learner's own Python, in ``minipaged/attention.py`` or anywhere outside the package) on the
+  same batch at two sizes: four times the blocks, then four times the query tokens. The count must not grow:
+  a Python loop over blocks or tokens makes it grow;
 - ``ch03.engine`` serves a chunked-prefill workload on the real engine (:func:`run_engine`) with the backend
   in it, and compares every step's logits and every greedy token with the reference's run.
 
@@ -31,9 +34,18 @@ from torch.overrides import TorchFunctionMode
 from minipaged.checks import CheckFailed, _is_learners, as_tensor, check, engine_run
 from minipaged.testing import make_paged_case
 
-# The package modules this exercise rebuilds: the grader flags a learner's cell that imports, subclasses or
-# calls them (a flag for the instructor, not a verdict); ch03.paged_attention also refuses a backend that runs them.
-REBUILDS = ("minipaged.attention", "minipaged.attention_loop")
+# The package modules this exercise rebuilds in a notebook cell, which the grader flags a learner's cell for
+# importing, subclassing or calling (a flag for the instructor, not a verdict): none. Tasks 3.1 and 3.2 are holes
+# in the learner's own minipaged/attention.py, the "torch" backend, which the exercise's cells check.
+REBUILDS = ()
+
+# The package's attention that a backend under check must not hand its work to (ch03.paged_attention refuses it):
+# module -> its functions (None: all of them). minipaged.attention also holds the learner's own pieces and the
+# helpers they may call (gathered_attention, _gather_buffers), so there only the reference and the read paths
+# count; the loop backend's module is off limits whole.
+DELEGATES = {"minipaged.attention": ("contiguous_attention", "_contiguous_attention", "paged_attention",
+                                     "paged_prefill_attention"),
+             "minipaged.attention_loop": None}  # fmt: skip
 
 HINTS = {
     "3.1": [
@@ -62,8 +74,9 @@ _INTS = (torch.int8, torch.int16, torch.int32, torch.uint8)
 
 # --------------------------------------------------------------------------- per-failure hints
 
-H_DELEGATED = ("this exercise rebuilds minipaged.attention and minipaged.attention_loop: write the gather, the "
-               "mask and the softmax yourself (torch and torch.nn.functional are yours to use)")
+H_DELEGATED = ("this exercise builds the torch backend's read path: write the gather, the mask and the softmax "
+               "yourself, without the package's reference (contiguous_attention), its read paths (paged_attention, "
+               "paged_prefill_attention) or the loop backend (torch and torch.nn.functional are yours to use)")
 H_CACHE = "the pool is shared by every sequence: compute on gathered copies (torch.where, masked_fill without _)"
 H_DTYPE = "compute in float32 (float64 for float64 inputs) if you like, but return q.dtype"
 H_NAN = ("a masked position still read a slot no sequence wrote, or a padding entry of the block table: a 0 weight "
@@ -119,20 +132,26 @@ class _Count(TorchFunctionMode):
         return out
 
 
-def _rebuilt_files() -> dict:
-    """file -> module name, for the modules in :data:`REBUILDS` (found without importing them)."""
-    return {importlib.util.find_spec(name).origin: name for name in REBUILDS}
+def _delegate_files() -> dict:
+    """file -> (module name, its functions or None), for the modules of :data:`DELEGATES` (found without importing)."""
+    return {importlib.util.find_spec(name).origin: (name, functions) for name, functions in DELEGATES.items()}
+
+
+def _pieces_file() -> str:
+    """``minipaged/attention.py``, where the learner writes Tasks 3.1 and 3.2 (found without importing it)."""
+    return importlib.util.find_spec("minipaged.attention").origin
 
 
 @contextlib.contextmanager
 def _watch(seen: list, lines: list | None = None):
-    """Record in ``seen`` the functions of :data:`REBUILDS` called; count in ``lines[0]`` the learner's lines run.
+    """Record in ``seen`` the functions of :data:`DELEGATES` called; count in ``lines[0]`` the learner's lines run.
 
     Args:
-        seen: gets ``"module.function"`` for each function of a rebuilt module that ran (once each).
-        lines: if given, ``lines[0]`` grows by one for every line of the learner's own code executed.
+        seen: gets ``"module.function"`` for each of those functions that ran (once each).
+        lines: if given, ``lines[0]`` grows by one for every line executed of the learner's code: the module that
+            holds their pieces, and any file outside the package.
     """
-    files, previous = _rebuilt_files(), sys.gettrace()
+    files, pieces, previous = _delegate_files(), _pieces_file(), sys.gettrace()
 
     def count(frame, event, arg):
         if event == "line":
@@ -140,12 +159,13 @@ def _watch(seen: list, lines: list | None = None):
         return count
 
     def trace(frame, event, arg):
-        filename = frame.f_code.co_filename
-        if filename in files and not frame.f_code.co_name.startswith("<"):
-            name = f"{files[filename]}.{frame.f_code.co_name}"
-            if name not in seen:
+        filename, function = frame.f_code.co_filename, frame.f_code.co_name
+        if filename in files and not function.startswith("<"):
+            module, functions = files[filename]
+            name = f"{module}.{function}"
+            if (functions is None or function in functions) and name not in seen:
                 seen.append(name)
-        return count if lines is not None and _is_learners(filename) else None
+        return count if lines is not None and (filename == pieces or _is_learners(filename)) else None
 
     sys.settrace(trace)
     try:
@@ -314,8 +334,15 @@ def _work(backend, case, size) -> dict:
        summary="the work of one call does not grow with the blocks read or the query tokens (decode and prefill)")
 def check_vectorised(case, backend):
     """``case`` = {"name", "path", "block_size", "num_heads", "num_kv_heads", "dtype", "seed", "scale", "sizes"}:
-    the same batch at each of ``sizes`` ({"seq_lens", "new_tokens"}), more blocks or tokens each time."""
+    the same batch at each of ``sizes`` ({"seq_lens", "new_tokens"}), more blocks or tokens each time.
+
+    First one call that is not counted, on the largest size with other values (the next seed): a backend that keeps
+    buffers between calls, as the package's does, has grown them before the count, and nothing it kept from that
+    call is the answer to a counted one.
+    """
     backend = _backend(backend)
+    warm_up = dict(case, **case["sizes"][-1], seed=case["seed"] + 1)
+    _call(backend, warm_up, paged_case(warm_up))
     return [_work(backend, case, size) for size in case["sizes"]]
 
 

@@ -2,7 +2,8 @@
 
 The learner passes the four pieces they built: a prefix-caching allocator on their own allocator
 (exercises 02 and 06), their copy-on-write table on their own block table (06 on 02), their
-attention backend (03) and their scheduler (05).
+attention backend (03: the package's ``"torch"`` backend, whose decode and prefill are holes in their copy of
+``minipaged/attention.py``) and their scheduler (05).
 The probe assembles them into one :class:`~minipaged.engine.Engine` and runs:
 
 - **recorded** cases: the batches of ``notebooks/results/vllm_check.json``, which real vLLM served
@@ -31,8 +32,8 @@ from minipaged.checks.engine_run import engine_with, first_divergence, first_tok
 
 # The package modules the capstone's pieces rebuild: the grader flags a learner's cell that imports, subclasses or
 # calls them (a flag for the instructor, not a verdict).
-REBUILDS = ("minipaged.blocks", "minipaged.prefix_cache", "minipaged.attention", "minipaged.attention_loop",
-            "minipaged.scheduler", "minipaged.request_queue")
+# Exercises 02, 03 and 05 are not among them: their pieces are built in the learner's own package files.
+REBUILDS = ("minipaged.prefix_cache",)
 
 RECORD = Path(__file__).resolve().parents[2] / "notebooks" / "results" / "vllm_check.json"
 MODELS = {"course model": "course", "SmolLM2-135M-Instruct": "smollm2-135m-instruct"}  # record name -> load_model's
@@ -43,9 +44,9 @@ HINTS = {
         "piece assumes of another (a hook the prefix cache overrides, a table method the scheduler calls)",
         "find the piece: in a scratch cell, call ch09.check_your_engine with one piece of yours and the "
         "package's for the others (PrefixCachingAllocator from minipaged.prefix_cache, BlockTable from "
-        "minipaged.blocks, None for the package's torch backend, Scheduler from minipaged.scheduler): the "
-        "piece whose run fails is the one to fix (delete the cell afterwards: the grader flags imports of the "
-        "package's versions)",
+        "minipaged.blocks, Scheduler from minipaged.scheduler; the backend is your exercise 03, "
+        "get_backend(\"torch\")): the piece whose run fails is the one to fix (delete the cell afterwards: the "
+        "grader flags imports of the package's versions)",
         "blocks of 32 and a 1,024-token budget are new here: batch 1's prompt fills three blocks and part of a "
         "fourth in one step, each of batch 2's prompts hits those three blocks (96 tokens) and computes only "
         "its partly filled last one, and in batch 3 the second chat hits the blocks the first fills in that "

@@ -6,7 +6,7 @@ import torch
 
 from minipaged.attention import AttentionBackend
 from minipaged.cache import write_kv_torch
-from minipaged.checks.engine_run import seeded_requests
+from minipaged.checks.engine_run import seeded_requests, with_script
 from minipaged.checks.instructor import Side
 
 
@@ -102,9 +102,10 @@ def _hidden_vectorised(rng):
 
 
 def _engine_case(name, requests, block_size=4, budget=16):
-    return {"name": name, "config": {"num_blocks": 64, "block_size": block_size, "max_num_seqs": 4,
-                                     "max_num_batched_tokens": budget, "chunked_prefill": True},
-            "requests": requests}
+    """A workload with the model answer's schedule replayed: exercise 03 comes before the scheduler's (05)."""
+    return with_script({"name": name, "config": {"num_blocks": 64, "block_size": block_size, "max_num_seqs": 4,
+                                                 "max_num_batched_tokens": budget, "chunked_prefill": True},
+                        "requests": requests})
 
 
 def _request(i, prompt_len, max_tokens, arrive):
