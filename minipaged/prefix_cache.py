@@ -300,8 +300,7 @@ class PrefixCachingAllocator(BlockAllocator):
         """A cached block joins the LRU end, a keyless one the deque; the "free" event says which (``cached``)."""
         ### BEGIN SOLUTION (Exercise 06, Task 6.2)
         if self.entries[block_id] is None:
-            super()._put_free_block(block_id)
-            return {"cached": False}
+            return {**super()._put_free_block(block_id), "cached": False}
         self.evictable_block_ids[block_id] = None
         return {"cached": True}
         ### END SOLUTION

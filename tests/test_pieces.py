@@ -110,14 +110,18 @@ def test_bad_markers_are_refused_with_the_file_and_line(source, match):
         find_holes(source, "m.py")
 
 
-def test_the_package_marks_the_pieces_of_exercises_02_and_08():
+def test_the_package_marks_the_pieces_of_exercises_02_06_and_08():
     holes = {h.piece: h for hs in package_holes(ROOT).values() for h in hs}
     assert {"NgramSpeculator.schedule_drafts", "rollback_drafts"} <= set(holes)
     assert {(h.exercise, h.task) for h in holes.values() if "rollback" in h.piece or "draft" in h.piece} == {
         ("08", "8.1")}
     assert {(h.exercise, h.task) for h in holes.values() if h.piece.startswith(("BlockAllocator.", "BlockTable."))} == {
-        ("02", "2.1"), ("02", "2.2")}
-    assert exercises.piece_files() == ["minipaged/blocks.py", "minipaged/speculative.py"]
+        ("02", "2.1"), ("02", "2.2"), ("06", "6.5")}
+    assert holes["BlockTable._copy_on_write"].exercise == "06"
+    assert {(h.exercise, h.task) for h in holes.values() if h.piece.startswith("PrefixCachingAllocator.")} == {
+        ("06", "6.2"), ("06", "6.3"), ("06", "6.4")}
+    assert (holes["block_keys"].task, holes["extra_keys"].task) == ("6.1", "6.1")
+    assert exercises.piece_files() == ["minipaged/blocks.py", "minipaged/prefix_cache.py", "minipaged/speculative.py"]
 
 
 def test_in_a_notebook_an_unbuilt_piece_prints_one_line_not_a_traceback(capsys):
@@ -181,6 +185,10 @@ SPECULATOR = ("from minipaged.checks import ch08\nfrom minipaged.speculative imp
               "ch08.check_speculator(NgramSpeculator)\n")
 ALLOCATOR = ("from minipaged.checks import ch02\nfrom minipaged.blocks import BlockAllocator, BlockTable\n"
              "ch02.check_allocator(BlockAllocator)\nch02.check_engine(BlockAllocator, BlockTable)\n")
+PREFIX_CACHE = ("from minipaged.checks import ch06\nfrom minipaged.blocks import BlockTable\n"
+                "from minipaged.prefix_cache import PrefixCachingAllocator, block_keys\n"
+                "ch06.check_block_keys(block_keys)\nch06.check_prefix_cache(PrefixCachingAllocator)\n"
+                "ch06.check_cow_table(BlockTable)\n")
 
 
 def _check_speculator(package: Path, script: str = SPECULATOR) -> list[str]:
@@ -198,6 +206,10 @@ def test_untouched_stubs_do_not_pass_and_reveal_fills_them_as_a_learner_would(ha
     assert lines[0].startswith("⏳ NOT IMPLEMENTED YET   ch02.allocator"), lines
     assert "exercise 02, Task 2.1 builds it in minipaged/blocks.py" in lines[0]
     assert lines[1].startswith("⏳ NOT IMPLEMENTED YET   ch02.engine"), lines
+    lines = [line for line in _check_speculator(handout, PREFIX_CACHE) if not line.startswith(" ")]
+    assert lines[0].startswith("⏳ NOT IMPLEMENTED YET   ch06.block_keys"), lines
+    assert "exercise 06, Task 6.1 builds it in minipaged/prefix_cache.py" in lines[0]
+    assert all(line.startswith("⏳ NOT IMPLEMENTED YET   ch06.") for line in lines[1:3]), lines
     workspace = tmp_path / "workspace"
     shutil.copytree(handout, workspace)
     mine = workspace / "minipaged" / "speculative.py"
@@ -207,12 +219,14 @@ def test_untouched_stubs_do_not_pass_and_reveal_fills_them_as_a_learner_would(ha
     assert exercises.main(["reveal", "08", str(workspace)]) == 0
     assert _check_speculator(workspace)[0].startswith("⏳ NOT IMPLEMENTED YET   ch08.speculator")  # its engine: 02's
     assert exercises.main(["reveal", "2", str(workspace)]) == 0
+    assert exercises.main(["reveal", "06", str(workspace)]) == 0  # its engine with prefix caching: 06's cache
     assert _check_speculator(workspace)[0].startswith("✅ PASS   ch08.speculator"), _check_speculator(workspace)
     assert "a wrong try" not in mine.read_text() and "### BEGIN SOLUTION" not in mine.read_text()
     record = json.loads((workspace / exercises.REVEALED).read_text())
     assert [(r["exercise"], r["pieces"][:2]) for r in record] == [
         ("08", ["rollback_drafts", "NgramSpeculator.schedule_drafts"]),
-        ("02", ["BlockAllocator.allocate", "BlockAllocator.allocate_many"])]
+        ("02", ["BlockAllocator.allocate", "BlockAllocator.allocate_many"]),
+        ("06", ["BlockTable._copy_on_write", "extra_keys"])]
     assert exercises.main(["reveal", "07", str(workspace)]) == 2  # builds no piece: one line, nothing written
 
 
@@ -252,7 +266,9 @@ def test_the_grader_grades_the_piece_files_a_learner_hands_in(tmp_path):
 
 # exercise: its notebooks' name, its checks, and the exercises whose pieces its chapter runs on
 FILLED = {"02": ("02_blocks_and_block_tables.ipynb", ["ch02.allocator", "ch02.engine", "ch02.constant_time"], ["02"]),
-          "08": ("08_beyond.ipynb", ["ch08.speculator"], ["02", "08"])}
+          "06": ("06_prefix_sharing_cow.ipynb", ["ch06.block_keys", "ch06.prefix_cache", "ch06.constant_time",
+                                                 "ch06.cow_table"], ["02", "06"]),
+          "08": ("08_beyond.ipynb", ["ch08.speculator"], ["02", "06", "08"])}
 
 
 @pytest.mark.parametrize("exercise", FILLED)
