@@ -257,7 +257,11 @@ class BlockTable(StepState):
         return self.allocator.block_size
 
     def _shares_last_block(self, num_tokens: int) -> bool:
-        # Writing into a partly filled last block that another table also holds (after a fork).
+        """Whether appending ``num_tokens`` writes into a partly filled last block that another table holds too.
+
+        Then the append first gives this table its own copy (:meth:`_copy_on_write`, chapter 06). An unshared
+        block is written in place, and a full one is never written again: the next token starts a new block.
+        """
         return (num_tokens > 0 and self.num_tokens % self.block_size != 0
                 and self.allocator.refcount(self.blocks[-1]) > 1)
 
@@ -304,16 +308,20 @@ class BlockTable(StepState):
     def _copy_on_write(self) -> None:
         """Swap the shared last block for a fresh one and record the copy ``(old, new)``.
 
-        The old block keeps its other holders (this table drops one reference); the K/V
-        copy itself is the caller's (see :attr:`pending_copies`). Emits "cow" once the
-        table holds its own block.
+        :meth:`append_tokens` calls it when :meth:`_shares_last_block` says so, once it knows the pool has
+        room, before it takes the new tokens' blocks. The old block keeps its other holders (this table drops
+        one reference); the K/V copy itself is the caller's (see :attr:`pending_copies`). Emits
+        ``"cow"`` (block id: the new block; info ``src``, ``dst`` and ``num_slots``, the tokens the copy
+        carries) with the allocator's events, all heard once the table holds its own block.
         """
+        ### BEGIN SOLUTION (Exercise 06, Task 6.5)
         with self.allocator.hold_events():
             src, dst = self.blocks[-1], self.allocator.allocate(self.seq_id)
             self.blocks[-1] = dst
             self.allocator.free(src, self.seq_id)  # refcount was > 1: the other holders keep it
             self.pending_copies.append((src, dst))
             self.allocator.emit("cow", dst, self.seq_id, src=src, dst=dst, num_slots=self.num_tokens % self.block_size)
+        ### END SOLUTION
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """The (src, dst) block copies recorded since the last call, oldest first; clears them."""

@@ -23,10 +23,6 @@ becomes::
 
 Markdown answers use ``<!-- BEGIN SOLUTION -->`` / ``<!-- END SOLUTION -->``.
 
-The capstone (:data:`CAPSTONE`) assembles the pieces of earlier exercises. Its cells tagged
-``piece:NN:Name`` are copies of the solution cell of exercise NN that defines ``Name``, kept in sync
-here (:func:`sync_capstone`): the tasks become the capstone's, under a comment naming where the code
-comes from.
 Cells tagged ``solution-only`` are dropped. Outputs are cleared, because the
 learner runs the notebook; the checks then print "not implemented yet".
 
@@ -49,6 +45,7 @@ import subprocess
 import sys
 import sysconfig
 import venv
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -77,60 +74,6 @@ _LEFT_OUT = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints",
 
 class MarkerError(ValueError):
     pass
-
-
-CAPSTONE = "09_your_engine.ipynb"
-CAPSTONE_TASK = "Task 9.1"
-_PIECE = re.compile(r"^piece:(?P<number>\d\d):(?P<name>\w+)$")
-
-
-def capstone_piece(source: str, number: str) -> str:
-    """Solution cell ``source`` of exercise ``number`` as the capstone carries it.
-
-    Args:
-        source: the code cell's source.
-        number: the exercise it comes from, ``"02"``.
-    """
-    lines = []
-    for line in source.splitlines():
-        begin = _BEGIN.match(line)
-        if begin:
-            origin = f", {begin['task']}" if begin["task"] else ""
-            lines.append(f"{begin['indent']}# yours from exercise {number}{origin}")
-            line = f"{begin['indent']}### BEGIN SOLUTION ({CAPSTONE_TASK})"
-        lines.append(line)
-    return "\n".join(lines)
-
-
-def _defines(source: str) -> set[str]:
-    import ast
-
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return set()
-    return {node.name for node in tree.body if isinstance(node, (ast.ClassDef, ast.FunctionDef))} | {
-        t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)}
-
-
-def sync_capstone(capstone: nbformat.NotebookNode) -> nbformat.NotebookNode:
-    """``capstone`` with each ``piece:NN:Name`` cell's source copied from exercise NN's solution cell defining Name."""
-    nb = nbformat.from_dict(capstone)
-    for cell in nb.cells:
-        for tag in cell.get("metadata", {}).get("tags", []):
-            piece = _PIECE.match(tag)
-            if not piece:
-                continue
-            matches = sorted(SOLUTIONS.glob(f"{piece['number']}_*.ipynb"))
-            if not matches:
-                raise MarkerError(f"{CAPSTONE}: tag {tag}: no solution for exercise {piece['number']}")
-            sources = [c.source for c in nbformat.read(matches[0], as_version=4).cells
-                       if c.cell_type == "code" and piece["name"] in _defines(c.source)]
-            if len(sources) != 1:
-                raise MarkerError(f"{CAPSTONE}: tag {tag}: {len(sources)} cells of {matches[0].name} define "
-                                  f"{piece['name']} (one expected)")
-            cell.source = capstone_piece(sources[0], piece["number"])
-    return nb
 
 
 class ReleaseError(ValueError):
@@ -215,15 +158,15 @@ def _enclosing(source: str, line: int, where: str) -> str:
     return found[-1]
 
 
-def stub_source(source: str, path: str, exercise: str | None = None) -> str:
+def stub_source(source: str, path: str, exercises: Collection[str] | None = None) -> str:
     """``source`` with each marked body replaced by a stub that raises :class:`~minipaged.pieces.PieceNotBuilt`.
 
     Args:
         source: a package file's text.
         path: the file relative to the handout's root (``"minipaged/speculative.py"``): the stubs name it.
-        exercise: stub only this exercise's pieces (``"02"``); None: every piece.
+        exercises: stub only these exercises' pieces (``("02",)``); None: every piece.
     """
-    holes = [h for h in find_holes(source, path) if exercise is None or h.exercise == exercise]
+    holes = [h for h in find_holes(source, path) if exercises is None or h.exercise in exercises]
     if not holes:
         return source
     lines = source.splitlines()
@@ -315,18 +258,10 @@ def expected_exercises() -> dict[Path, str]:
     return result
 
 
-def _capstone_stale() -> list[str]:
-    path = SOLUTIONS / CAPSTONE
-    if not path.exists():
-        return []
-    nb = nbformat.read(path, as_version=4)
-    return [] if render(sync_capstone(nb)) == render(nb) else [f"pieces out of date: {path.relative_to(ROOT)}"]
-
-
 def stale_exercises() -> list[str]:
-    """Problems that ``--check`` reports: missing, outdated or orphaned exercises, and the capstone's pieces."""
+    """Problems that ``--check`` reports: missing, outdated or orphaned exercises."""
     expected = expected_exercises()
-    problems = _capstone_stale()
+    problems = []
     for path, text in expected.items():
         if not path.exists():
             problems.append(f"missing: {path.relative_to(ROOT)}")
@@ -396,44 +331,53 @@ def release(target: Path) -> list[Path]:
     return written
 
 
-def stub_package(root: Path, exercise: str | None = None) -> list[Path]:
-    """Replace every piece (or only ``exercise``'s) in the package under ``root`` by its stub; return the files changed.
+def stub_package(root: Path, exercises: Collection[str] | None = None) -> list[Path]:
+    """Replace every piece (or only ``exercises``') in the package under ``root`` by its stub; return the files changed.
 
     Args:
         root: the folder that holds ``minipaged/`` (and ``kernels/``).
-        exercise: as :func:`stub_source` takes it.
+        exercises: as :func:`stub_source` takes them.
     """
     changed = []
     for path, holes in package_holes(root).items():
-        if exercise is None or any(h.exercise == exercise for h in holes):
+        if exercises is None or any(h.exercise in exercises for h in holes):
             text = path.read_text()
             path.unlink()  # a new file: ``root`` may be a copy made of hard links
-            path.write_text(stub_source(text, str(path.relative_to(root)), exercise))
+            path.write_text(stub_source(text, str(path.relative_to(root)), exercises))
             changed.append(path)
     return changed
 
 
-def lay_pieces(reference: str, theirs: str, exercise: str, where: str) -> str:
-    """``reference`` (a piece file's text) with exercise ``exercise``'s pieces taken from a learner's copy, ``theirs``.
+# The exercises whose pieces an exercise is graded on, the learner's own: the capstone assembles four.
+ASSEMBLES = {"09": ("02", "03", "05", "06")}
 
-    A file whose pieces are all this exercise's is taken whole, as is one that does not parse (its error is
-    the learner's). Otherwise each top-level class or function that holds one of the exercise's pieces is
-    the learner's, with whatever helpers the learner gave it; the rest stays the reference's.
+
+def graded_pieces(exercise: str) -> tuple[str, ...]:
+    """The exercises whose pieces grading ``exercise`` takes from the learner (the model answer's for the rest)."""
+    return ASSEMBLES.get(exercise, (exercise,))
+
+
+def lay_pieces(reference: str, theirs: str, exercises: Collection[str], where: str) -> str:
+    """``reference`` (a piece file's text) with ``exercises``' pieces taken from a learner's copy, ``theirs``.
+
+    A file whose pieces are all theirs to build is taken whole, as is one that does not parse (its error
+    is the learner's). Otherwise each top-level class or function that holds one of those pieces is the
+    learner's, with whatever helpers the learner gave it; the rest stays the reference's.
 
     Args:
         reference: the repository's text of the file.
         theirs: the learner's text of it.
-        exercise: the exercise graded, ``"02"``.
+        exercises: the exercises whose pieces are taken (:func:`graded_pieces`), ``("02",)``.
         where: the file, for messages.
     """
     holes = find_holes(reference, where)
-    if all(h.exercise == exercise for h in holes):
+    if all(h.exercise in exercises for h in holes):
         return theirs
     try:
         mine = {node.name: node for node in ast.parse(theirs).body if hasattr(node, "name")}
     except SyntaxError:
         return theirs
-    tops = dict.fromkeys(h.piece.split(".")[0] for h in holes if h.exercise == exercise)
+    tops = dict.fromkeys(h.piece.split(".")[0] for h in holes if h.exercise in exercises)
     text = reference
     for name in tops:
         if name in mine:
@@ -602,10 +546,6 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"exercises/ is in sync with solutions/ ({len(expected_exercises())} notebooks)")
         return 0
-    capstone = SOLUTIONS / CAPSTONE
-    if _capstone_stale():
-        capstone.write_text(render(sync_capstone(nbformat.read(capstone, as_version=4))))
-        print(f"wrote the pieces of {capstone.relative_to(ROOT)} (run it again: its outputs predate them)")
     EXERCISES.mkdir(exist_ok=True)
     for path, text in expected_exercises().items():
         path.write_text(text)

@@ -52,7 +52,9 @@ def extra_keys(block_index: int, cache_salt: str | bytes | None = None) -> tuple
         block_index: the logical block.
         cache_salt: the request's salt (str or bytes), or None.
     """
+    ### BEGIN SOLUTION (Exercise 06, Task 6.1)
     return (cache_salt,) if block_index == 0 and cache_salt else ()
+    ### END SOLUTION
 
 
 def block_tokens(token_ids: Sequence[int], block_index: int, block_size: int) -> tuple[int, ...]:
@@ -130,6 +132,7 @@ def block_keys(token_ids: Sequence[int], block_size: int, cache_salt: str | byte
         cache_salt: the request's salt (str or bytes), or None.
         hash_fn: see :func:`hash_block_tokens`.
     """
+    ### BEGIN SOLUTION (Exercise 06, Task 6.1)
     cache_salt = check_salt(cache_salt)
     B = check_int(block_size, "block_size", minimum=1)
     keys, parent = [], None
@@ -137,6 +140,7 @@ def block_keys(token_ids: Sequence[int], block_size: int, cache_salt: str | byte
         parent = hash_block_tokens(parent, block_tokens(token_ids, i, B), extra_keys(i, cache_salt), hash_fn)
         keys.append(parent)
     return keys
+    ### END SOLUTION
 
 
 @dataclass(frozen=True)
@@ -271,7 +275,10 @@ class PrefixCachingAllocator(BlockAllocator):
 
     @property
     def num_free(self) -> int:
+        """Free blocks, both queues: the keyless ones and the cached ones waiting in the LRU queue."""
+        ### BEGIN SOLUTION (Exercise 06, Task 6.2)
         return len(self.free_block_ids) + len(self.evictable_block_ids)
+        ### END SOLUTION
 
     def free_queue(self) -> list[int]:
         """Every free block in the order :meth:`allocate` hands them out: keyless, then cached LRU."""
@@ -279,6 +286,7 @@ class PrefixCachingAllocator(BlockAllocator):
 
     def _take_free_block(self, seq_id) -> int:
         """A keyless free block if any, else the least recently used cached one, evicted ("evict" event)."""
+        ### BEGIN SOLUTION (Exercise 06, Task 6.2)
         if self.free_block_ids:
             return super()._take_free_block(seq_id)
         block_id, _ = self.evictable_block_ids.popitem(last=False)
@@ -286,14 +294,16 @@ class PrefixCachingAllocator(BlockAllocator):
         self._stats.evictions += 1
         self.emit("evict", block_id, seq_id, key=evicted.key)
         return block_id
+        ### END SOLUTION
 
     def _put_free_block(self, block_id: int) -> dict:
         """A cached block joins the LRU end, a keyless one the deque; the "free" event says which (``cached``)."""
+        ### BEGIN SOLUTION (Exercise 06, Task 6.2)
         if self.entries[block_id] is None:
-            super()._put_free_block(block_id)
-            return {"cached": False}
+            return {**super()._put_free_block(block_id), "cached": False}
         self.evictable_block_ids[block_id] = None
         return {"cached": True}
+        ### END SOLUTION
 
     def free_sequence(self, block_ids: list[int], seq_id=None) -> None:
         """Drop one reference on each of a sequence's blocks, tail first (as vLLM).
@@ -308,7 +318,9 @@ class PrefixCachingAllocator(BlockAllocator):
 
         Raises as :meth:`BlockAllocator.free_sequence` does, before any block is freed.
         """
+        ### BEGIN SOLUTION (Exercise 06, Task 6.2)
         super().free_sequence(self._check_free_sequence(block_ids)[::-1], seq_id)
+        ### END SOLUTION
 
     # ---- keys ----
 
@@ -323,6 +335,8 @@ class PrefixCachingAllocator(BlockAllocator):
         return sum(entry is not None for entry in self.entries)
 
     def _drop_key(self, block_id: int) -> CachedBlock:
+        """Forget ``block_id``'s key everywhere (its entry, its place under the key); return the entry it had."""
+        ### BEGIN SOLUTION (Exercise 06, Task 6.2)
         entry = self.entries[block_id]
         self.entries[block_id] = None
         holders = tuple(b for b in self.blocks_by_key[entry.key] if b != block_id)
@@ -331,9 +345,11 @@ class PrefixCachingAllocator(BlockAllocator):
         else:
             del self.blocks_by_key[entry.key]
         return entry
+        ### END SOLUTION
 
     def _lookup(self, key: bytes, token_ids: tuple, extra: tuple, parent: int | None) -> tuple[int | None, bool]:
         """The cached block that verifies for this key, and whether a holder of the key had other content."""
+        ### BEGIN SOLUTION (Exercise 06, Task 6.4)
         collided = False
         for block_id in self.blocks_by_key.get(key, ()):
             entry = self.entries[block_id]
@@ -342,6 +358,7 @@ class PrefixCachingAllocator(BlockAllocator):
             elif entry.parent == parent:
                 return block_id, False
         return None, collided
+        ### END SOLUTION
 
     def match_prefix(self, token_ids: Sequence[int], cache_salt: str | bytes | None = None) -> PrefixMatch:
         """The longest verified cached prefix of a prompt, in whole blocks. Changes nothing.
@@ -354,6 +371,7 @@ class PrefixCachingAllocator(BlockAllocator):
             cache_salt: the request's salt (str or bytes): only requests with the same salt share;
                 an empty one is no salt.
         """
+        ### BEGIN SOLUTION (Exercise 06, Task 6.4)
         cache_salt = check_salt(cache_salt)
         B = self.block_size
         blocks, keys, parent_key, parent, collisions = [], [], None, None, 0
@@ -368,6 +386,7 @@ class PrefixCachingAllocator(BlockAllocator):
             keys.append(key)
             parent_key, parent = key, self.entries[block_id].serial
         return PrefixMatch(blocks, keys, len(blocks) * B, len(token_ids), collisions)
+        ### END SOLUTION
 
     def num_free_among(self, block_ids: Sequence[int]) -> int:
         """How many of ``block_ids`` sit in the free queue: sharing them takes them out of it.
@@ -397,6 +416,7 @@ class PrefixCachingAllocator(BlockAllocator):
                 is stale (one of its blocks lost its key since).
             TypeError: ``preempted`` is not a bool.
         """
+        ### BEGIN SOLUTION (Exercise 06, Task 6.4)
         preempted = check_bool(preempted, "preempted")
         if table.allocator is not self:
             raise ValueError("table belongs to another allocator")
@@ -419,6 +439,7 @@ class PrefixCachingAllocator(BlockAllocator):
         self._stats.collisions += match.collisions
         for block_id, free in zip(match.block_ids, was_free):
             self.emit("hit", block_id, table.seq_id, refcount=self._refcounts[block_id], was_free=free)
+        ### END SOLUTION
 
     def cache_full_blocks(self, table: BlockTable, token_ids: Sequence[int], num_tokens: int,
                           cache_salt: str | bytes | None = None) -> int:
@@ -441,6 +462,7 @@ class PrefixCachingAllocator(BlockAllocator):
                 ``len(token_ids)`` and ``table.num_tokens``).
             cache_salt: the request's salt, the same one given to :meth:`match_prefix`.
         """
+        ### BEGIN SOLUTION (Exercise 06, Task 6.3)
         cache_salt = check_salt(cache_salt)
         if table.allocator is not self:
             raise ValueError("table belongs to another allocator")
@@ -467,6 +489,7 @@ class PrefixCachingAllocator(BlockAllocator):
         for block_id, _ in new:
             self.emit("cache", block_id, table.seq_id)
         return len(new)
+        ### END SOLUTION
 
     def reset_prefix_cache(self) -> int:
         """Drop every key, once no sequence holds a block: the cached blocks become keyless (in LRU order).
@@ -481,10 +504,11 @@ class PrefixCachingAllocator(BlockAllocator):
         if self.num_used:
             raise ValueError(f"cannot reset the prefix cache: {self.num_used} blocks are still held by sequences, "
                              "and their keys would survive the reset; finish or abort them first")
-        dropped = list(self.evictable_block_ids)
+        dropped = list(self.evictable_block_ids)  # no block is held: every key is a free cached block's
         for block_id in dropped:
-            self._drop_key(block_id)
+            self.entries[block_id] = None
             self.free_block_ids.append(block_id)
+        self.blocks_by_key.clear()
         self.evictable_block_ids.clear()
         self.emit("reset", None, None, num_dropped=len(dropped))
         return len(dropped)

@@ -18,6 +18,7 @@ import torch
 from engine_helpers import snapshot
 from test_02_checks import MyAllocator, MyBlockTable  # a correct allocator and table that differ from the package
 from test_05_checks import Model  # a correct scheduling step that differs from the package's
+from test_06_checks import OtherCowTable, OtherPrefixCache  # a correct prefix cache and copy-on-write, the same
 
 import minipaged.engine as engine_module
 import minipaged.swap as swap
@@ -152,11 +153,10 @@ def test_a_fault_at_any_stage_leaves_the_engine_as_before_the_step(model, stage,
 @functools.cache  # each notebook is read and run once (the speculator is stateless, so one serves every test)
 def _model_solutions() -> dict:
     """Each exercise's model solution (its solution notebook's classes), as the engine seams it plugs into."""
-    ch06 = engine_helpers.solution_namespace("06_prefix_sharing_cow.ipynb", ("fb4b9e26", "e6c1a2b1", "e6c1a2b6"))
     return {
         "02": {"allocator": MyAllocator, "block_table": MyBlockTable},
         "05": {"allocator": BlockAllocator, "scheduler": Model},
-        "06": {"allocator": ch06["MyPrefixCache"], "block_table": ch06["MyCowTable"]},
+        "06": {"allocator": OtherPrefixCache, "block_table": OtherCowTable},
         "08": {"allocator": PrefixCachingAllocator,  # exercise 08's model answer is the package's own (its holes)
                "speculator": NgramSpeculator({"method": "ngram", "num_speculative_tokens": 2})},
     }  # fmt: skip

@@ -255,21 +255,3 @@ def test_every_solution_has_a_model_answer_for_the_gradebook(path):
     assert exercise.checks, f"{path.name}: the grader finds no check cell"
 
 
-def test_the_capstone_carries_each_piece_as_its_exercise_solves_it():
-    source = ("class Cache(Base):\n"
-              "    def f(self):\n"
-              "        ### BEGIN SOLUTION (Task 6.2)\n"
-              "        return 1\n"
-              "        ### END SOLUTION\n")
-    piece = exercises.capstone_piece(source, "06")
-    assert piece.splitlines() == ["class Cache(Base):", "    def f(self):",
-                                  "        # yours from exercise 06, Task 6.2",
-                                  f"        ### BEGIN SOLUTION ({exercises.CAPSTONE_TASK})", "        return 1",
-                                  "        ### END SOLUTION"]
-    capstone = nbformat.read(ROOT / "solutions" / exercises.CAPSTONE, as_version=4)
-    pieces = [c for c in capstone.cells if any(t.startswith("piece:") for t in c.metadata.get("tags", []))]
-    assert len(pieces) >= 2 and exercises.sync_capstone(capstone).cells == capstone.cells
-    first = pieces[-1].source.splitlines()[0]
-    pieces[-1].source = "class MyCowTable:\n    pass"  # an edited copy is put back as the exercise has it
-    synced = exercises.sync_capstone(capstone)
-    assert synced.cells[capstone.cells.index(pieces[-1])].source.startswith(first + "\n")

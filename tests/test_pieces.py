@@ -84,15 +84,16 @@ def double(x):
 
 
 def test_one_exercises_pieces_are_stubbed_or_taken_from_a_learner_with_the_classes_around_them():
-    only_06 = stub_source(MIXED, "minipaged/pool.py", "06")
+    only_06 = stub_source(MIXED, "minipaged/pool.py", ("06",))
     assert "self.size = getattr" in only_06 and "x * 2" not in only_06 and "PieceNotBuilt('06', '6.1'" in only_06
-    assert exercises.lay_pieces(SOURCE, THEIRS, "02", "m.py") == THEIRS  # every piece is 02's: the file is theirs
-    laid = exercises.lay_pieces(MIXED, THEIRS, "02", "m.py")
+    assert exercises.lay_pieces(SOURCE, THEIRS, ("02",), "m.py") == THEIRS  # every piece is 02's: the file is theirs
+    laid = exercises.lay_pieces(MIXED, THEIRS, ("02",), "m.py")
     namespace = {}
     exec(compile(laid, "pool.py", "exec"), namespace)
     assert namespace["Pool"]().grow(5) == 2 and "_add" in vars(namespace["Pool"])  # theirs, with their helper
     assert namespace["double"](3) == 6  # exercise 06's piece stays the reference's
-    assert exercises.lay_pieces(MIXED, "def (", "02", "m.py") == "def ("  # a file that does not parse is theirs
+    assert exercises.lay_pieces(MIXED, "def (", ("02",), "m.py") == "def ("  # a file that does not parse is theirs
+    assert exercises.graded_pieces("02") == ("02",) and exercises.graded_pieces("09") == ("02", "03", "05", "06")
 
 
 BEGIN = "    ### BEGIN SOLUTION (Exercise 02, Task 2.1)"
@@ -110,17 +111,22 @@ def test_bad_markers_are_refused_with_the_file_and_line(source, match):
         find_holes(source, "m.py")
 
 
-def test_the_package_marks_the_pieces_of_exercises_02_05_and_08():
+def test_the_package_marks_the_pieces_of_exercises_02_03_05_06_and_08():
     holes = {h.piece: h for hs in package_holes(ROOT).values() for h in hs}
     assert {"NgramSpeculator.schedule_drafts", "rollback_drafts"} <= set(holes)
     assert {(h.exercise, h.task) for h in holes.values() if "rollback" in h.piece or "draft" in h.piece} == {
         ("08", "8.1")}
     assert {(h.exercise, h.task) for h in holes.values() if h.piece.startswith(("BlockAllocator.", "BlockTable."))} == {
-        ("02", "2.1"), ("02", "2.2")}
+        ("02", "2.1"), ("02", "2.2"), ("06", "6.5")}
+    assert holes["BlockTable._copy_on_write"].exercise == "06"
+    assert {(h.exercise, h.task) for h in holes.values() if h.piece.startswith("PrefixCachingAllocator.")} == {
+        ("06", "6.2"), ("06", "6.3"), ("06", "6.4")}
+    assert (holes["block_keys"].task, holes["extra_keys"].task) == ("6.1", "6.1")
     assert {(h.exercise, h.task) for h in holes.values() if h.piece.startswith(("Scheduler.", "FCFSQueue."))} == {
         ("05", "5.1"), ("05", "5.2")}
-    assert exercises.piece_files() == ["minipaged/attention.py", "minipaged/blocks.py", "minipaged/request_queue.py",
-                                       "minipaged/scheduler.py", "minipaged/speculative.py"]
+    assert exercises.piece_files() == ["minipaged/attention.py", "minipaged/blocks.py", "minipaged/prefix_cache.py",
+                                       "minipaged/request_queue.py", "minipaged/scheduler.py",
+                                       "minipaged/speculative.py"]
 
 
 def test_the_package_marks_exercise_03s_pieces():
@@ -191,6 +197,10 @@ SPECULATOR = ("from minipaged.checks import ch08\nfrom minipaged.speculative imp
               "ch08.check_speculator(NgramSpeculator)\n")
 ALLOCATOR = ("from minipaged.checks import ch02\nfrom minipaged.blocks import BlockAllocator, BlockTable\n"
              "ch02.check_allocator(BlockAllocator)\nch02.check_engine(BlockAllocator, BlockTable)\n")
+PREFIX_CACHE = ("from minipaged.checks import ch06\nfrom minipaged.blocks import BlockTable\n"
+                "from minipaged.prefix_cache import PrefixCachingAllocator, block_keys\n"
+                "ch06.check_block_keys(block_keys)\nch06.check_prefix_cache(PrefixCachingAllocator)\n"
+                "ch06.check_cow_table(BlockTable)\n")
 
 
 def _check_speculator(package: Path, script: str = SPECULATOR) -> list[str]:
@@ -208,12 +218,16 @@ def test_untouched_stubs_do_not_pass_and_reveal_fills_them_as_a_learner_would(ha
     assert "exercise 02, Task 2.1 builds it in minipaged/blocks.py" in lines[0]
     assert lines[1].startswith("⏳ NOT IMPLEMENTED YET   ch02.engine"), lines  # the scheduler is replayed: 02's own
     assert "exercise 02, Task 2." in lines[1]
+    lines = [line for line in _check_speculator(handout, PREFIX_CACHE) if not line.startswith(" ")]
+    assert lines[0].startswith("⏳ NOT IMPLEMENTED YET   ch06.block_keys"), lines
+    assert "exercise 06, Task 6.1 builds it in minipaged/prefix_cache.py" in lines[0]
+    assert all(line.startswith("⏳ NOT IMPLEMENTED YET   ch06.") for line in lines[1:3]), lines
     workspace = tmp_path / "workspace"
     shutil.copytree(handout, workspace)
     assert _check_speculator(workspace)[0].startswith("⏳ NOT IMPLEMENTED YET   ch08.speculator")
     first = _check_speculator(workspace)[0]  # the first unbuilt piece its engine meets: an earlier exercise's
     assert "is not built yet: exercise 0" in first and "exercise 08" not in first, first
-    for earlier in ("2", "3", "5"):
+    for earlier in ("2", "3", "5", "6"):
         assert exercises.main(["reveal", earlier, str(workspace)]) == 0
     lines = _check_speculator(workspace)
     assert lines[0].startswith("⏳ NOT IMPLEMENTED YET   ch08.speculator"), lines
@@ -230,6 +244,7 @@ def test_untouched_stubs_do_not_pass_and_reveal_fills_them_as_a_learner_would(ha
         ("02", ["BlockAllocator.allocate", "BlockAllocator.allocate_many"]),
         ("03", ["_gather_plan", "_paged_decode_torch"]),
         ("05", ["FCFSQueue.victim", "Scheduler._chunk"]),
+        ("06", ["BlockTable._copy_on_write", "extra_keys"]),
         ("08", ["rollback_drafts", "NgramSpeculator.schedule_drafts"])]
     assert exercises.main(["reveal", "07", str(workspace)]) == 2  # builds no piece: one line, nothing written
 
@@ -300,7 +315,9 @@ FILLED = {"02": ("02_blocks_and_block_tables.ipynb", ["ch02.allocator", "ch02.en
           "03": ("03_paged_attention_pytorch.ipynb", ["ch03.paged_attention", "ch03.vectorised", "ch03.engine"],
                  ["02", "03"]),
           "05": ("05_continuous_batching.ipynb", ["ch05.schedule_running", "ch05.scheduler"], ["02", "03", "05"]),
-          "08": ("08_beyond.ipynb", ["ch08.speculator"], ["02", "03", "05", "08"])}
+          "06": ("06_prefix_sharing_cow.ipynb", ["ch06.block_keys", "ch06.prefix_cache", "ch06.constant_time",
+                                                 "ch06.cow_table"], ["02", "03", "05", "06"]),
+          "08": ("08_beyond.ipynb", ["ch08.speculator"], ["02", "03", "05", "06", "08"])}
 
 
 @pytest.mark.parametrize("exercise", FILLED)

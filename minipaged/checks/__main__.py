@@ -549,9 +549,9 @@ class Kernel:
 
 def exercise_package(target: Path, exercise: str) -> Path:
     """Copy the package into ``target`` as exercise ``exercise`` is graded on it: no instructor side, no
-    solutions, a stub in place of each of that exercise's pieces and the model answer of every other piece
-    (the pieces a check's engine run needs from other exercises are never the learner's business there)."""
-    from minipaged.exercises import stub_package
+    solutions, a stub in place of each of that exercise's pieces (the capstone's: those of the exercises it
+    assembles, :func:`~minipaged.exercises.graded_pieces`) and the model answer of every other piece."""
+    from minipaged.exercises import graded_pieces, stub_package
 
     package = ROOT / "minipaged"
     shutil.copytree(package, target / "minipaged",
@@ -559,7 +559,7 @@ def exercise_package(target: Path, exercise: str) -> Path:
     if (ROOT / "kernels").is_dir():  # installed as minipaged.kernels
         shutil.copytree(ROOT / "kernels", target / "minipaged" / "kernels",
                         ignore=shutil.ignore_patterns("__pycache__"))
-    stub_package(target, exercise)
+    stub_package(target, graded_pieces(exercise))
     return target
 
 
@@ -576,17 +576,18 @@ def learner_package(base: Path, folder: Path | None, exercise: str, target: Path
         exercise: the exercise graded, ``"02"``.
         target: a new folder for this learner's copy.
     """
-    from minipaged.exercises import lay_pieces, package_holes
+    from minipaged.exercises import graded_pieces, lay_pieces, package_holes
 
+    graded = graded_pieces(exercise)
     theirs = {path.relative_to(ROOT): holes for path, holes in package_holes(ROOT).items()
-              if folder is not None and any(h.exercise == exercise for h in holes)
+              if folder is not None and any(h.exercise in graded for h in holes)
               and (folder / path.relative_to(ROOT)).is_file()}  # fmt: skip
     if not theirs:
         return base
     shutil.copytree(base, target, copy_function=os.link)  # hard links: each piece file is replaced, never written
     for name in theirs:  # the handout's kernels/ is installed as minipaged.kernels
         inside = target / (name if name.parts[0] == "minipaged" else Path("minipaged", name))
-        text = lay_pieces((ROOT / name).read_text(), (folder / name).read_text(errors="replace"), exercise, str(name))
+        text = lay_pieces((ROOT / name).read_text(), (folder / name).read_text(errors="replace"), graded, str(name))
         inside.unlink()
         inside.write_text(text)
     return target

@@ -111,7 +111,9 @@ def with_side_queue(cls: type) -> type:
             return super().num_free + len(self._ch02_side_queue)
 
         def _take_free_block(self, seq_id):
-            return super()._take_free_block(seq_id) if self.free_block_ids else self._ch02_side_queue.popleft()
+            if self.free_block_ids:
+                return super()._take_free_block(seq_id)
+            return self._ch02_side_queue.popleft()
 
         def _put_free_block(self, block_id):
             if block_id % 2:

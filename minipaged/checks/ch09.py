@@ -30,23 +30,21 @@ import torch
 from minipaged.checks import CheckFailed, check
 from minipaged.checks.engine_run import engine_with, first_divergence, first_token_divergence, run_engine
 
-# The package modules the capstone's pieces rebuild: the grader flags a learner's cell that imports, subclasses or
-# calls them (a flag for the instructor, not a verdict).
-# Exercises 02, 03 and 05 are not among them: their pieces are built in the learner's own package files.
-REBUILDS = ("minipaged.prefix_cache",)
+# The package modules the capstone rebuilds in a notebook cell: none. It runs the pieces of exercises 02, 03, 05
+# and 06, which the learner built in their own package files.
+REBUILDS = ()
 
 RECORD = Path(__file__).resolve().parents[2] / "notebooks" / "results" / "vllm_check.json"
 MODELS = {"course model": "course", "SmolLM2-135M-Instruct": "smollm2-135m-instruct"}  # record name -> load_model's
 
 HINTS = {
     "9.1": [
-        "paste your code from the exercise the comment above it names; if the run then fails, look for what one "
-        "piece assumes of another (a hook the prefix cache overrides, a table method the scheduler calls)",
-        "find the piece: in a scratch cell, call ch09.check_your_engine with one piece of yours and the "
-        "package's for the others (PrefixCachingAllocator from minipaged.prefix_cache, BlockTable from "
-        "minipaged.blocks, Scheduler from minipaged.scheduler; the backend is your exercise 03, "
-        "get_backend(\"torch\")): the piece whose run fails is the one to fix (delete the cell afterwards: the "
-        "grader flags imports of the package's versions)",
+        "your pieces of exercises 02, 03, 05 and 06 run together here for the first time; if the run fails, look "
+        "for what one piece assumes of another (a hook the prefix cache overrides, a table method the scheduler "
+        "calls)",
+        "find the piece: run the checks of exercises 02, 03, 05 and 06 again (a piece edited since may fail its "
+        "own check now); if they all PASS, the message above names the first step, request or block where your "
+        "engine parted from the model answer's, and the piece that decides it",
         "blocks of 32 and a 1,024-token budget are new here: batch 1's prompt fills three blocks and part of a "
         "fourth in one step, each of batch 2's prompts hits those three blocks (96 tokens) and computes only "
         "its partly filled last one, and in batch 3 the second chat hits the blocks the first fills in that "

@@ -1,8 +1,10 @@
 """Exercise 06's references, public cases and hidden cases (the instructor's side of ``minipaged.checks.ch06``).
 
-The build checks' references are the package's own pieces, :class:`~minipaged.prefix_cache.PrefixCachingAllocator`
-for ``ch06.prefix_cache`` and :class:`~minipaged.blocks.BlockTable`'s copy-on-write (on ``TableWithoutCow``)
-for ``ch06.cow_table``; their cases are ``run_engine`` workloads of block size 4 on the checks' tiny model.
+The references are the package's own pieces (the model answer: the instructor's package has no holes),
+:func:`~minipaged.prefix_cache.block_keys` for ``ch06.block_keys``,
+:class:`~minipaged.prefix_cache.PrefixCachingAllocator` for ``ch06.prefix_cache`` and ``ch06.constant_time``, and
+:class:`~minipaged.blocks.BlockTable` (its ``_copy_on_write``) for ``ch06.cow_table``; the build checks' cases are
+``run_engine`` workloads of block size 4 on the checks' tiny model.
 """
 
 from __future__ import annotations
@@ -10,20 +12,9 @@ from __future__ import annotations
 import random
 
 from minipaged.blocks import BlockTable
-from minipaged.checks.ch06 import TableWithoutCow
 from minipaged.checks.engine_run import VOCAB_SIZE
 from minipaged.checks.instructor import Side
-from minipaged.prefix_cache import PrefixCachingAllocator
-
-
-def block_keys(token_ids, block_size, hash_fn, cache_salt=None):
-    keys, parent = [], None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        extra = (cache_salt,) if start == 0 and cache_salt is not None else ()
-        parent = hash_fn(parent, tuple(token_ids[start : start + block_size]), extra)
-        keys.append(parent)
-    return keys
-
+from minipaged.prefix_cache import PrefixCachingAllocator, block_keys
 
 # Prompts of block size 4. a and b share two blocks; c differs from a in its first block only, so
 # its later blocks hold the same tokens as a's but sit behind a different parent.
@@ -134,17 +125,11 @@ def _hidden_cow(rng):
     return [fork_case(rng, "hidden", rng.randint(11, 24))]
 
 
-class PackageCowTable(TableWithoutCow):
-    """The reference table: chapter 02's table with the package's own copy-on-write put back."""
-
-    _shares_last_block = BlockTable._shares_last_block
-
-
 SIDES = {
     "block_keys": Side(_keys_cases, _hidden_keys, lambda: (block_keys,)),
     "prefix_cache": Side(_cache_cases, _hidden_cache, lambda: (PrefixCachingAllocator,)),
     "constant_time": Side(lambda: [{"sizes": [32, 1024], "block_size": 4}],
                           lambda rng: [{"sizes": [rng.choice([16, 32]), 1024], "block_size": rng.choice([2, 4])}],
                           lambda: (PrefixCachingAllocator,)),
-    "cow_table": Side(_cow_cases, _hidden_cow, lambda: (PackageCowTable,)),
+    "cow_table": Side(_cow_cases, _hidden_cow, lambda: (BlockTable,)),
 }
