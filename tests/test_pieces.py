@@ -85,7 +85,31 @@ def test_the_package_marks_exercise_08s_pieces():
     assert {"NgramSpeculator.schedule_drafts", "rollback_drafts"} <= set(holes)
     assert {(h.exercise, h.task) for h in holes.values() if "rollback" in h.piece or "draft" in h.piece} == {
         ("08", "8.1")}
-    assert exercises.piece_files() == ["minipaged/speculative.py"]
+    assert exercises.piece_files() == ["minipaged/speculative.py", "kernels/paged_attention.py"]
+
+
+def test_the_package_marks_exercise_04s_kernel_and_its_launcher_reports_the_stub():
+    holes = [h for hs in package_holes(ROOT).values() for h in hs if h.exercise == "04"]
+    assert [(h.piece, h.task) for h in holes] == [("_paged_decode_kernel", "4.1")]
+    source = (ROOT / "kernels" / "paged_attention.py").read_text()
+    stubbed = stub_source(source, "kernels/paged_attention.py")
+    assert "raise PieceNotBuilt('04', '4.1', '_paged_decode_kernel', 'kernels/paged_attention.py')" in stubbed
+    assert "def store_partials(" in stubbed and "def load_kv_tile(" in stubbed  # given, around the piece
+
+
+def test_unbuilt_reads_a_stub_in_a_kernels_source_where_a_raise_cannot_run(tmp_path, monkeypatch):
+    from minipaged.pieces import unbuilt
+
+    module = tmp_path / "stubbed_kernel.py"
+    module.write_text(stub_source(SOURCE, "minipaged/pool.py").replace("class Pool", "class Pool2"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import stubbed_kernel
+
+    todo = unbuilt(stubbed_kernel.double)
+    assert isinstance(todo, PieceNotBuilt) and (todo.exercise, todo.task, todo.piece) == ("02", "2.2", "double")
+    assert unbuilt(stubbed_kernel.double) is not todo  # a fresh exception each time: a raise keeps no old traceback
+    assert unbuilt(test_unbuilt_reads_a_stub_in_a_kernels_source_where_a_raise_cannot_run) is None
+    assert unbuilt(len) is None  # no source: nothing to find
 
 
 def test_in_a_notebook_an_unbuilt_piece_prints_one_line_not_a_traceback(capsys):
