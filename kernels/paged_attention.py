@@ -190,7 +190,7 @@ def _paged_decode_kernel(
     dim_ok = dims < HEAD_DIM  # the padding lanes load 0 and are never stored
     offs = tl.arange(0, TILE)  # a position inside a tile
     seq_len = tl.load(seq_lens_ptr + seq)
-    block_table = block_tables_ptr + seq * stride_bts  # this sequence's row of the table
+    table = block_tables_ptr + seq * stride_bts  # this sequence's row of the block table
     ### BEGIN SOLUTION (Exercise 04, Task 4.1)
     rows = tl.arange(0, GROUP_PAD)  # query heads of this group, padded
     row_ok = rows < GROUP
@@ -213,14 +213,10 @@ def _paged_decode_kernel(
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)  # running sum of exp(score - m_i) * v
 
     for tile_start in range(start, end, TILE):
-        tokens = tile_start + offs
-        valid = tokens < end  # the last tile of a sequence (or split) is partial
-        k, v = load_kv_tile(
-            k_cache_ptr, v_cache_ptr, block_table, tokens, valid, kv_head, dims, dim_ok,
-            stride_kb, stride_kt, stride_kh, stride_kd,
-            stride_vb, stride_vt, stride_vh, stride_vd,
-            stride_btb, BLOCK_SIZE, DOT_FP32,
-        )
+        pos = tile_start + offs
+        valid = pos < end  # the last tile of a sequence (or split) is partial
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, valid, kv_head, dims, dim_ok, stride_kb, stride_kt,
+            stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd, stride_btb, BLOCK_SIZE, DOT_FP32)
 
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [GROUP_PAD, TILE], fp32
         scores = tl.where(valid[None, :], scores, float("-inf"))
