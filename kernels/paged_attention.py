@@ -40,6 +40,7 @@ import triton.language as tl
 
 from minipaged._triton import check_device, interpreted
 from minipaged.attention_checks import check_paged_attention
+from minipaged.pieces import unbuilt
 from minipaged.validation import check_int, check_scale
 
 # Head dims the kernels take: every multiple of 8 from 16 to 256 (Llama 64/128, Phi-2 80,
@@ -118,6 +119,32 @@ def load_kv_tile(
 
 
 @triton.jit
+def store_partials(
+    part_m_ptr, part_l_ptr, part_acc_ptr, m_i, l_i, acc, seq, heads, row_ok, split, dims, dim_ok, num_heads,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    """Store one split's partial softmax for a group's query heads, for :func:`launch_decode`'s merge.
+
+    Args:
+        part_m_ptr, part_l_ptr: fp32 workspaces ``[num_seqs, num_heads, NUM_SPLITS]``, contiguous.
+        part_acc_ptr: fp32 workspace ``[num_seqs, num_heads, NUM_SPLITS, HEAD_DIM]``, contiguous.
+        m_i, l_i: ``[GROUP_PAD]``, the split's running max and running sum per row.
+        acc: ``[GROUP_PAD, HEAD_DIM_PAD]``, its unnormalised accumulator.
+        seq, split: the program's sequence and split.
+        heads: ``[GROUP_PAD]``, the query head of each row; ``row_ok`` the rows that are real (not padding).
+        dims, dim_ok: the head-dim lanes and which of them are real.
+        num_heads: query heads in all.
+        HEAD_DIM: the real head dim (the workspace's last dimension).
+        NUM_SPLITS: splits per (sequence, KV head).
+    """
+    part = (seq * num_heads + heads) * NUM_SPLITS + split
+    tl.store(part_m_ptr + part, m_i, mask=row_ok)
+    tl.store(part_l_ptr + part, l_i, mask=row_ok)
+    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
@@ -136,15 +163,38 @@ def _paged_decode_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_FP32: tl.constexpr,  # cast tiles to fp32 before tl.dot: fp32 inputs, or the interpreter (its bf16 dot is wrong)
 ):
+    """Decode attention of program ``(seq, kv_head, split)``: the GQA group of ``kv_head``, over ``split``'s tiles.
+
+    Exercise 04, Task 4.1 builds the body below the given lines; :func:`launch_decode` launches it on a grid
+    of ``(num_seqs, num_kv_heads, NUM_SPLITS)`` and, with several splits, merges their partials.
+
+    The program serves query heads ``kv_head * GROUP`` to ``kv_head * GROUP + GROUP - 1``, as the rows of one
+    ``[GROUP_PAD, HEAD_DIM_PAD]`` query matrix (padding rows and lanes load 0 and are never stored), so that
+    each K/V row it reads serves the whole group. The sequence's ``cdiv(seq_len, TILE)`` tiles of ``TILE``
+    positions are shared out in runs of ``cdiv(cdiv(seq_len, TILE), NUM_SPLITS)`` whole tiles, one run per
+    split, in split order; a split may own none. Each tile's K and V come from :func:`load_kv_tile`, and both
+    of its products (the scores ``q · Kᵀ · scale`` and the weighted sum of V) are ``tl.dot``s with
+    ``input_precision="ieee"``. An online softmax in fp32 keeps, per row, a running max ``m``, a running sum
+    ``l`` of ``exp(score - m)`` and an unnormalised ``acc``, the sum of ``exp(score - m) * v``: after each
+    tile ``acc / l`` is the attention over the positions seen so far. Positions at or past the end of the
+    run are never read and weigh nothing.
+
+    With ``NUM_SPLITS == 1`` the program stores ``acc / l`` into ``out`` at the group's query heads, in
+    ``out``'s dtype; otherwise :func:`store_partials` stores the run's ``(m, l, acc)``, with ``m = -inf``,
+    ``l = 0`` and ``acc = 0`` for a split that owns no tile.
+    """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM  # the padding lanes load 0 and are never stored
+    offs = tl.arange(0, TILE)  # a position inside a tile
+    seq_len = tl.load(seq_lens_ptr + seq)
+    table = block_tables_ptr + seq * stride_bts  # this sequence's row of the block table
+    ### BEGIN SOLUTION (Exercise 04, Task 4.1)
     rows = tl.arange(0, GROUP_PAD)  # query heads of this group, padded
     row_ok = rows < GROUP
     heads = kv_head * GROUP + rows
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    dim_ok = dims < HEAD_DIM  # the padding lanes load 0 and are never stored
 
     q = tl.load(
         q_ptr + seq * stride_qs + heads[:, None] * stride_qh + dims[None, :] * stride_qd,
@@ -153,7 +203,6 @@ def _paged_decode_kernel(
     if DOT_FP32:
         q = q.to(tl.float32)
 
-    seq_len = tl.load(seq_lens_ptr + seq)
     # This program's share of the sequence: whole tiles, so splits never share a tile.
     tiles_per_split = tl.cdiv(tl.cdiv(seq_len, TILE), NUM_SPLITS)
     start = split * tiles_per_split * TILE
@@ -163,17 +212,11 @@ def _paged_decode_kernel(
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)  # running sum of exp(score - m_i)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)  # running sum of exp(score - m_i) * v
 
-    block_table = block_tables_ptr + seq * stride_bts
-    offs = tl.arange(0, TILE)
     for tile_start in range(start, end, TILE):
-        tokens = tile_start + offs
-        valid = tokens < end  # the last tile of a sequence (or split) is partial
-        k, v = load_kv_tile(
-            k_cache_ptr, v_cache_ptr, block_table, tokens, valid, kv_head, dims, dim_ok,
-            stride_kb, stride_kt, stride_kh, stride_kd,
-            stride_vb, stride_vt, stride_vh, stride_vd,
-            stride_btb, BLOCK_SIZE, DOT_FP32,
-        )
+        pos = tile_start + offs
+        valid = pos < end  # the last tile of a sequence (or split) is partial
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, valid, kv_head, dims, dim_ok, stride_kb, stride_kt,
+            stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd, stride_btb, BLOCK_SIZE, DOT_FP32)
 
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [GROUP_PAD, TILE], fp32
         scores = tl.where(valid[None, :], scores, float("-inf"))
@@ -191,13 +234,10 @@ def _paged_decode_kernel(
             out_ptr + seq * stride_os + heads[:, None] * stride_oh + dims[None, :] * stride_od,
             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :],
         )
-    else:
-        # Workspace is contiguous [num_seqs, num_heads, NUM_SPLITS(, HEAD_DIM)]. An empty
-        # split (short sequence) stores m=-inf, l=0, acc=0 and weighs nothing in the merge.
-        part = (seq * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
-        tl.store(part_m_ptr + part, m_i, mask=row_ok)
-        tl.store(part_l_ptr + part, l_i, mask=row_ok)
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None] & dim_ok[None, :])
+    else:  # an empty split (a short sequence) stores m = -inf, l = 0, acc = 0: it weighs nothing in the merge
+        store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, m_i, l_i, acc, seq, heads, row_ok, split, dims, dim_ok,
+                       tl.num_programs(1) * GROUP, HEAD_DIM, NUM_SPLITS)
+    ### END SOLUTION
 
 
 @triton.jit
@@ -329,7 +369,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
 def launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, tile=KV_TILE):
     """Launch the decode kernel (and the merge) on inputs :func:`paged_decode_attention` has checked.
 
-    Exercise 04's reference calls it directly, with the exercise's tile and its check model's head_dim 8
+    Exercise 04's check calls it directly, with the exercise's tile and its check model's head_dim 8
     (which only the interpreter's ``tl.dot`` takes).
 
     Args:
@@ -337,7 +377,13 @@ def launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits
         scale: the softmax scale, a float.
         num_splits: programs per (sequence, KV head), 1 to ``MAX_SPLITS``.
         tile: tokens per loop step, a power of two >= 16 on a GPU.
+
+    Raises:
+        PieceNotBuilt: the kernel's body is still exercise 04's stub (a learner's handout).
     """
+    todo = unbuilt(_paged_decode_kernel)  # a stub's raise cannot run inside a kernel: say it here, in one line
+    if todo is not None:
+        raise todo
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -11,6 +11,9 @@ that reaches a stub prints one line naming the exercise that builds it, not a tr
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
 import sys
 
 
@@ -27,6 +30,35 @@ class PieceNotBuilt(NotImplementedError):
     def __init__(self, exercise: str, task: str, piece: str, path: str):
         self.exercise, self.task, self.piece, self.path = exercise, task, piece, path
         super().__init__(f"{piece} is not built yet: exercise {exercise}, Task {task} builds it in {path}")
+
+
+def unbuilt(fn) -> PieceNotBuilt | None:
+    """The :class:`PieceNotBuilt` that ``fn``'s stub raises while its source still holds one, else None.
+
+    For a piece that cannot raise where it runs: the body of a ``@triton.jit`` kernel (``fn`` itself, or its
+    ``.fn``), which the compiler refuses to compile with a ``raise`` in it and the interpreter wraps in its own
+    error. Its launcher asks first, and raises what this returns. The source is read once per function object.
+    """
+    args = _stub_arguments(getattr(fn, "fn", fn))
+    return None if args is None else PieceNotBuilt(*args)
+
+
+@functools.lru_cache(maxsize=64)
+def _stub_arguments(fn) -> tuple[str, str, str, str] | None:
+    """The arguments of the ``raise PieceNotBuilt(...)`` line in ``fn``'s source (what a release writes), if any."""
+    try:
+        lines = inspect.getsource(fn).splitlines()
+    except (OSError, TypeError):
+        return None
+    for line in map(str.strip, lines):
+        if line.startswith("raise PieceNotBuilt(") and line.endswith(")"):
+            try:
+                args = ast.literal_eval(line[len("raise PieceNotBuilt") :])
+            except (ValueError, SyntaxError):
+                continue
+            if isinstance(args, tuple) and len(args) == 4 and all(isinstance(a, str) for a in args):
+                return args
+    return None
 
 
 def show_unbuilt_pieces_briefly() -> None:

@@ -1,6 +1,7 @@
 """Exercise 04's check by mutation: the model tile loop PASSes; classic mistakes FAIL, named, with their own hint.
 
-One kernel with a ``MODE`` switch holds the model solution (``"right"``) and the mistakes. Each mistake
+One kernel with a ``MODE`` switch holds the model solution (``"right"``), a right one that walks its tiles
+from last to first (``"reversed"``: the order of the tiles is free) and the mistakes. Each mistake
 runs only on the public decode batches (the engine case costs more and catches none of them first);
 the engine case gets its own mistake, a scale that only holds for the batches' head_dim. Two mistakes
 give the right numbers with the wrong work (a program per query head, no ``tl.dot``): the check
@@ -18,11 +19,13 @@ from minipaged.checks import FAIL, PASS, TODO, ch04, reference_transcript
 from minipaged.checks.instructor import ch04 as side
 from minipaged.checks.engine_run import run_engine
 from minipaged.kernels.traffic import count_dots
+from minipaged.pieces import PieceNotBuilt
 
 pytestmark = pytest.mark.ch04
 
-MODES = ["right", "no_rescale", "no_rescale_l", "inverted_rescale", "tail_read", "tail_score", "empty_split",
-         "gqa_interleaved", "no_division", "divide_in_loop", "no_scale", "scale_for_16", "per_query_head", "no_dot"]
+MODES = ["right", "reversed", "no_rescale", "no_rescale_l", "inverted_rescale", "tail_read", "tail_score",
+         "empty_split", "gqa_interleaved", "no_division", "divide_in_loop", "no_scale", "scale_for_16",
+         "per_query_head", "no_dot"]
 
 
 @triton.jit
@@ -41,8 +44,8 @@ def _kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, pm_ptr, pl_ptr, pacc_p
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dims, offs, rows = tl.arange(0, HEAD_DIM), tl.arange(0, TILE), tl.arange(0, GROUP_PAD)
     row_ok = rows < GROUP
-    heads = kv_head + rows * tl.num_programs(1) if MODE == 7 else kv_head * GROUP + rows
-    if MODE == 12:  # one program per query head (the grid's second axis is num_heads): one real row
+    heads = kv_head + rows * tl.num_programs(1) if MODE == 8 else kv_head * GROUP + rows
+    if MODE == 13:  # one program per query head (the grid's second axis is num_heads): one real row
         row_ok = rows < 1
         heads = kv_head + rows
         kv_head = kv_head // GROUP
@@ -51,36 +54,39 @@ def _kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, pm_ptr, pl_ptr, pacc_p
     seq_len = tl.load(sl_ptr + seq)
     per_split = tl.cdiv(tl.cdiv(seq_len, TILE), NUM_SPLITS)
     start = split * per_split * TILE
-    end = start + per_split * TILE if MODE == 6 else tl.minimum(start + per_split * TILE, seq_len)
-    if MODE == 10:
-        scale = 1.0
+    end = start + per_split * TILE if MODE == 7 else tl.minimum(start + per_split * TILE, seq_len)
     if MODE == 11:
+        scale = 1.0
+    if MODE == 12:
         scale = 0.25
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for first in range(start, end, TILE):
+    for step in range(0, tl.cdiv(end - start, TILE)):
+        first = start + step * TILE
+        if MODE == 1:  # the same tiles, the last (partial) one first
+            first = start + (tl.cdiv(end - start, TILE) - 1 - step) * TILE
         tokens = first + offs
         valid = tokens < tl.minimum(end, seq_len)
-        read = tokens >= 0 if MODE == 4 else valid
+        read = tokens >= 0 if MODE == 5 else valid
         k, v = _load_tile(k_ptr, v_ptr, bt_ptr + seq * s_bt, tokens, read, kv_head, dims, s_kb, s_kt, s_kh, BLOCK_SIZE)
-        if MODE == 13:
+        if MODE == 14:
             scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
         else:
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        if MODE != 5:
+        if MODE != 6:
             scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_new - m_i) if MODE == 3 else tl.exp(m_i - m_new)
+        alpha = tl.exp(m_new - m_i) if MODE == 4 else tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * (1.0 if MODE == 1 or MODE == 2 else alpha) + tl.sum(p, axis=1)
-        pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1) if MODE == 13 else tl.dot(p, v, input_precision="ieee")
-        if MODE == 9:
+        l_i = l_i * (1.0 if MODE == 2 or MODE == 3 else alpha) + tl.sum(p, axis=1)
+        pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1) if MODE == 14 else tl.dot(p, v, input_precision="ieee")
+        if MODE == 10:
             pv = pv / l_i[:, None]
-        acc = acc * (1.0 if MODE == 1 else alpha[:, None]) + pv
+        acc = acc * (1.0 if MODE == 2 else alpha[:, None]) + pv
         m_i = m_new
     if NUM_SPLITS == 1:
-        res = acc if MODE == 8 or MODE == 9 else acc / l_i[:, None]
+        res = acc if MODE == 9 or MODE == 10 else acc / l_i[:, None]
         tl.store(out_ptr + q_off, res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
         part = (seq * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split
@@ -92,7 +98,7 @@ def _kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, pm_ptr, pl_ptr, pacc_p
 def launcher(mode):
     """The exercise's launcher (and its merge of the splits) around ``_kernel`` in ``mode``."""
 
-    def decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, num_splits=1, tile=16):
+    def decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, tile):
         num_seqs, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
         out = torch.empty_like(q)
@@ -102,7 +108,7 @@ def launcher(mode):
         programs = num_heads if mode == "per_query_head" else num_kv_heads
         _kernel[(num_seqs, programs, num_splits)](
             q, k_cache, v_cache, block_tables, seq_lens, out, part_m, part_l, part_acc,
-            head_dim**-0.5 if scale is None else scale, q.stride(0), q.stride(1), *k_cache.stride()[:3],
+            scale, q.stride(0), q.stride(1), *k_cache.stride()[:3],
             block_tables.stride(0), GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
             HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, NUM_SPLITS=num_splits, MODE=MODES.index(mode))
         if num_splits > 1:
@@ -127,6 +133,11 @@ def verdict(mode, cases):
 def test_the_model_solution_passes(capsys):
     assert ch04.check_decode_kernel(launcher("right"), _kernel).status == PASS
     assert capsys.readouterr().out.startswith("✅ PASS   ch04.decode_kernel")
+
+
+def test_a_loop_over_the_tiles_in_another_order_passes():
+    """The order of the tiles is the kernel's choice: the online softmax gives the same answer (up to rounding)."""
+    assert verdict("reversed", KERNEL_CASES).status == PASS
 
 
 # Each mistake on the one public batch that shows it first (the MHA batch, unless it takes GQA or splits).
@@ -171,14 +182,17 @@ def test_the_references_engine_tokens_are_the_package_runs():
     assert want["decode_calls"] > 0 and want["tokens"] == run_engine(ENGINE_CASES[0])["tokens"]
 
 
-def stub_kernel():
-    # What the exercise generator leaves in the learner's kernel.
-    raise NotImplementedError("Task 4.1 is not implemented yet. Hint: the online softmax")
+@triton.jit
+def stub_kernel(q_ptr, GROUP: tl.constexpr):
+    seq = tl.program_id(0)  # noqa: F841
+    # What a release leaves in the learner's kernel (minipaged.exercises.stub_source)
+    raise PieceNotBuilt('04', '4.1', '_paged_decode_kernel', 'kernels/paged_attention.py')
 
 
-def test_stub_in_the_kernel_source_is_not_implemented_yet():
+def test_a_stubbed_kernel_is_not_implemented_yet_and_names_its_exercise(capsys):
     result = ch04.check_decode_kernel(launcher("right"), stub_kernel)
-    assert result.status == TODO and "online softmax" in result.message
+    assert result.status == TODO and "exercise 04, Task 4.1 builds it in kernels/paged_attention.py" in result.message
+    assert "NOT IMPLEMENTED YET" in capsys.readouterr().out
 
 
 def test_not_implemented_wrapped_by_the_interpreter_is_found():
@@ -192,7 +206,7 @@ def test_not_implemented_wrapped_by_the_interpreter_is_found():
 
 
 def test_a_launcher_that_raises_shows_its_inputs():
-    def decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, num_splits=1, tile=16):
+    def decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, tile):
         raise ValueError("no grid")
 
     result = ch04.check_decode_kernel(decode, _kernel)
@@ -202,7 +216,7 @@ def test_a_launcher_that_raises_shows_its_inputs():
 def test_count_dots_counts_each_tl_dot_and_needs_the_interpreter(monkeypatch):
     case = KERNEL_CASES[0]
     with count_dots() as dots:
-        launcher("right")(*ch04.paged_case(case).decode_args, num_splits=1, tile=case["tile"])
+        launcher("right")(*ch04.paged_case(case).decode_args, ch04.HEAD_DIM**-0.5, 1, case["tile"])
     steps = sum(-(-n // case["tile"]) for n in case["seq_lens"]) * case["num_kv_heads"]
     assert dots["dots"] == 2 * steps  # q·Kᵀ and p·V, once per tile step of every program
     monkeypatch.setenv("TRITON_INTERPRET", "0")

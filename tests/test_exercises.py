@@ -208,13 +208,24 @@ def test_each_task_fails_on_the_code_its_chapter_shows(chapter, check, capsys):
     arity = len(inspect.signature(check).parameters)
     for code in shown:
         args = [code] * arity
-        if arity == 2:  # exercise 04: (launcher, kernel); the chapter's launcher with its own kernel
-            from minipaged.kernels import paged_decode_attention
-
-            args = [paged_decode_attention, code]
+        if arity == 2:  # exercise 04: (launcher, kernel); the package's launcher on the code shown as its kernel
+            args = [_launching(code), code]
         result = check(*args)
         assert result.status != PASS, f"{check.__name__} passes on {chapter.name}'s {getattr(code, '__name__', code)}"
     capsys.readouterr()
+
+
+def _launching(kernel):
+    """The package's ``launch_decode`` with ``kernel`` in place of its decode kernel."""
+    from unittest import mock
+
+    from minipaged.kernels import paged_attention
+
+    def launch(*args):
+        with mock.patch.object(paged_attention, "_paged_decode_kernel", kernel):
+            return paged_attention.launch_decode(*args)
+
+    return launch
 
 
 def test_stubs_carry_only_the_first_hint_and_later_ones_come_on_request(capsys):

@@ -173,14 +173,14 @@ def test_a_delegating_learner_is_flagged_and_keeps_its_verdicts(tmp_path, capsys
 
 
 def test_a_reveals_imports_are_skipped_and_not_given_to_the_learner():
-    exercise = grader.load_exercise(ROOT / "solutions" / "04_triton_kernel.ipynb")
+    exercise = grader.load_exercise(ROOT / "solutions" / "06_prefix_sharing_cow.ipynb")
     nb = nbformat.read(exercise.path, as_version=4)
     reveal = [c for c in nb.cells if "solution-only" in c.metadata.get("tags", []) and c.cell_type == "code"]
-    assert reveal and "minipaged.kernels" in reveal[0].source  # the reveal shows the package's kernel ...
-    assert not [name for name in exercise.given if name.startswith("minipaged.kernels")]  # ... without allowing it
-    source = "from minipaged.kernels import paged_attention as pa\nkernel = pa._paged_decode_kernel\n"
+    assert reveal and "PrefixCachingAllocator" in reveal[0].source  # the reveal shows the package's allocator ...
+    assert f"{PC}.PrefixCachingAllocator" not in exercise.given  # ... without allowing it
+    source = "from minipaged import prefix_cache as pc\nshow = pc.PrefixCachingAllocator\n"
     assert grader.delegations(one_cell(source), exercise) == [
-        "cell t uses minipaged.kernels (from-import paged_attention as pa, attribute pa._paged_decode_kernel)"]
+        f"cell t uses {PC} (from-import prefix_cache as pc, attribute pc.PrefixCachingAllocator)"]
 
 
 def test_a_solution_only_cell_is_the_instructors_reveal_and_is_not_flagged(exercise06):

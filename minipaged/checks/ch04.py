@@ -1,9 +1,11 @@
 """Checks for exercise 04: the paged decode kernel's tile loop, in Triton.
 
-The learner writes the kernel chapter 04 describes but does not print: one program per (sequence, KV
-head, split) serves a whole GQA group with ``tl.dot``, streams its share of the sequence tile by tile
-through an online softmax, and stores ``acc / l`` (one split) or its partial ``(m, l, acc)`` (several,
-merged by the exercise's launcher). The check runs it on two kinds of case:
+The learner writes the kernel chapter 04 describes but does not print, the body of
+``_paged_decode_kernel`` in their copy of ``kernels/paged_attention.py`` (a hole there,
+:mod:`minipaged.pieces`): one program per (sequence, KV head, split) serves a whole GQA group with
+``tl.dot``, streams its share of the sequence tile by tile through an online softmax, and stores
+``acc / l`` (one split) or its partial ``(m, l, acc)`` (several, merged by the package's
+``launch_decode``). The check runs the launcher it is given on two kinds of case:
 
 - ``"kernel"``: a decode batch from :func:`minipaged.testing.make_paged_case` (a pool that holds NaN
   wherever no sequence wrote), against a float64 reference. A wrong row is replayed on the host with
@@ -15,17 +17,16 @@ merged by the exercise's launcher). The check runs it on two kinds of case:
   model with the learner's kernel as the decode attention (prefill and the cache writes stay the
   package's torch path); the greedy tokens must be the reference's, token for token.
 
-The learner's code lives inside a ``@triton.jit`` kernel, so a stub's ``raise NotImplementedError``
+The learner's code lives inside a ``@triton.jit`` kernel, so a stub's ``raise PieceNotBuilt``
 never reaches the check directly: the interpreter wraps it in its own error, and on a GPU the compiler
-rejects the ``raise`` before anything runs. The probe therefore looks for the stub in the kernel's
-source first, and digs a ``NotImplementedError`` out of whatever the launch raised. The reference and
-the hidden cases are in ``minipaged.checks.instructor.ch04``.
+rejects the ``raise`` before anything runs. The package's launcher and the probe therefore look for the
+stub in the kernel's source first (:func:`minipaged.pieces.unbuilt`), and the probe digs a
+``NotImplementedError`` out of whatever a launch raised. The reference and the hidden cases are in
+``minipaged.checks.instructor.ch04``.
 """
 
 from __future__ import annotations
 
-import ast
-import inspect
 import math
 
 import torch
@@ -34,11 +35,13 @@ from minipaged._triton import interpreted
 from minipaged.checks import CheckFailed, as_tensor, check
 from minipaged.checks.engine_run import CHECK_BACKEND, first_token_divergence, run_engine
 from minipaged.kernels.traffic import count_dots, count_loads
+from minipaged.pieces import unbuilt
 from minipaged.testing import make_paged_case
 
-# The package modules this exercise rebuilds: the grader flags a learner's cell that imports, subclasses or
-# calls them (a flag for the instructor, not a verdict).
-REBUILDS = ("minipaged.kernels",)
+# The package modules this exercise rebuilds in a notebook cell, which the grader flags a learner's cell for
+# importing, subclassing or calling (a flag for the instructor, not a verdict): none. Task 4.1's piece is a hole in
+# the learner's own kernels/paged_attention.py, which the exercise's cells import and check.
+REBUILDS = ()
 
 HINTS = {
     "4.1": [
@@ -72,7 +75,7 @@ MISTAKES = {
                          "is exp(-inf) = 0 on the first tile"),
     "tail_read": ("NaN: the last, partial tile read the slots past seq_len (the pool holds NaN there) and "
                   "0 * NaN is NaN even where the score was -inf",
-                  "pass the tile's valid mask to the loads (load_tile's mask): a masked lane reads nothing and "
+                  "pass the tile's valid mask to the loads (load_kv_tile's valid): a masked lane reads nothing and "
                   "gives 0; valid = tokens < the end of the range"),
     "tail_score": ("the empty slots of the last, partial tile were counted, each with score 0",
                    "set the scores of the positions past the end to -inf (tl.where on the tile's valid mask), so "
@@ -90,22 +93,6 @@ MISTAKES = {
     "no_scale": ("the scores were not multiplied by scale (head_dim ** -0.5)",
                  "scores = tl.dot(q, tl.trans(k)) * scale: the softmax is over q·k / sqrt(head_dim)"),
 }
-
-
-def _stub_in(kernel) -> str | None:
-    """The stub's message if the kernel's source still holds ``raise NotImplementedError``."""
-    fn = getattr(kernel, "fn", kernel)
-    try:
-        source = inspect.getsource(fn)
-    except (OSError, TypeError):
-        return None
-    for line in map(str.strip, source.splitlines()):
-        if line.startswith("raise NotImplementedError"):
-            try:
-                return str(ast.literal_eval(line[len("raise NotImplementedError(") : -1]))
-            except (ValueError, SyntaxError):
-                return "replace the `raise NotImplementedError` in the kernel with your code"
-    return None
 
 
 def _not_implemented(exc: BaseException) -> NotImplementedError | None:
@@ -143,10 +130,11 @@ def _summary(cases, observations) -> str:
             f"and {len(cases) - kernels} engine run{'s' if len(cases) - kernels != 1 else ''}, token for token")
 
 
-def _launch(decode, *args, **kwargs):
-    """``decode(*args, **kwargs)``, with a stub's ``NotImplementedError`` dug out of the interpreter's error."""
+def _launch(launch, q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, tile):
+    """``launch(...)``, with a stub's ``NotImplementedError`` dug out of the interpreter's error."""
+    scale = q.shape[2] ** -0.5 if scale is None else scale
     try:
-        return decode(*args, **kwargs)
+        return launch(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, tile)
     except Exception as exc:
         todo = _not_implemented(exc)
         if todo is not None:
@@ -155,29 +143,31 @@ def _launch(decode, *args, **kwargs):
 
 
 @check("ch04.decode_kernel", hint=HINTS["4.1"][0], label=_label, summary=_summary)
-def check_decode_kernel(case, decode, kernel):
-    """The learner's launcher ``decode`` (which launches ``kernel``) on one case.
+def check_decode_kernel(case, launch, kernel):
+    """The launcher ``launch`` (which launches ``kernel``, the learner's) on one case.
 
-    ``decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, num_splits=1, tile=16) -> out``.
+    ``launch(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, tile) -> out``, as the package's
+    :func:`~minipaged.kernels.paged_attention.launch_decode`; ``kernel`` is what it launches (a stub is
+    reported as not implemented yet before anything runs).
 
     ``case`` is ``{"kind": "kernel", "seq_lens", "block_size", "num_heads", "num_kv_heads", "tile",
     "num_splits", "seed"}`` (a decode batch; the observation is the output, and in the interpreter the
     bytes it loaded from each cache and its ``tl.dot`` calls) or ``{"kind": "engine",
     "config", "requests", "tile", "num_splits"}`` (the observation is the run's tokens, and how many
-    times the engine called ``decode``).
+    times the engine called the launcher).
     """
-    stub = _stub_in(kernel)
-    if stub:
-        raise NotImplementedError(stub)
+    todo = unbuilt(kernel)
+    if todo is not None:
+        raise todo
     options = {"num_splits": case["num_splits"], "tile": case["tile"]}
     if case["kind"] == "kernel":
         paged = paged_case(case)
         if not interpreted():  # compiled for a GPU: the loads and dots cannot be counted
-            out = _launch(decode, *paged.decode_args, **options)
+            out = _launch(launch, *paged.decode_args, None, **options)
             return {"out": out if isinstance(out, torch.Tensor) else repr(out)[:200], "k_bytes": None,
                     "v_bytes": None, "dots": None}
         with count_loads(k_cache=paged.k_cache, v_cache=paged.v_cache) as loaded, count_dots() as dots:
-            out = _launch(decode, *paged.decode_args, **options)
+            out = _launch(launch, *paged.decode_args, None, **options)
         return {"out": out if isinstance(out, torch.Tensor) else repr(out)[:200], "k_bytes": loaded["k_cache"],
                 "v_bytes": loaded["v_cache"], "dots": dots["dots"]}
     from minipaged.attention import AttentionBackend, get_backend
@@ -186,7 +176,7 @@ def check_decode_kernel(case, decode, kernel):
 
     def attend(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None):
         calls.append(len(seq_lens))
-        return _launch(decode, q, k_cache, v_cache, block_tables, seq_lens, scale=scale, **options)
+        return _launch(launch, q, k_cache, v_cache, block_tables, seq_lens, scale, **options)
 
     torch_path = get_backend("torch")
     backend = AttentionBackend(CHECK_BACKEND, decode=attend, prefill=torch_path.prefill, write=torch_path.write)
@@ -201,9 +191,9 @@ def _judge(case, got, want):
         return
     out, expected = as_tensor(got["out"]), as_tensor(want["out"])
     if out is None:
-        raise CheckFailed(f"decode returned {got['out']}, expected a torch.Tensor")
+        raise CheckFailed(f"the launcher returned {got['out']}, expected a torch.Tensor")
     if out.shape != expected.shape or out.dtype != expected.dtype:
-        raise CheckFailed(f"decode returned a {out.dtype} tensor of shape {list(out.shape)}, expected "
+        raise CheckFailed(f"the launcher returned a {out.dtype} tensor of shape {list(out.shape)}, expected "
                           f"{expected.dtype} {list(expected.shape)} (q's shape and dtype)")  # fmt: skip
     exact = paged_case(case).reference(dtype=torch.float64)  # the float64 answer, recomputed here from the seed
     bad = ~torch.isclose(out.double(), exact, **TOL).all(dim=2)  # [num_seqs, num_heads]
@@ -244,7 +234,8 @@ def _judge_work(case, got) -> None:
 
 def _judge_engine(got, want):
     if got["decode_calls"] == 0:
-        raise CheckFailed("the engine never called your decode", "build the backend from your decode launcher")
+        raise CheckFailed("the engine never called the launcher", "pass the launcher that launches your kernel, "
+                          "paged_attention.launch_decode")
     hint = ("your kernel passes the small batches but not the engine's (head_dim 8, float64 tensors, small blocks, "
             "sequences that grow a token per step): check what your kernel assumes about its inputs")
     try:

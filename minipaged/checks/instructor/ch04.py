@@ -6,19 +6,11 @@ from minipaged.checks.engine_run import seeded_requests
 from minipaged.checks.instructor import Side
 
 
-def decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, num_splits=1, tile=16):
-    """The package's decode kernel, launched with the exercise's tile and split count (see ``launch_decode``)."""
-    from minipaged.kernels.paged_attention import launch_decode
-
-    scale = q.shape[2] ** -0.5 if scale is None else scale
-    return launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, tile)
-
-
 def reference():
-    """The answers the probe gets on the reference side: the launcher and the package's kernel."""
-    from minipaged.kernels.paged_attention import _paged_decode_kernel
+    """The answers the probe gets on the reference side: the package's launcher and its kernel."""
+    from minipaged.kernels.paged_attention import _paged_decode_kernel, launch_decode
 
-    return decode, _paged_decode_kernel
+    return launch_decode, _paged_decode_kernel
 
 
 def _kernel_case(seq_lens, block_size, heads, num_splits, seed, tile=16):
