@@ -69,12 +69,10 @@ def contiguous_attention(q, k, v, *, scale=None, causal=True):
 def _contiguous_attention(q, k, v, scale: float, causal: bool = True):
     """:func:`contiguous_attention` on inputs known to be valid."""
     q_len, kv_len = q.shape[0], k.shape[0]
-    mask = None
-    if causal and q_len > 1:
-        # SDPA's is_causal aligns query 0 with key 0; our queries are the end of the context.
-        query_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
-        mask = torch.arange(kv_len, device=q.device)[None, :] <= query_pos[:, None]
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    # SDPA's is_causal aligns query 0 with key 0; our queries are the end of the context.
+    pos = torch.arange(kv_len, device=q.device)
+    mask = pos[None, :] <= pos[kv_len - q_len :, None] if causal and q_len > 1 else None
+    compute = torch.promote_types(q.dtype, torch.float32)
     qt, kt, vt = (t.to(compute).transpose(0, 1) for t in (q, k, v))  # [heads, tokens, head_dim]
     out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(0, 1).to(q.dtype)
@@ -402,8 +400,7 @@ def _paged_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, scale):
     rows_k, rows_v = k_cache.reshape(-1, head_dim), v_cache.reshape(-1, head_dim)
     chunk = max(1, GATHER_BUDGET_BYTES // (2 * ctx * num_kv_heads * head_dim * k_cache.element_size()))
     k_buf, v_buf = _gather_buffers(min(chunk, num_seqs) * num_kv_heads * ctx, k_cache)
-    for start in range(0, num_seqs, chunk):
-        end = min(start + chunk, num_seqs)
+    for start, end in zip(range(0, num_seqs, chunk), range(chunk, num_seqs + chunk, chunk)):  # slices clamp `end`
         n = blocks_needed(max(lens[start:end]), block_size) * block_size  # this chunk's context
         ids, heads = rows[start:end, :, :n].flatten(), slice(start * num_kv_heads, end * num_kv_heads)
         # One index_select per cache: every sequence's context, head by head, in logical order.
@@ -456,8 +453,7 @@ def _paged_prefill_torch(q, k_cache, v_cache, block_tables, seq_lens, query_star
     """
     ### BEGIN SOLUTION (Exercise 03, Task 3.2)
     bounds = query_start_loc.tolist()  # sequence i's rows are bounds[i] : bounds[i + 1]
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    out = q.new_empty(q.shape)  # every row is written below
+    out, (block_size, num_kv_heads, head_dim) = q.new_empty(q.shape), k_cache.shape[1:]  # every row is written
     # In a mixed step (chapter 05: decodes plus prefill chunks) a one-token query is
     # plain decode: those rows take the vectorised decode path in one call instead of
     # one small attention call per sequence.
@@ -466,19 +462,17 @@ def _paged_prefill_torch(q, k_cache, v_cache, block_tables, seq_lens, query_star
         rows, seqs = (torch.tensor(x, device=q.device) for x in ([bounds[i] for i in decoding], decoding))
         out[rows] = _paged_decode_torch(q[rows], k_cache, v_cache, block_tables[seqs], seq_lens[seqs], scale)
     done = set(decoding) if len(decoding) > 1 else set()
-    wide = torch.float64 if q.dtype == torch.float64 else torch.float32  # what SDPA computes in
+    wide = torch.promote_types(q.dtype, torch.float32)  # what SDPA computes in
     for i, (seq_len, a, b) in enumerate(zip(seq_lens.tolist(), bounds, bounds[1:])):
         if i in done:
             continue
         ids = block_tables[i, : blocks_needed(seq_len, block_size)]
         # Slicing to seq_len drops the unwritten tail, so no masking of V is needed here.
-        k = k_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:seq_len]
-        v = v_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:seq_len]
+        k, v = (c.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:seq_len] for c in (k_cache, v_cache))
         # The chunk is the context's last b - a positions, so the causal mask is aligned to the context's end
         # (SDPA's is_causal aligns query 0 with key 0). A single query sees the whole context: no mask.
-        first_query = seq_len - (b - a)
-        sees = None if b - a == 1 else (torch.arange(seq_len, device=q.device)[None, :]
-                                        <= torch.arange(first_query, seq_len, device=q.device)[:, None])
+        pos = torch.arange(seq_len, device=q.device)
+        sees = None if b - a == 1 else pos[None, :] <= pos[seq_len - (b - a) :, None]
         heads_first = [t.to(wide).transpose(0, 1) for t in (q[a:b], k, v)]  # [heads, tokens, head_dim]
         attended = F.scaled_dot_product_attention(*heads_first, attn_mask=sees, scale=scale, enable_gqa=True)
         out[a:b] = attended.transpose(0, 1)

@@ -44,10 +44,10 @@ def test_the_package_passes_the_recorded_case_with_vllms_tokens_and_hits():
     obs = recorded_transcript()["observations"][0]
     record = ch09.recorded(RECORDED["model"])["requests"]
     assert [r["cached"] for r in obs["mine"]] == [r["vllm_cached_tokens"] for r in record]
-    assert any(r["cached"] for r in obs["mine"]) and obs["package"] is None  # not run beside it: SmolLM2 is slow
+    assert any(r["cached"] for r in obs["mine"]) and set(obs) == {"model", "max_tokens", "mine"}
     assert any(len(r["tokens"]) < RECORDED["max_tokens"] for r in obs["mine"]), "some chat must stop at its EOS"
     course = recorded_transcript(1)["observations"][0]
-    assert verdict(COURSE, recorded_transcript(1)).passed and course["package"] == course["mine"]
+    assert verdict(COURSE, recorded_transcript(1)).passed
     assert sum(r["cached"] for r in course["mine"]) == sum(r["vllm_cached_tokens"] for r in
                                                          ch09.recorded(COURSE["model"])["requests"]) > 0
 
@@ -63,19 +63,9 @@ def test_a_prefix_cache_that_never_hits_fails_on_the_first_request_vllm_served_f
     assert result.hint == ch09.HINTS["9.1"][2]
 
 
-def test_tokens_unlike_the_packages_in_the_same_run_fail_at_that_token():
-    def flip(obs):
-        obs["mine"][3]["tokens"][5] += 1
-
-    result = verdict(COURSE, edited(flip, 1))
-    assert result.status == FAIL and "request 3: your engine's token 5 differs from the package's" in result.message
-    assert result.hint == ch09.HINTS["9.1"][1]
-
-
-def test_tokens_unlike_vllms_before_a_near_tie_fail_even_if_both_engines_agree():
+def test_tokens_unlike_vllms_before_a_near_tie_fail():
     def both(obs):
-        for side in ("mine", "package"):
-            obs[side][0]["tokens"][0] += 1
+        obs["mine"][0]["tokens"][0] += 1
 
     result = verdict(COURSE, edited(both, 1))
     assert result.status == FAIL and "request 0: token 0 differs from vLLM's recorded one" in result.message
