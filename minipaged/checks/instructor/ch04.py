@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from minipaged.checks.engine_run import seeded_requests
+from minipaged.checks.engine_run import seeded_requests, with_script
 from minipaged.checks.instructor import Side
 
 
@@ -24,8 +24,10 @@ def _request(rid, prompt, max_tokens, arrive=0):
 
 
 def _engine_case(requests, num_splits, block_size=4):
+    """The engine on a few requests, the model answer's schedule replayed (exercise 04 comes before 05's)."""
     config = {"num_blocks": 48, "block_size": block_size, "max_num_seqs": 4, "max_num_batched_tokens": 128}
-    return {"kind": "engine", "config": config, "requests": requests, "tile": 16, "num_splits": num_splits}
+    return with_script({"kind": "engine", "config": config, "requests": requests, "tile": 16,
+                        "num_splits": num_splits})
 
 
 # Sequences of 5 (one partial tile), 37 (three tiles, the last partial), 32 (two whole tiles) and 1 token;
