@@ -348,3 +348,17 @@ def test_kernels_graded_at_once_share_the_cores(tmp_path, jobs):
     write(tmp_path, "b", notebook({"01-03": threads.replace(f"!= {want}", f"!= {want + 1}")}))
     status, book, _ = grade(tmp_path, "--jobs", str(jobs))
     assert statuses(book, "a") == ["PASS"] * 3 and statuses(book, "b") == ["FAIL", "PASS", "PASS"]
+
+
+def test_without_bubblewrap_the_grader_refuses_unless_told_to_run_unsandboxed(tmp_path, capsys, monkeypatch):
+    from minipaged.checks import sandbox
+
+    write(tmp_path, "ada", notebook({}))
+    monkeypatch.setattr(sandbox.shutil, "which", lambda tool: None if tool == "bwrap" else f"/usr/bin/{tool}")
+    assert grader.main(["grade", str(tmp_path / "submissions"), "--gradebook", str(tmp_path / "book")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "bwrap not found" in err and "apt-get install bubblewrap" in err
+    assert not (tmp_path / "book.json").exists()
+    status, book, _ = grade(tmp_path, "--unsandboxed")
+    assert status == 0 and statuses(book, "ada") == ["PASS"] * 3
+    assert "warning: --unsandboxed" in capsys.readouterr().err

@@ -154,3 +154,15 @@ def test_what_a_learner_writes_is_gone_for_the_next(tmp_path):
               " '~/.ipython/profile_default/startup/00-kill.py') if os.path.exists(os.path.expanduser(p))]")
     book = grade_class(tmp_path, attack, honest=honest)
     assert statuses(book, "ann") == ["PASS"] * 3
+
+
+def test_a_check_past_its_limit_is_interrupted_and_the_kernel_goes_on(tmp_path):
+    """A SIGINT to the kernel's process group would kill bwrap and the kernel with it: the sandboxed kernel is
+    interrupted on its control channel, and the checks after the loop still run in it."""
+    write(tmp_path, "ann", notebook({"01-06": "def new_blocks(n, k, b):\n    while True:\n        pass"}))
+    write(tmp_path, "bo", notebook({}))
+    status, book, _ = grade(tmp_path, "--check-timeout", "1.5")
+    assert status == 1 and statuses(book, "ann") == ["PASS", "FAIL", "PASS"] and statuses(book, "bo") == ["PASS"] * 3
+    assert book["learners"]["ann"]["checks"]["ch01.new_blocks"]["message"] == "timed out after 1.5 s"
+    assert book["learners"]["ann"]["notes"]["01_kv_cache_memory.ipynb"] == ["cell 8 timed out after 1.5 s and was "
+                                                                            "interrupted"]
