@@ -341,8 +341,24 @@ def test_the_readme_grading_command_runs(tmp_path):
 def test_kernels_graded_at_once_share_the_cores(tmp_path, jobs):
     # Each kernel gets cores // jobs threads: oversubscribed, a learner's engine run can be several times slower
     # and time out with no fault of its own.
-    seen = tmp_path / "threads.txt"
-    write(tmp_path, "a", notebook({}, (f"import torch\nopen({str(seen)!r}, 'w').write(str(torch.get_num_threads()))",)))
+    # The sandboxed kernel cannot write where the test reads: its function exists only with the threads expected.
+    want = max(1, (os.cpu_count() or 1) // jobs)
+    threads = f"import torch\n{RIGHT['01-03']}\nif torch.get_num_threads() != {want}:\n    del blocks_that_fit"
+    write(tmp_path, "a", notebook({"01-03": threads}))
+    write(tmp_path, "b", notebook({"01-03": threads.replace(f"!= {want}", f"!= {want + 1}")}))
     status, book, _ = grade(tmp_path, "--jobs", str(jobs))
-    assert statuses(book, "a") == ["PASS"] * 3
-    assert int(seen.read_text()) == max(1, (os.cpu_count() or 1) // jobs)
+    assert statuses(book, "a") == ["PASS"] * 3 and statuses(book, "b") == ["FAIL", "PASS", "PASS"]
+
+
+def test_without_bubblewrap_the_grader_refuses_unless_told_to_run_unsandboxed(tmp_path, capsys, monkeypatch):
+    from minipaged.checks import sandbox
+
+    write(tmp_path, "ada", notebook({}))
+    monkeypatch.setattr(sandbox.shutil, "which", lambda tool: None if tool == "bwrap" else f"/usr/bin/{tool}")
+    assert grader.main(["grade", str(tmp_path / "submissions"), "--gradebook", str(tmp_path / "book")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "bwrap not found" in err and "apt-get install bubblewrap" in err
+    assert not (tmp_path / "book.json").exists()
+    status, book, _ = grade(tmp_path, "--unsandboxed")
+    assert status == 0 and statuses(book, "ada") == ["PASS"] * 3
+    assert "warning: --unsandboxed" in capsys.readouterr().err

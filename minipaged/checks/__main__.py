@@ -1,7 +1,7 @@
 """Grade a class: ``python -m minipaged.checks grade submissions/``.
 
     python -m minipaged.checks grade PATH [PATH ...] [--gradebook PREFIX] [--instructor] [--jobs N]
-        [--check-timeout S] [--notebook-timeout S] [--seed N]
+        [--check-timeout S] [--notebook-timeout S] [--seed N] [--unsandboxed]
 
 A PATH is a notebook or a folder of submissions. Under a folder, a notebook's learner is the first
 folder below it (``submissions/<learner>/.../NN_name.ipynb``); a notebook named on its own belongs
@@ -13,11 +13,12 @@ For each notebook, the grader:
    is a *check cell*, known by its cell id;
 2. restores each check cell from the solution (an edited cell gets its source back, a deleted one
    is put back after the cell it followed, a copy of one is dropped);
-3. runs the learner's cells in a kernel process of its own, with a working directory of its own,
-   against a copy of the package without its instructor side (``minipaged.checks.instructor``) and
-   without ``solutions/``. In place of each check cell it runs a cell of its own, which calls the
-   learner's code through the check's probe on the public cases and on hidden ones drawn from the
-   grading seed, and prints the probe's transcript as JSON;
+3. runs the learner's cells in a kernel process of its own, in a sandbox (:mod:`minipaged.checks.sandbox`:
+   bubblewrap, a uid of its own, no network, limits), with a working directory of its own, against a copy of
+   the package without its instructor side (``minipaged.checks.instructor``) and without ``solutions/``; the
+   sandbox shows nothing else of the machine's files but the system's and the venv. In place of each check
+   cell it runs a cell of its own, which calls the learner's code through the check's probe on the public
+   cases and on hidden ones drawn from the grading seed, and prints the probe's transcript as JSON;
 4. decides each verdict in its own process: it checks the transcript's exact types, runs the
    reference on the same cases and compares. Nothing the kernel prints, reads or writes is a verdict.
 5. flags, for the instructor to look at, a learner's cell that is the model solution with identifiers
@@ -67,6 +68,7 @@ from minipaged.checks import (
     instructor_side,
     reference_transcript,
 )
+from minipaged.checks import sandbox as sandboxes
 from minipaged.cli import positive_int
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -154,14 +156,16 @@ class Graded:
 
 @dataclass
 class Limits:
-    """The grading run's settings: time limits (seconds; ``check`` None means each check's own), the seed, and the
+    """The grading run's settings: time limits (seconds; ``check`` None means each check's own), the seed, the
     threads each kernel may use (the machine's cores shared among the notebooks graded at once: an
-    oversubscribed kernel can run several times slower and time out without a fault of its learner's)."""
+    oversubscribed kernel can run several times slower and time out without a fault of its learner's), and each
+    kernel's sandbox limits (None: the kernels run unsandboxed, ``--unsandboxed``)."""
 
     check: float | None
     notebook: float
     seed: int
     threads: int = 1
+    confinement: sandboxes.Confinement | None = None
 
 
 # ---------------------------------------------------------------------------
@@ -489,16 +493,26 @@ class CellRun:
 
 
 class Kernel:
-    """One learner's kernel process: run a cell under a limit; interrupt, then kill, a cell that will not stop."""
+    """One learner's kernel process: run a cell under a limit; interrupt, then kill, a cell that will not stop.
 
-    def __init__(self, cwd: Path, env: dict):
-        self.cwd, self.env = cwd, env
+    Args:
+        cwd: its working directory.
+        env: its environment.
+        sandbox: where it runs (None: unsandboxed, as the grader's user).
+    """
+
+    def __init__(self, cwd: Path, env: dict, sandbox: sandboxes.Sandbox | None = None):
+        self.cwd, self.env, self.sandbox = cwd, env, sandbox
         self.km = self.kc = None
 
     async def start(self) -> None:
         from jupyter_client import AsyncKernelManager
 
-        self.km = AsyncKernelManager(kernel_name="python3")
+        if self.sandbox is None:
+            self.km = AsyncKernelManager(kernel_name="python3")
+        else:
+            self.sandbox.prepare()
+            self.km = sandboxes.kernel_manager(self.sandbox)
         # The kernel's own stdout and stderr (start-up warnings, a crash's last words) are not the grader's.
         await self.km.start_kernel(env=self.env, cwd=str(self.cwd), stdout=subprocess.DEVNULL,
                                    stderr=subprocess.DEVNULL)
@@ -631,12 +645,11 @@ def _transcript(stdout: str, marker: str):
     return None
 
 
-async def execute(nb, exercise: Exercise, cwd: Path, env: dict, limits: Limits, refs: References):
-    """Run ``nb`` (already restored) in a fresh kernel; judge each check from its probe's transcript."""
+async def execute(nb, exercise: Exercise, kernel: Kernel, limits: Limits, refs: References):
+    """Run ``nb`` (already restored) in ``kernel`` (not started yet); judge each check from its probe's transcript."""
     check_of = {c.cell_id: c for c in exercise.check_cells}
     results: dict[str, Outcome] = {}
     notes: list[str] = []
-    kernel = Kernel(cwd, env)
     marker = f"@@minipaged-transcript-{secrets.token_hex(8)}@@"
     stopped = ""  # why the rest of the notebook did not run
     start = time.monotonic()
@@ -711,14 +724,34 @@ def _answers(nb, exercise: Exercise) -> dict[str, str]:
 
 
 async def grade_notebook(submission: Submission, exercise: Exercise, limits: Limits, refs: References,
-                         package: Path) -> Graded:
-    """Restore, execute and grade one submission, in a working directory of its own."""
+                         package: Path, uid: int = sandboxes.FIRST_UID) -> Graded:
+    """Restore, execute and grade one submission, in a working directory of its own.
+
+    Args:
+        submission: the notebook and whose it is.
+        exercise: its exercise.
+        limits: the run's settings; with ``limits.confinement`` the kernel runs in a sandbox.
+        refs: the run's cases and reference transcripts.
+        package: the learner's package copy for this exercise.
+        uid: the sandboxed kernel's uid, which no kernel running at the same time has.
+    """
+    from minipaged.pretrained import cache_root
+
     nb = _read(submission.path)
     notes = syntax_errors(nb) + restore(nb, exercise)
-    threads = str(limits.threads)
-    env = dict(os.environ, PYTHONPATH=str(package), OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
-    with tempfile.TemporaryDirectory(prefix="minipaged-learner-") as cwd:
-        results, run_notes = await execute(nb, exercise, Path(cwd), env, limits, refs)
+    with tempfile.TemporaryDirectory(prefix="minipaged-learner-") as tmp:
+        cwd = Path(tmp, "work")
+        cwd.mkdir()
+        if limits.confinement is None:
+            threads = str(limits.threads)
+            env = dict(os.environ, PYTHONPATH=str(package), OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+            kernel = Kernel(cwd, env)
+        else:
+            (Path(tmp) / "run").mkdir()
+            cache = cache_root() if cache_root().is_dir() else None
+            sandbox = sandboxes.Sandbox(package, cwd, Path(tmp, "run"), uid, limits.confinement, cache)
+            kernel = Kernel(cwd, sandbox.env(limits.threads), sandbox)
+        results, run_notes = await execute(nb, exercise, kernel, limits, refs)
     return Graded(submission.learner, submission.path, exercise, results, notes + run_notes, _answers(nb, exercise),
                   copied_solutions(nb, exercise) + delegations(nb, exercise))
 
@@ -731,7 +764,9 @@ def _failed(submission: Submission, exercise: Exercise, note: str) -> Graded:
 async def grade_all(submissions: list[Submission], exercises: dict[str, Exercise], limits: Limits, jobs: int):
     """Grade every submission, ``jobs`` at a time; an internal failure on one is noted and the batch goes on."""
     refs = References(limits.seed)
-    gate = asyncio.Semaphore(jobs)
+    uids: asyncio.Queue[int] = asyncio.Queue()  # one uid per kernel running at once (RLIMIT_NPROC counts per uid)
+    for slot in range(jobs):
+        uids.put_nowait(sandboxes.FIRST_UID + slot)
     crashed = []
     with tempfile.TemporaryDirectory(prefix="minipaged-handout-") as tmp:
         bases, packages = {}, {}
@@ -746,13 +781,15 @@ async def grade_all(submissions: list[Submission], exercises: dict[str, Exercise
         async def one(submission: Submission) -> Graded:
             exercise = exercises[submission.path.name[:2]]
             package = packages[submission.learner, submission.path.name[:2]]
-            async with gate:
-                try:
-                    return await grade_notebook(submission, exercise, limits, refs, package)
-                except Exception as exc:  # a grader bug: say so, keep grading the others
-                    traceback.print_exc()
-                    crashed.append(submission.path)
-                    return _failed(submission, exercise, f"the grader failed: {type(exc).__name__}: {exc}")
+            uid = await uids.get()
+            try:
+                return await grade_notebook(submission, exercise, limits, refs, package, uid)
+            except Exception as exc:  # a grader bug: say so, keep grading the others
+                traceback.print_exc()
+                crashed.append(submission.path)
+                return _failed(submission, exercise, f"the grader failed: {type(exc).__name__}: {exc}")
+            finally:
+                uids.put_nowait(uid)
 
         graded = await asyncio.gather(*(one(s) for s in submissions))
     return list(graded), crashed
@@ -902,7 +939,18 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--jobs", type=positive_int, default=1, help="notebooks graded at once (default 1)")
     g.add_argument("--seed", type=int, default=None, help="the hidden cases' seed (default: a fresh random one)")
     g.add_argument("--instructor", action="store_true", help="also print the model answers beside the learners'")
+    g.add_argument("--unsandboxed", action="store_true",
+                   help="run learners' code without the sandbox, as your user, with your files (not for grading)")
     args = parser.parse_args(argv)
+    if args.unsandboxed:
+        print("warning: --unsandboxed: learners' code runs as your user and can read and change your files, "
+              "signal your processes and reach the network", file=sys.stderr)
+    else:
+        try:
+            sandboxes.require()
+        except sandboxes.SandboxUnavailable as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
 
     submissions, errors = collect(args.paths)
     exercises: dict[str, Exercise] = {}
@@ -915,7 +963,9 @@ def main(argv: list[str] | None = None) -> int:
         except GradeError as exc:
             errors.append(str(exc))
     seed = secrets.randbits(64) if args.seed is None else args.seed
-    limits = Limits(args.check_timeout, args.notebook_timeout, seed, threads=max(1, (os.cpu_count() or 1) // args.jobs))
+    threads = max(1, (os.cpu_count() or 1) // args.jobs)
+    confinement = None if args.unsandboxed else sandboxes.Confinement.for_run(args.notebook_timeout, threads, args.jobs)
+    limits = Limits(args.check_timeout, args.notebook_timeout, seed, threads, confinement)
     graded, crashed = asyncio.run(grade_all(gradable, exercises, limits, args.jobs)) if gradable else ([], [])
     for error in errors:
         print(f"error: {error}", file=sys.stderr)
