@@ -36,7 +36,7 @@ lab: setup
 WORKSPACE ?= ../minipaged-workspace
 learner: setup
 	$(PY) -m minipaged.exercises workspace $(WORKSPACE)
-	cd $(WORKSPACE) && .venv/bin/python -m jupyter lab --ip=127.0.0.1 $(ROOT_FLAG) notebooks/00_setup.ipynb
+	cd $(WORKSPACE) && .venv/bin/python -m jupyterlab --ip=127.0.0.1 $(ROOT_FLAG) notebooks/00_setup.ipynb
 
 # Lint, then unit tests, every notebook under nbval (outputs compared, 60 s
 # budget each), the exercise sync check and the shipped exercise notebooks,

@@ -61,8 +61,8 @@ _MD_SOLUTION = re.compile(r"<!-- BEGIN SOLUTION -->.*?<!-- END SOLUTION -->", re
 
 BANNER = (
     "> **Exercise version.** Generated from `solutions/{name}` by `python -m minipaged.exercises`. "
-    "Replace each `raise NotImplementedError(...)` with your code (and, where a task names a package file, the "
-    "`raise PieceNotBuilt(...)` in it), then run the check cell below it."
+    "Where a task names a package file, replace each `raise PieceNotBuilt(...)` in it with your code; where a "
+    "cell of this notebook has a `raise NotImplementedError(...)`, replace that. Then run the check cells."
 )
 
 
@@ -505,7 +505,7 @@ def _handout_command(args) -> str:
     if args.cmd == "workspace":
         made = workspace(args.dir)
         return (f"{'made' if made else 'kept'} the workspace {args.dir}: its package has holes where the exercises "
-                f"build pieces; start it with `cd {args.dir} && .venv/bin/python -m jupyter lab`")
+                f"build pieces; start it with `cd {args.dir} && .venv/bin/python -m jupyterlab`")
     if args.cmd == "reveal":
         filled = reveal(args.exercise, args.dir)
         return f"revealed in {args.dir}: {', '.join(filled)} (recorded in {args.dir / REVEALED})"

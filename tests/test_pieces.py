@@ -392,6 +392,11 @@ def test_a_workspace_has_an_environment_of_its_own_whose_package_is_the_handouts
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.stdout.splitlines() == [str(target / "minipaged" / "__init__.py"),
                                         str(target / "kernels" / "__init__.py"), "PieceNotBuilt"], done.stderr
+    for tool in ("jupyterlab", "nbconvert"):  # what `make learner` starts, and what runs a notebook from a shell
+        done = subprocess.run([str(target / ".venv" / "bin" / "python"), "-m", tool, "--version"], cwd=target,
+                              env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}, capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+        assert done.returncode == 0 and done.stdout.strip(), (tool, done.stderr[-500:])
     mine = target / "minipaged" / "speculative.py"
     mine.write_text(mine.read_text() + "# the learner's work\n")
     assert exercises.main(["workspace", str(target)]) == 0  # reopened: the work is kept

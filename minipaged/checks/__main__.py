@@ -927,7 +927,7 @@ def seconds(text: str) -> float:
     return value
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m minipaged.checks", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("grade", help="restore the check cells, execute the notebooks and write a gradebook")
@@ -941,17 +941,27 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--instructor", action="store_true", help="also print the model answers beside the learners'")
     g.add_argument("--unsandboxed", action="store_true",
                    help="run learners' code without the sandbox, as your user, with your files (not for grading)")
-    args = parser.parse_args(argv)
-    if args.unsandboxed:
+    return parser
+
+
+def _sandbox_ready(unsandboxed: bool) -> bool:
+    """Whether grading may start: the sandbox is there, or the instructor waived it (a warning, then True)."""
+    if unsandboxed:
         print("warning: --unsandboxed: learners' code runs as your user and can read and change your files, "
               "signal your processes and reach the network", file=sys.stderr)
-    else:
-        try:
-            sandboxes.require()
-        except sandboxes.SandboxUnavailable as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+        return True
+    try:
+        sandboxes.require()
+    except sandboxes.SandboxUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return False
+    return True
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if not _sandbox_ready(args.unsandboxed):
+        return 2
     submissions, errors = collect(args.paths)
     exercises: dict[str, Exercise] = {}
     gradable = []
