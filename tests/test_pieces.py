@@ -235,8 +235,8 @@ PREFIX_CACHE = ("from minipaged.checks import ch06\nfrom minipaged.blocks import
                 "ch06.check_cow_table(BlockTable)\n")
 
 
-def _check_speculator(package: Path, script: str = SPECULATOR) -> list[str]:
-    """A check (exercise 08's by default) on ``package``'s own pieces, run as a learner's kernel would."""
+def _run_checks(package: Path, script: str = SPECULATOR) -> list[str]:
+    """A script of checks (exercise 08's by default) on ``package``'s own pieces, run as a learner's kernel would."""
     done = subprocess.run([sys.executable, "-c", script], env={"PYTHONPATH": str(package), "PATH": "/usr/bin"},
                           capture_output=True, text=True, timeout=300, cwd=package)  # fmt: skip
     return done.stdout.splitlines() or [done.stderr]
@@ -245,23 +245,23 @@ def _check_speculator(package: Path, script: str = SPECULATOR) -> list[str]:
 def test_untouched_stubs_do_not_pass_and_reveal_fills_them_as_a_learner_would(handout, tmp_path):
     """A check reports the first piece it meets that is not built: its own exercise's, or an earlier one's that its
     engine runs on (exercise 08's speculator runs in an engine with 02's allocator and 05's scheduler)."""
-    lines = [line for line in _check_speculator(handout, ALLOCATOR) if not line.startswith(" ")]  # verdicts, no hints
+    lines = [line for line in _run_checks(handout, ALLOCATOR) if not line.startswith(" ")]  # verdicts, no hints
     assert lines[0].startswith("⏳ NOT IMPLEMENTED YET   ch02.allocator"), lines
     assert "exercise 02, Task 2.1 builds it in minipaged/blocks.py" in lines[0]
     assert lines[1].startswith("⏳ NOT IMPLEMENTED YET   ch02.engine"), lines  # the scheduler is replayed: 02's own
     assert "exercise 02, Task 2." in lines[1]
-    lines = [line for line in _check_speculator(handout, PREFIX_CACHE) if not line.startswith(" ")]
+    lines = [line for line in _run_checks(handout, PREFIX_CACHE) if not line.startswith(" ")]
     assert lines[0].startswith("⏳ NOT IMPLEMENTED YET   ch06.block_keys"), lines
     assert "exercise 06, Task 6.1 builds it in minipaged/prefix_cache.py" in lines[0]
     assert all(line.startswith("⏳ NOT IMPLEMENTED YET   ch06.") for line in lines[1:3]), lines
     workspace = tmp_path / "workspace"
     shutil.copytree(handout, workspace)
-    assert _check_speculator(workspace)[0].startswith("⏳ NOT IMPLEMENTED YET   ch08.speculator")
-    first = _check_speculator(workspace)[0]  # the first unbuilt piece its engine meets: an earlier exercise's
+    assert _run_checks(workspace)[0].startswith("⏳ NOT IMPLEMENTED YET   ch08.speculator")
+    first = _run_checks(workspace)[0]  # the first unbuilt piece its engine meets: an earlier exercise's
     assert "is not built yet: exercise 0" in first and "exercise 08" not in first, first
     for earlier in ("2", "3", "5", "6"):
         assert exercises.main(["reveal", earlier, str(workspace)]) == 0
-    lines = _check_speculator(workspace)
+    lines = _run_checks(workspace)
     assert lines[0].startswith("⏳ NOT IMPLEMENTED YET   ch08.speculator"), lines
     assert "exercise 08, Task 8.1 builds it in minipaged/speculative.py" in lines[0]
     mine = workspace / "minipaged" / "speculative.py"
@@ -269,7 +269,7 @@ def test_untouched_stubs_do_not_pass_and_reveal_fills_them_as_a_learner_would(ha
                                              "return 0  # a wrong try\n    raise PieceNotBuilt('08', '8.1', "
                                              "'rollback_drafts'"))  # fmt: skip
     assert exercises.main(["reveal", "08", str(workspace)]) == 0
-    assert _check_speculator(workspace)[0].startswith("✅ PASS   ch08.speculator"), _check_speculator(workspace)
+    assert _run_checks(workspace)[0].startswith("✅ PASS   ch08.speculator"), _run_checks(workspace)
     assert "a wrong try" not in mine.read_text() and "### BEGIN SOLUTION" not in mine.read_text()
     record = json.loads((workspace / exercises.REVEALED).read_text())
     assert [(r["exercise"], r["pieces"][:2]) for r in record] == [

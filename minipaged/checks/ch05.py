@@ -19,7 +19,7 @@ The references and the workloads are on the instructor's side (``minipaged.check
 from __future__ import annotations
 
 from minipaged.checks import CheckFailed, _where, check
-from minipaged.checks.engine_run import first_divergence, first_token_divergence, run_engine
+from minipaged.checks.engine_run import first_divergence, first_token_divergence, replay, run_engine
 from minipaged.scheduler import Scheduler
 
 # The package modules this exercise rebuilds in a notebook cell: none. Its pieces are holes in the learner's own
@@ -95,8 +95,9 @@ def _recording(cls, record: list, admissions: dict | None):
     Args:
         cls: the scheduler class.
         record: where each step's observation goes.
-        admissions: ``{step: [[seq_id, tokens], ...]}``, the reference run's admissions (Task 5.1's check,
-            before ``_admit`` is built), or None for ``cls``'s own.
+        admissions: ``{step: script entries}``, the reference run's admissions in
+            :class:`~minipaged.checks.engine_run.ScriptedScheduler`'s form (Task 5.1's check, before ``_admit``
+            is built), or None for ``cls``'s own.
     """
     from minipaged.blocks import BlockTable
 
@@ -108,13 +109,7 @@ def _recording(cls, record: list, admissions: dict | None):
             return super().num_new_blocks(num_tokens)
 
     def _replayed_admit(self, out, budget):
-        for seq_id, tokens in admissions.get(str(len(record)), []):
-            joining = next((s for s in self.waiting if str(s.seq_id) == seq_id), None)
-            if joining is None:
-                raise RuntimeError(f"{seq_id}, which the reference admitted in this step, is not waiting")
-            self.waiting.remove(joining)
-            self._start(joining, None, 0, out)
-            out.add(joining, tokens, joining.block_table.append_tokens(tokens))
+        replay(self, admissions.get(str(len(record)), []), out)
 
     def _preempt(self, seq, out):
         victims.append([str(seq.seq_id), asker[0]])

@@ -165,21 +165,35 @@ class ScriptedScheduler(Scheduler):
     def _schedule_running(self, out, budget):
         step = getattr(self, "_script_step", 0)
         self._script_step = step + 1
-        for op, seq_id, *arg in self.script.get(str(step), []):
-            seq = next(s for s in [*self.running, *self.waiting] if str(s.seq_id) == seq_id)
-            if op == "start":
-                self.waiting.remove(seq)
-                self._start(seq, None, arg[0], out)
-            elif op == "add":
-                out.add(seq, arg[0], seq.block_table.append_tokens(arg[0]))
-            else:
-                if seq in out.seqs:
-                    out.take_back(seq)
-                self._preempt(seq, out)
+        replay(self, self.script.get(str(step), []), out)
         return budget
 
     def _admit(self, out, budget):
         return None  # the script's "start" entries are its admissions
+
+
+def replay(scheduler, entries: list, out) -> None:
+    """Make one step's script ``entries`` (:class:`ScriptedScheduler`'s form) on ``scheduler``, into its plan ``out``.
+
+    Args:
+        scheduler: the engine's scheduler (its queues, ``_start`` and ``_preempt`` are used).
+        entries: ``[op, seq_id, *arg]`` lists, in the order the model answer's run made them.
+        out: the step's :class:`~minipaged.scheduler.SchedulerOutput`.
+    """
+    for op, seq_id, *arg in entries:
+        seq = next((s for s in [*scheduler.running, *scheduler.waiting] if str(s.seq_id) == seq_id), None)
+        if seq is None:
+            raise RuntimeError(f"{seq_id}, which the model answer's run meets here ({op}), is neither running nor "
+                               "waiting")
+        if op == "start":
+            scheduler.waiting.remove(seq)
+            scheduler._start(seq, None, arg[0], out)
+        elif op == "add":
+            out.add(seq, arg[0], seq.block_table.append_tokens(arg[0]))
+        else:
+            if seq in out.seqs:
+                out.take_back(seq)
+            scheduler._preempt(seq, out)
 
 
 def with_script(case: dict) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 
-from minipaged.checks.engine_run import VOCAB_SIZE, run_engine
+from minipaged.checks.engine_run import VOCAB_SIZE, with_script
 from minipaged.checks.instructor import Side
 from minipaged.scheduler import Scheduler
 
@@ -75,13 +75,17 @@ def hidden_cases(rng: random.Random) -> list[dict]:
 
 
 def with_admissions(cases: list[dict]) -> list[dict]:
-    """``cases``, each with ``"admissions"``: the reference run's admissions, ``{step: [[seq_id, tokens], ...]}``.
+    """``cases``, each with ``"admissions"``: the reference run's admissions, ``{step: script entries}``.
 
-    Task 5.1's check replays them, so that the learner's running pass is checked before their admission exists.
+    They are the end of each step's script (:func:`~minipaged.checks.engine_run.with_script`): the
+    ``"start"`` of each admitted sequence and its first chunk, after the running pass. Task 5.1's check
+    replays them, so that the learner's running pass is checked before their admission exists.
     """
     for case in cases:
-        steps = run_engine(case, observe=lambda engine, out: [[str(s), out.scheduled[s]] for s in out.admitted])
-        case["admissions"] = {str(step): admitted for step, admitted in enumerate(steps["steps"]) if admitted}
+        script = with_script(case)["script"]
+        starts = {step: [e[0] for e in entries].index("start") for step, entries in script.items()
+                  if any(e[0] == "start" for e in entries)}  # fmt: skip
+        case["admissions"] = {step: script[step][first:] for step, first in starts.items()}
     return cases
 
 
