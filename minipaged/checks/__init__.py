@@ -357,7 +357,8 @@ class Check:
                 return CheckResult(self.name, FAIL, message, self.hint)
             try:
                 self._judge(case, observed[index], want["observations"][index])
-            except (KeyError, TypeError, IndexError, AttributeError, ValueError) as exc:  # a malformed observation
+            except (KeyError, TypeError, IndexError, AttributeError, ValueError, ArithmeticError,
+                    RecursionError) as exc:  # a malformed observation: 10**400 where a float goes, too deep, ...
                 exc = CheckFailed(f"the observation has an unexpected shape ({type(exc).__name__}: {exc})")
                 return CheckResult(self.name, FAIL, f"{label}: {exc}", self.hint)
             except CheckFailed as exc:
@@ -524,7 +525,12 @@ def expect_raised(observed, exc_name: str, what: str) -> None:
 def expect_close(actual, expected, what: str, rel: float = 1e-9, abs_: float = 1e-12) -> None:
     if type(actual) not in (int, float):
         raise CheckFailed(f"{what} returned {actual!r}, which is not a number")
-    if not math.isclose(float(actual), float(expected), rel_tol=rel, abs_tol=abs_):
+    try:
+        close = math.isclose(float(actual), float(expected), rel_tol=rel, abs_tol=abs_)
+    except OverflowError:
+        raise CheckFailed(f"{what} returned an integer of {len(str(abs(actual)))} digits, too large to compare as a "
+                          "float") from None
+    if not close:
         raise CheckFailed(f"{what} returned {actual!r}, expected {expected!r}")
 
 

@@ -49,12 +49,14 @@ import random
 import re
 import secrets
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,6 +82,9 @@ MISSING = "MISSING"
 KILL_GRACE = 5.0  # seconds a cell gets to stop after an interrupt before its kernel is killed
 CELL_SLACK = 15.0  # a learner's own cell may run this much longer than a check
 MAX_OUTPUT = 32 * 2**20  # characters of a cell's stdout the grader keeps (the last ones)
+MAX_FILE = 64 * 2**20  # bytes of a handed-in file (a notebook, a piece file) the grader reads at most
+READ_TIMEOUT = 10.0  # seconds a handed-in file gets to be read
+UNGRADED = "UNGRADED"  # the status of every check of a notebook whose files the grader could not read
 _CSV_FORMULA = ("=", "+", "-", "@", "\t", "\r")
 
 
@@ -139,6 +144,7 @@ class Submission:
     learner: str
     path: Path
     folder: Path | None = None
+    nb: object = None  # the notebook as read once, before grading (:func:`screen`)
 
 
 @dataclass
@@ -173,17 +179,72 @@ class Limits:
 # ---------------------------------------------------------------------------
 
 
+def read_handed_in(path: Path, limit: int = MAX_FILE, timeout: float = READ_TIMEOUT) -> bytes:
+    """The bytes of a handed-in file, read only if it is a regular file of at most ``limit`` bytes.
+
+    A symbolic link (to a classmate's file, or to ``/dev/zero``), a FIFO, a device, a socket or a folder is
+    never opened for reading (``O_NOFOLLOW | O_NONBLOCK``, then ``fstat``), and a read that takes more than
+    ``timeout`` seconds (a stalled network mount) is given up; each raises :class:`GradeError` saying why.
+    """
+    def kind(mode: int) -> str:
+        for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
+                           (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")):
+            if test(mode):
+                return name
+        return "not a regular file"
+
+    def read(box: dict) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as exc:  # ELOOP: a symbolic link
+            box["error"] = "a symbolic link" if path.is_symlink() else (exc.strerror or str(exc))
+            return
+        with os.fdopen(fd, "rb") as f:
+            mode = os.fstat(fd).st_mode
+            data = f.read(limit + 1) if stat.S_ISREG(mode) else b""
+        if not stat.S_ISREG(mode):
+            box["error"] = kind(mode)
+        elif len(data) > limit:
+            box["error"] = f"more than the {limit:,} bytes a handed-in file may have"
+        else:
+            box["data"] = data
+
+    box: dict = {}
+    reader = threading.Thread(target=read, args=(box,), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if reader.is_alive():
+        raise GradeError(f"{shown(path)}: could not be read within {timeout:g} s")
+    if "error" in box:
+        raise GradeError(f"{shown(path)}: {box['error']}, not a file the grader reads")
+    return box["data"]
+
+
 def _read(path: Path):
     import nbformat
 
-    if not path.exists():
-        raise GradeError(f"{path}: no such file")
+    if not os.path.lexists(path):
+        raise GradeError(f"{shown(path)}: no such file")
     if path.suffix != ".ipynb":
-        raise GradeError(f"{path}: not a notebook (expected a .ipynb file)")
+        raise GradeError(f"{shown(path)}: not a notebook (expected a .ipynb file)")
+    data = read_handed_in(path)
     try:
-        return nbformat.read(path, as_version=4)
+        with warnings.catch_warnings():  # a cell without an id is graded all the same
+            warnings.simplefilter("ignore")
+            nb = nbformat.reads(data.decode("utf-8"), as_version=4)
+            nbformat.validate(nb)
     except Exception as exc:  # invalid JSON or not the notebook schema: say which file, not a traceback
-        raise GradeError(f"{path}: not a notebook ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
+        first = (str(exc).splitlines() or [""])[0][:200]
+        why = f"{type(exc).__name__}: {shown(first)}" if first else f"{type(exc).__name__} in its nbformat fields"
+        raise GradeError(f"{shown(path)}: not a notebook ({why})") from None
+    return nb
+
+
+def shown(text) -> str:
+    """``text`` safe to print on a terminal or in a CSV cell: every character that is not printable (a control
+    code such as the escape that starts a terminal sequence, a newline, a bidirectional override) is written as
+    its Python escape, ``\\x1b``, so no name or message can repaint or forge another line."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in str(text))
 
 
 def _code(source: str) -> str:
@@ -302,7 +363,8 @@ def find_exercise(path: Path, exercises: dict[str, Exercise]) -> Exercise:
         else:
             known = ", ".join(sorted(p.name[:2] for p in SOLUTIONS.glob("[0-9][0-9]_*.ipynb")))
             raise GradeError(
-                f"{path}: no exercise for chapter {chapter!r}; a submission's name starts with its chapter "
+                f"{shown(path)}: no exercise for chapter {shown(repr(chapter))}; a submission's name starts with its "
+                f"chapter "
                 f"({known})"
             )
     return exercises[chapter]
@@ -589,19 +651,22 @@ def learner_package(base: Path, folder: Path | None, exercise: str, target: Path
         folder: the learner's submission folder (None: notebooks only).
         exercise: the exercise graded, ``"02"``.
         target: a new folder for this learner's copy.
+
+    Raises :class:`GradeError` when a piece file handed in cannot be read (:func:`read_handed_in`).
     """
     from minipaged.exercises import graded_pieces, lay_pieces, package_holes
 
     graded = graded_pieces(exercise)
     theirs = {path.relative_to(ROOT): holes for path, holes in package_holes(ROOT).items()
               if folder is not None and any(h.exercise in graded for h in holes)
-              and (folder / path.relative_to(ROOT)).is_file()}  # fmt: skip
+              and os.path.lexists(folder / path.relative_to(ROOT))}  # fmt: skip
     if not theirs:
         return base
     shutil.copytree(base, target, copy_function=os.link)  # hard links: each piece file is replaced, never written
     for name in theirs:  # the handout's kernels/ is installed as minipaged.kernels
         inside = target / (name if name.parts[0] == "minipaged" else Path("minipaged", name))
-        text = lay_pieces((ROOT / name).read_text(), (folder / name).read_text(errors="replace"), graded, str(name))
+        theirs_text = read_handed_in(folder / name).decode("utf-8", errors="replace")
+        text = lay_pieces((ROOT / name).read_text(), theirs_text, graded, str(name))
         inside.unlink()
         inside.write_text(text)
     return target
@@ -635,14 +700,24 @@ def _probe_code(call: CheckCall, marker: str, cases: list) -> str:
 
 
 def _transcript(stdout: str, marker: str):
-    """The last transcript the probe printed, or ``None``."""
+    """The last transcript the probe printed (decoded JSON, not checked yet), or ``None``; a line JSON cannot
+    decode (nested past the parser's depth, or an integer of more than 4,300 digits) is :class:`Unreadable`."""
     for line in reversed(stdout.splitlines()):
         if line.startswith(marker):
             try:
                 return json.loads(line[len(marker):])
-            except ValueError:
-                return None
+            except RecursionError:
+                return Unreadable("nested too deep to decode")
+            except ValueError as exc:
+                return Unreadable(f"not JSON: {str(exc)[:100]}")
     return None
+
+
+@dataclass
+class Unreadable:
+    """A transcript line the grader could not decode, and why: its check FAILs."""
+
+    why: str
 
 
 async def execute(nb, exercise: Exercise, kernel: Kernel, limits: Limits, refs: References):
@@ -680,7 +755,9 @@ async def execute(nb, exercise: Exercise, kernel: Kernel, limits: Limits, refs: 
                     results[check.name] = Outcome(FAIL, "the kernel died while this check ran")
                 else:
                     got = _transcript(run.stdout, marker)
-                    if got is None:
+                    if isinstance(got, Unreadable):
+                        results[check.name] = Outcome(FAIL, f"no usable answer came back (its transcript is {got.why})")
+                    elif got is None:
                         why = f": {run.error}" if run.error else ""
                         results[check.name] = Outcome(FAIL, f"did not run: its check cell raised before the check{why}")
                     else:
@@ -737,7 +814,7 @@ async def grade_notebook(submission: Submission, exercise: Exercise, limits: Lim
     """
     from minipaged.pretrained import cache_root
 
-    nb = _read(submission.path)
+    nb = submission.nb if submission.nb is not None else _read(submission.path)
     notes = syntax_errors(nb) + restore(nb, exercise)
     with tempfile.TemporaryDirectory(prefix="minipaged-learner-") as tmp:
         cwd = Path(tmp, "work")
@@ -756,18 +833,24 @@ async def grade_notebook(submission: Submission, exercise: Exercise, limits: Lim
                   copied_solutions(nb, exercise) + delegations(nb, exercise))
 
 
-def _failed(submission: Submission, exercise: Exercise, note: str) -> Graded:
-    results = {name: Outcome(FAIL, "not graded: the grader failed on this notebook") for name in exercise.checks}
+def _not_graded(submission: Submission, exercise: Exercise, status: str, note: str) -> Graded:
+    """A notebook's row when it was not graded: each check ``status`` (:data:`FAIL` when the grader failed on it,
+    :data:`UNGRADED` when its learner's files could not be read), with ``note`` saying why."""
+    why = "not graded: the grader failed on this notebook" if status == FAIL else f"could not be graded: {note}"
+    results = {name: Outcome(status, why) for name in exercise.checks}
     return Graded(submission.learner, submission.path, exercise, results, [note])
 
 
 async def grade_all(submissions: list[Submission], exercises: dict[str, Exercise], limits: Limits, jobs: int):
-    """Grade every submission, ``jobs`` at a time; an internal failure on one is noted and the batch goes on."""
+    """Grade every submission, ``jobs`` at a time: ``(graded, the notebooks the grader failed on, errors)``.
+
+    A learner's piece file that cannot be read makes their notebook of that exercise a row of :data:`UNGRADED`
+    checks and an error; an internal failure on one notebook is noted; either way the batch goes on."""
     refs = References(limits.seed)
     uids: asyncio.Queue[int] = asyncio.Queue()  # one uid per kernel running at once (RLIMIT_NPROC counts per uid)
     for slot in range(jobs):
         uids.put_nowait(sandboxes.FIRST_UID + slot)
-    crashed = []
+    crashed, unread = [], []
     with tempfile.TemporaryDirectory(prefix="minipaged-handout-") as tmp:
         bases, packages = {}, {}
         for s in submissions:
@@ -775,24 +858,30 @@ async def grade_all(submissions: list[Submission], exercises: dict[str, Exercise
             if number not in bases:
                 bases[number] = exercise_package(Path(tmp) / "exercises" / number, number)
             if (s.learner, number) not in packages:
-                packages[s.learner, number] = learner_package(bases[number], s.folder, number,
-                                                              Path(tmp) / "learners" / str(len(packages)))
+                try:
+                    packages[s.learner, number] = learner_package(bases[number], s.folder, number,
+                                                                  Path(tmp) / "learners" / str(len(packages)))
+                except GradeError as exc:
+                    packages[s.learner, number] = exc
 
         async def one(submission: Submission) -> Graded:
             exercise = exercises[submission.path.name[:2]]
             package = packages[submission.learner, submission.path.name[:2]]
+            if isinstance(package, GradeError):
+                unread.append(str(package))
+                return _not_graded(submission, exercise, UNGRADED, str(package))
             uid = await uids.get()
             try:
                 return await grade_notebook(submission, exercise, limits, refs, package, uid)
             except Exception as exc:  # a grader bug: say so, keep grading the others
                 traceback.print_exc()
                 crashed.append(submission.path)
-                return _failed(submission, exercise, f"the grader failed: {type(exc).__name__}: {exc}")
+                return _not_graded(submission, exercise, FAIL, f"the grader failed: {type(exc).__name__}: {exc}")
             finally:
                 uids.put_nowait(uid)
 
         graded = await asyncio.gather(*(one(s) for s in submissions))
-    return list(graded), crashed
+    return list(graded), crashed, unread
 
 
 # ---------------------------------------------------------------------------
@@ -808,35 +897,71 @@ def collect(paths: list[Path]) -> tuple[list[Submission], list[str]]:
     """
     found, errors = [], []
     for path in paths:
-        if path.is_dir():
-            notebooks = sorted(p for p in path.rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
+        if path.is_dir() and not path.is_symlink():
+            notebooks = sorted(_notebooks_under(path, errors))
             if not notebooks:
                 errors.append(f"{path}: a folder with no notebook in it")
             for notebook in notebooks:
                 parts = notebook.relative_to(path).parts
                 if len(parts) < 2:
-                    errors.append(f"{notebook}: a notebook directly in {path}; put it in a folder named after "
-                                  "its learner")
+                    errors.append(f"{shown(notebook)}: a notebook directly in {shown(path)}; put it in a folder "
+                                  "named after its learner")
                 else:
                     found.append(Submission(parts[0], notebook, path / parts[0]))
-        elif path.exists():
-            found.append(Submission(path.resolve().parent.name, path, path.resolve().parent))
+        elif os.path.lexists(path):
+            found.append(Submission(path.absolute().parent.name, path, path.absolute().parent))
         else:
-            errors.append(f"{path}: no such file or folder")
+            errors.append(f"{shown(path)}: no such file or folder")
     by_key: dict[tuple[str, str], list[Submission]] = {}
     for submission in found:
         by_key.setdefault((submission.learner, submission.path.name[:2]), []).append(submission)
     kept = []
     for (learner, chapter), group in by_key.items():
         if len(group) > 1:
-            errors.append(f"learner {learner!r} has {len(group)} notebooks for chapter {chapter}: "
-                          + ", ".join(str(s.path) for s in group) + "; keep one")
+            errors.append(f"learner {shown(repr(learner))} has {len(group)} notebooks for chapter {shown(chapter)}: "
+                          + ", ".join(shown(s.path) for s in group) + "; keep one")
         else:
             kept.append(group[0])
     return sorted(kept, key=lambda s: (s.learner, s.path.name)), errors
 
 
-_SHORT = {PASS: "PASS", FAIL: "FAIL", TODO: "TODO", MISSING: "MISSING"}
+def _notebooks_under(root: Path, errors: list[str]) -> list[Path]:
+    """Every entry named ``*.ipynb`` under ``root`` that is not a folder, whatever it is (a FIFO or a link is
+    refused when it is read, as its learner's row); links to folders are not followed, and are an error."""
+    found = []
+    for folder, subfolders, files in os.walk(root):
+        if ".ipynb_checkpoints" in Path(folder).parts:
+            continue
+        for name in subfolders:
+            if os.path.islink(os.path.join(folder, name)):
+                errors.append(f"{shown(os.path.join(folder, name))}: a symbolic link to a folder, not followed")
+        found += [Path(folder, name) for name in files if name.endswith(".ipynb")]
+    return found
+
+
+def screen(submissions: list[Submission], exercises: dict[str, Exercise]):
+    """Read each submission's notebook once: ``(gradable, not gradable, errors)``.
+
+    A notebook whose chapter has an exercise but which cannot be read (not a regular file, too big, not a
+    notebook) is a row of its learner's with every check :data:`UNGRADED`; one for no known chapter is an error.
+    """
+    gradable, ungraded, errors = [], [], []
+    for submission in submissions:
+        try:
+            exercise = find_exercise(submission.path, exercises)
+        except GradeError as exc:
+            errors.append(str(exc))
+            continue
+        try:
+            submission.nb = _read(submission.path)
+            gradable.append(submission)
+        except GradeError as exc:
+            errors.append(str(exc))
+            ungraded.append(_not_graded(submission, exercise, UNGRADED, str(exc)))
+    return gradable, ungraded, errors
+
+
+_SHORT = {PASS: "PASS", FAIL: "FAIL", TODO: "TODO", MISSING: "MISSING", UNGRADED: "UNGRADED"}
 
 
 def gradebook(graded: list[Graded], seed: int) -> dict:
@@ -879,7 +1004,7 @@ def write_gradebook(book: dict, prefix: Path) -> tuple[Path, Path]:
         writer.writerow(["learner", *book["checks"], "passed", "total"])
         for learner, row in book["learners"].items():
             statuses = [row["checks"][n]["status"] for n in book["checks"]]
-            writer.writerow([csv_cell(v) for v in (learner, *statuses, row["passed"], row["total"])])
+            writer.writerow([csv_cell(shown(v)) for v in (learner, *statuses, row["passed"], row["total"])])
     json_path.write_text(json.dumps(book, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     return csv_path, json_path
 
@@ -887,7 +1012,8 @@ def write_gradebook(book: dict, prefix: Path) -> tuple[Path, Path]:
 def format_table(book: dict) -> str:
     header = ["learner", *book["checks"], "passed"]
     rows = [
-        [learner, *(_SHORT[row["checks"][n]["status"]] for n in book["checks"]), f"{row['passed']}/{row['total']}"]
+        [shown(learner), *(_SHORT[row["checks"][n]["status"]] for n in book["checks"]),
+         f"{row['passed']}/{row['total']}"]
         for learner, row in book["learners"].items()
     ]
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
@@ -896,23 +1022,25 @@ def format_table(book: dict) -> str:
 
 
 def format_details(book: dict, instructor: bool) -> str:
+    """The gradebook's messages, notes, flags and (``instructor``) answers, a line each; whatever a learner could
+    have written (a name, a message built from their code's output, an answer) is :func:`shown` escaped."""
     lines = []
     for learner, row in book["learners"].items():
         for name in book["checks"]:
             outcome = row["checks"][name]
-            if outcome["status"] not in (PASS, MISSING):
-                lines.append(f"{learner} · {name}: {outcome['status']}: {outcome['message']}")
+            if outcome["status"] not in (PASS, MISSING, UNGRADED):  # an UNGRADED notebook's note says why
+                lines.append(f"{shown(learner)} · {name}: {outcome['status']}: {shown(outcome['message'])}")
         for notebook, notes in row["notes"].items():
-            lines += [f"{learner} · {notebook}: {note}" for note in notes]
+            lines += [f"{shown(learner)} · {shown(notebook)}: {shown(note)}" for note in notes]
         for notebook, flags in row["flags"].items():
-            lines += [f"{learner} · {notebook}: FLAG: {flag}" for flag in flags]
+            lines += [f"{shown(learner)} · {shown(notebook)}: FLAG: {shown(flag)}" for flag in flags]
     if instructor:
         for cell_id, q in book["questions"].items():
             lines.append(f"\n{q['exercise']} · {q['question']}\n  model answer: {q['model_answer']}")
             for learner, row in book["learners"].items():
                 answer = row["answers"].get(cell_id, "(not submitted)")
                 answer = "(not answered)" if _ANSWER_HERE in answer else answer
-                lines.append(f"  {learner}: {answer}")
+                lines.append(f"  {shown(learner)}: {shown(answer)}")
     return "\n".join(lines)
 
 
@@ -964,19 +1092,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     submissions, errors = collect(args.paths)
     exercises: dict[str, Exercise] = {}
-    gradable = []
-    for submission in submissions:
-        try:
-            _read(submission.path)
-            find_exercise(submission.path, exercises)
-            gradable.append(submission)
-        except GradeError as exc:
-            errors.append(str(exc))
+    gradable, ungraded, unread = screen(submissions, exercises)
+    errors += unread
     seed = secrets.randbits(64) if args.seed is None else args.seed
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
     confinement = None if args.unsandboxed else sandboxes.Confinement.for_run(args.notebook_timeout, threads, args.jobs)
     limits = Limits(args.check_timeout, args.notebook_timeout, seed, threads, confinement)
-    graded, crashed = asyncio.run(grade_all(gradable, exercises, limits, args.jobs)) if gradable else ([], [])
+    graded, crashed, unread = [], [], []
+    if gradable:
+        graded, crashed, unread = asyncio.run(grade_all(gradable, exercises, limits, args.jobs))
+    graded += ungraded
+    errors += unread
     for error in errors:
         print(f"error: {error}", file=sys.stderr)
     if not graded:
