@@ -293,9 +293,9 @@ class Check:
     Calling it, ``check_x(*answers)``, runs the public cases in this process and prints one status line.
     """
 
-    def __init__(self, name: str, probe, hint: str, label, summary):
+    def __init__(self, name: str, probe, hint: str, label, summary, formative: bool = False):
         self.name, self.probe, self.hint = name, probe, hint
-        self.label, self.summary = label, summary
+        self.label, self.summary, self.formative = label, summary, formative
         self._judge = _judge_equal
         self.__name__ = probe.__name__
         self.__doc__ = probe.__doc__
@@ -405,7 +405,7 @@ def transcript_problem(record, name: str) -> str:
     return ""
 
 
-def check(name: str, hint: str = "", label=None, summary="{n} cases"):
+def check(name: str, hint: str = "", label=None, summary="{n} cases", formative: bool = False):
     """Turn a probe ``fn(case, *answers) -> observation`` into a :class:`Check` named ``name``.
 
     The probe calls the learner's code on one case (plain data) and returns what it saw; anything the
@@ -418,10 +418,13 @@ def check(name: str, hint: str = "", label=None, summary="{n} cases"):
         label: ``label(case) -> str``, how a FAIL names the case (only its inputs: it is shown for hidden ones).
         summary: the PASS line's text, where ``{n}`` is the number of public cases; or
             ``summary(cases, observations) -> str`` on the public cases and the learner's (judged) observations.
+        formative: the observation is a measurement that only the learner's process can take (operation or
+            torch-call counts), which code in that process can falsify; the grader reports the verdict apart and
+            does not count it in the mark.
     """
 
     def decorate(fn) -> Check:
-        return Check(name, fn, hint, label or (lambda case: f"case {case!r}"), summary)
+        return Check(name, fn, hint, label or (lambda case: f"case {case!r}"), summary, formative)
 
     return decorate
 

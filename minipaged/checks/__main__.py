@@ -130,6 +130,11 @@ class Exercise:
     def checks(self) -> list[str]:
         return [name for cell in self.check_cells for name in cell.names]
 
+    @property
+    def formative(self) -> list[str]:
+        """The checks reported but not counted in the mark (:func:`minipaged.checks.check`'s ``formative``)."""
+        return [call.check.name for cell in self.check_cells for call in cell.calls if call.check.formative]
+
 
 @dataclass
 class Outcome:
@@ -965,9 +970,14 @@ _SHORT = {PASS: "PASS", FAIL: "FAIL", TODO: "TODO", MISSING: "MISSING", UNGRADED
 
 
 def gradebook(graded: list[Graded], seed: int) -> dict:
-    """One row per learner, one column per check, plus messages, notes, flags and the free-text answers."""
+    """One row per learner, one column per check, plus messages, notes, flags and the free-text answers.
+
+    ``passed`` and ``total`` count the checks that are marked; a formative check's verdict is in its column and
+    in ``formative_passed``, not in the mark."""
     exercises = sorted({g.exercise.path: g.exercise for g in graded}.values(), key=lambda e: e.path.name)
     columns = [name for e in exercises for name in e.checks]
+    formative = [name for e in exercises for name in e.formative]
+    counted = [name for name in columns if name not in formative]
     learners: dict[str, dict] = {}
     for g in sorted(graded, key=lambda g: (g.learner, g.path.name)):
         row = learners.setdefault(g.learner, {"checks": {}, "notes": {}, "flags": {}, "answers": {}})
@@ -980,14 +990,15 @@ def gradebook(graded: list[Graded], seed: int) -> dict:
     for row in learners.values():
         for name in columns:
             row["checks"].setdefault(name, {"status": MISSING, "message": "notebook not submitted"})
-        row["passed"] = sum(row["checks"][n]["status"] == PASS for n in columns)
-        row["total"] = len(columns)
+        row["passed"] = sum(row["checks"][n]["status"] == PASS for n in counted)
+        row["total"] = len(counted)
+        row["formative_passed"] = sum(row["checks"][n]["status"] == PASS for n in formative)
     questions = {
         cell_id: {"exercise": e.path.name, "question": title, "model_answer": answer}
         for e in exercises
         for cell_id, (title, answer) in e.questions.items()
     }
-    return {"seed": seed, "checks": columns, "learners": learners, "questions": questions}
+    return {"seed": seed, "checks": columns, "formative": formative, "learners": learners, "questions": questions}
 
 
 def csv_cell(value) -> str:
@@ -1001,7 +1012,7 @@ def write_gradebook(book: dict, prefix: Path) -> tuple[Path, Path]:
     csv_path, json_path = prefix.with_suffix(".csv"), prefix.with_suffix(".json")
     with open(csv_path, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
-        writer.writerow(["learner", *book["checks"], "passed", "total"])
+        writer.writerow(["learner", *(_heading(book, name) for name in book["checks"]), "passed", "total"])
         for learner, row in book["learners"].items():
             statuses = [row["checks"][n]["status"] for n in book["checks"]]
             writer.writerow([csv_cell(shown(v)) for v in (learner, *statuses, row["passed"], row["total"])])
@@ -1009,8 +1020,12 @@ def write_gradebook(book: dict, prefix: Path) -> tuple[Path, Path]:
     return csv_path, json_path
 
 
+def _heading(book: dict, name: str) -> str:
+    return f"{name} (formative)" if name in book["formative"] else name
+
+
 def format_table(book: dict) -> str:
-    header = ["learner", *book["checks"], "passed"]
+    header = ["learner", *(_heading(book, name) for name in book["checks"]), "passed"]
     rows = [
         [shown(learner), *(_SHORT[row["checks"][n]["status"]] for n in book["checks"]),
          f"{row['passed']}/{row['total']}"]
@@ -1018,6 +1033,9 @@ def format_table(book: dict) -> str:
     ]
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in [header] + rows]
+    if book["formative"]:
+        lines.append("(formative): measured inside the learner's kernel, whose code could falsify it; reported, "
+                     "not counted in passed")
     return "\n".join(lines)
 
 

@@ -319,7 +319,7 @@ CONSTANT_TIME_CALLS = ["allocate() on a nearly empty pool", "allocate_many(3)", 
                        "num_free"]  # fmt: skip
 
 
-@check("ch02.constant_time", hint=HINTS["2.3"][0],
+@check("ch02.constant_time", hint=HINTS["2.3"][0], formative=True,
        label=lambda c: f"pools of {c['sizes'][0]} and {c['sizes'][1]} blocks",
        summary=lambda cases, seen: f"{len(CONSTANT_TIME_CALLS)} calls cost the same on pools of "
                                    f"{cases[0]['sizes'][0]} and {cases[0]['sizes'][1]} blocks")

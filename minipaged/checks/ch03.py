@@ -328,7 +328,7 @@ def _work(backend, case, size) -> dict:
     return {"blocks": blocks, "tokens": sum(size["new_tokens"]), "torch_calls": counter.calls, "lines": lines[0]}
 
 
-@check("ch03.vectorised", hint=HINTS["3.2"][2],
+@check("ch03.vectorised", hint=HINTS["3.2"][2], formative=True,
        label=lambda c: f"{c['name']} ({c['path']}, {len(c['sizes'][0]['seq_lens'])} sequences, block_size "
                        f"{c['block_size']})",
        summary="the work of one call does not grow with the blocks read or the query tokens (decode and prefill)")
@@ -348,6 +348,8 @@ def check_vectorised(case, backend):
 
 @check_vectorised.judge
 def _judge_vectorised(case, got, want):
+    if len(got) != len(want) or any(type(g) is not dict or g.keys() != w.keys() for g, w in zip(got, want)):
+        raise CheckFailed(f"the probe's record is incomplete: {len(got)} sizes measured of {len(want)}")
     for small, large in zip(got, got[1:]):
         grew = large["torch_calls"] + large["lines"] - small["torch_calls"] - small["lines"]
         if grew > SLACK:

@@ -516,7 +516,7 @@ CACHE_CALLS = ["num_free", "allocate() that evicts", "free(block), keyless", "ma
                "allocate() that evicts again"]  # fmt: skip
 
 
-@check("ch06.constant_time", hint=HINTS["6.2"][0],
+@check("ch06.constant_time", hint=HINTS["6.2"][0], formative=True,
        label=lambda c: f"pools of {c['sizes'][0]} and {c['sizes'][1]} blocks, every free block cached",
        summary=lambda cases, seen: f"{len(CACHE_CALLS)} calls cost the same on pools of {cases[0]['sizes'][0]} "
                                    f"and {cases[0]['sizes'][1]} blocks")

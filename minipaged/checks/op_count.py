@@ -116,11 +116,11 @@ def judge_growth(calls: list[str], sizes: list[int], counts: list[list[int]], hi
     may cost up to twice as much on the large one, plus a few operations (a dict that resizes, a longer
     id's repr). ``hint(call)`` is the FAIL's hint.
     """
+    if len(counts) != len(sizes) or any(type(c) is not list or len(c) != len(calls) for c in counts):
+        raise CheckFailed("the probe's record of the calls is incomplete")
     small, large = sizes
     for call, few, many in zip(calls, *counts):
         if many > 2 * few + 8:
             raise CheckFailed(f"{call} took {few} operations on a pool of {small} blocks but {many} on a pool of "
                               f"{large}: its cost grows with the pool (operations: elements of your containers "
                               "touched, plus lines of your code run)", hint(call))  # fmt: skip
-    if any(len(c) != len(calls) for c in counts):
-        raise CheckFailed("the probe's record of the calls is incomplete")
