@@ -26,8 +26,11 @@ probe in the learner's kernel, through :func:`probe_json`, on the public cases a
 drawn from a seed the kernel never sees, and judges the transcript in its own process.
 
 Every check runs under one time limit, the same for the learner and the grader (:data:`DEFAULT_TIMEOUT`
-seconds unless :data:`TIMEOUT_ENV` says otherwise): an infinite loop in the learner's code fails the
-check with "timed out after N s". When the learner's code raises, the FAIL line names the exception and
+seconds unless :data:`TIMEOUT_ENV` says otherwise), counted in CPU time so that a busy machine does not
+fail correct work: N seconds on each thread the kernel may use (:func:`threads`). An infinite loop in the
+learner's code fails the check with "timed out after N s of CPU time"; code that waits instead of computing
+is stopped after :data:`WALL_FACTOR` times N seconds of wall-clock time. When the learner's code raises, the
+FAIL line names the exception and
 the innermost frame of the learner's code, with the arguments it was called with.
 
 Per-chapter checks live in ``minipaged.checks.chNN`` and are written with :func:`check`. A chapter
@@ -55,6 +58,7 @@ EXPECTED = Path(__file__).resolve().parent / "expected.json"  # public cases and
 
 TIMEOUT_ENV = "MINIPAGED_CHECK_TIMEOUT"  # seconds; overrides every check's own limit in the learner's kernel
 DEFAULT_TIMEOUT = 60.0
+WALL_FACTOR = 10  # a check still running after this many times its limit, in wall-clock time, is stopped too
 SCHEMA = "minipaged-transcript/1"
 MAX_DEPTH = 32  # nesting a transcript may have
 
@@ -219,24 +223,44 @@ class CheckTimeout(BaseException):
     """The learner's code ran past the check's time limit (a BaseException: ``except Exception`` won't swallow it)."""
 
 
+def threads() -> int:
+    """The threads a kernel may use: ``OMP_NUM_THREADS`` where set (the grader sets it), else its cores."""
+    try:
+        return max(1, int(os.environ.get("OMP_NUM_THREADS", "")))
+    except ValueError:
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def timeout_message(seconds: float, cpu: bool, on: int) -> str:
+    """What a check past its limit of ``seconds`` FAILs with: its CPU time used up (``cpu``) on each of ``on``
+    threads, or the wall-clock backstop."""
+    if cpu:
+        return f"timed out after {seconds:g} s of CPU time" + (f" on each of {on} threads" if on > 1 else "")
+    return f"timed out: still running after {seconds * WALL_FACTOR:g} s, mostly waiting rather than computing"
+
+
 @contextlib.contextmanager
 def _time_limit(seconds: float):
-    """Raise :class:`CheckTimeout` in the main thread after ``seconds`` (where SIGALRM exists)."""
+    """Raise :class:`CheckTimeout` in the main thread once this process has used ``seconds`` of CPU time on each of
+    its :func:`threads` (``ITIMER_PROF``), or after :data:`WALL_FACTOR` times ``seconds`` (``ITIMER_REAL``)."""
     usable = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
     if not usable or seconds <= 0:
         yield
         return
 
     def expire(signum, frame):
-        raise CheckTimeout(f"timed out after {seconds:g} s")
+        raise CheckTimeout(timeout_message(seconds, signum == signal.SIGPROF, threads()))
 
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    previous = {sig: signal.signal(sig, expire) for sig in (signal.SIGPROF, signal.SIGALRM)}
+    signal.setitimer(signal.ITIMER_PROF, seconds * threads())
+    signal.setitimer(signal.ITIMER_REAL, seconds * WALL_FACTOR)
     try:
         yield
     finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
         signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _timeout() -> float:

@@ -26,8 +26,10 @@ For each notebook, the grader:
    rebuilds (:func:`delegations`, the modules from the chapter's ``chNN.REBUILDS``). Flags are static
    analysis, not verdicts and not a security boundary; they leave the verdicts as they are.
 
-A cell past its limit is interrupted; if it does not stop within :data:`KILL_GRACE` s the kernel is
-killed. The check FAILs with "timed out after N s", a dead kernel FAILs the rest of its notebook,
+A cell past its limit (N seconds of CPU time on each of the kernel's threads, counted over its process tree,
+or a wall-clock backstop of ``WALL_FACTOR`` times N for a cell that waits) is interrupted; if it does not stop
+within :data:`KILL_GRACE` s the kernel is killed. The check FAILs with "timed out after N s of CPU time", a
+dead kernel FAILs the rest of its notebook,
 and the batch goes on. It prints one table (a row per learner, a column per check) and writes it
 as ``PREFIX.csv`` and ``PREFIX.json``; the JSON also holds every failure message, the notes and
 flags on each notebook, and the model answer to every free-text question beside each learner's
@@ -65,12 +67,15 @@ from minipaged.checks import (
     FAIL,
     PASS,
     TODO,
+    WALL_FACTOR,
     Check,
     CheckResult,
     instructor_side,
     reference_transcript,
+    timeout_message,
 )
 from minipaged.checks import sandbox as sandboxes
+from minipaged.checks.cpu_time import tree_cpu_seconds
 from minipaged.cli import positive_int
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -552,24 +557,32 @@ def delegations(nb, exercise: Exercise) -> list[str]:
 
 @dataclass
 class CellRun:
-    """How one cell ended: ``ok``, ``error``, ``timeout`` (interrupted), ``killed`` or ``dead``; its stdout."""
+    """How one cell ended: ``ok``, ``error``, ``timeout`` (interrupted), ``killed`` or ``dead``; its stdout; and,
+    past its limit, whether the CPU time ran out (``cpu``) or the wall-clock backstop did."""
 
     status: str
     stdout: str = ""
     error: str = ""
+    cpu: bool = True
 
 
 class Kernel:
     """One learner's kernel process: run a cell under a limit; interrupt, then kill, a cell that will not stop.
 
+    A limit of N seconds is N seconds of CPU time on each of the kernel's ``threads``, counted over the kernel's
+    whole process tree (:func:`~minipaged.checks.cpu_time.tree_cpu_seconds`), so a busy machine does not fail
+    correct work; a cell that waits rather than computes is stopped after :data:`~minipaged.checks.WALL_FACTOR`
+    times N seconds of wall-clock time.
+
     Args:
         cwd: its working directory.
         env: its environment.
         sandbox: where it runs (None: unsandboxed, as the grader's user).
+        threads: the threads it may use (its CPU time is divided by them).
     """
 
-    def __init__(self, cwd: Path, env: dict, sandbox: sandboxes.Sandbox | None = None):
-        self.cwd, self.env, self.sandbox = cwd, env, sandbox
+    def __init__(self, cwd: Path, env: dict, sandbox: sandboxes.Sandbox | None = None, threads: int = 1):
+        self.cwd, self.env, self.sandbox, self.threads = cwd, env, sandbox, threads
         self.km = self.kc = None
 
     async def start(self) -> None:
@@ -593,25 +606,31 @@ class Kernel:
         if self.km is not None and self.km.has_kernel:
             await self.km.shutdown_kernel(now=True)
 
-    async def run(self, code: str, limit: float) -> CellRun:
-        """Execute ``code``; past ``limit`` seconds interrupt it; kill the kernel if it runs :data:`KILL_GRACE` more."""
+    async def run(self, code: str, limit: float, wall: float | None = None) -> CellRun:
+        """Execute ``code``; once it has used ``limit`` seconds of CPU time per thread, or run ``wall`` seconds
+        (default :data:`~minipaged.checks.WALL_FACTOR` times ``limit``), interrupt it; kill the kernel if it runs
+        :data:`KILL_GRACE` more."""
         msg_id = self.kc.execute(code, store_history=False, allow_stdin=False)
         loop = asyncio.get_running_loop()
-        deadline, interrupted, out, error = loop.time() + limit, None, [], ""
-        size = 0
+        root = getattr(self.km.provisioner, "pid", None)
+        used = (lambda: tree_cpu_seconds(root) / self.threads) if root is not None else (lambda: 0.0)
+        start, cpu_start = loop.time(), used()
+        deadline = start + (WALL_FACTOR * limit if wall is None else wall)
+        interrupted, out, error, size, cpu = None, [], "", 0, True
         while True:
             now = loop.time()
-            if interrupted is None and now >= deadline:
+            if interrupted is None and (now >= deadline or used() - cpu_start >= limit):
+                cpu = now < deadline
                 await self.km.interrupt_kernel()
                 interrupted = now
             if interrupted is not None and now >= interrupted + KILL_GRACE:
                 await self.km.shutdown_kernel(now=True)
-                return CellRun("killed", "".join(out), error)
+                return CellRun("killed", "".join(out), error, cpu)
             try:
                 msg = await self.kc.get_iopub_msg(timeout=0.25)
             except queue.Empty:
                 if not await self.km.is_alive():
-                    return CellRun("dead", "".join(out), error)
+                    return CellRun("dead", "".join(out), error, cpu)
                 continue
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
@@ -625,7 +644,7 @@ class Kernel:
                 error = f"{content.get('ename')}: {content.get('evalue')}"[:500]
             elif kind == "status" and content.get("execution_state") == "idle":
                 return CellRun("timeout" if interrupted is not None else ("error" if error else "ok"), "".join(out),
-                               error)
+                               error, cpu)
 
 
 def exercise_package(target: Path, exercise: str) -> Path:
@@ -745,17 +764,18 @@ async def execute(nb, exercise: Exercise, kernel: Kernel, limits: Limits, refs: 
                 break
             check_cell = check_of.get(cell.get("id"))
             if check_cell is None:
-                limit = min((limits.check or DEFAULT_TIMEOUT) + CELL_SLACK, left)
-                run = await kernel.run(cell.source, limit)
-                stopped = _after(run, index, limit, notes)
+                limit = (limits.check or DEFAULT_TIMEOUT) + CELL_SLACK
+                run = await kernel.run(cell.source, limit, min(WALL_FACTOR * limit, left))
+                stopped = _after(run, index, timeout_message(limit, run.cpu, kernel.threads), notes)
                 continue
             for call in check_cell.calls:
                 check = call.check
-                limit = min(limits.check or DEFAULT_TIMEOUT, left)
+                limit = limits.check or DEFAULT_TIMEOUT
                 cases, public, want = await asyncio.to_thread(refs.get, check)
-                run = await kernel.run(_probe_code(call, marker, cases), limit)
+                run = await kernel.run(_probe_code(call, marker, cases), limit, min(WALL_FACTOR * limit, left))
+                timed_out = timeout_message(limit, run.cpu, kernel.threads)
                 if run.status in ("timeout", "killed"):
-                    results[check.name] = Outcome(FAIL, f"timed out after {limit:g} s")
+                    results[check.name] = Outcome(FAIL, timed_out)
                 elif run.status == "dead":
                     results[check.name] = Outcome(FAIL, "the kernel died while this check ran")
                 else:
@@ -768,7 +788,7 @@ async def execute(nb, exercise: Exercise, kernel: Kernel, limits: Limits, refs: 
                     else:
                         verdict: CheckResult = await asyncio.to_thread(check.verdict, cases, got, want, public)
                         results[check.name] = Outcome(verdict.status, verdict.message)
-                stopped = _after(run, index, limit, notes)
+                stopped = _after(run, index, timed_out, notes)
                 if stopped:
                     break
     finally:
@@ -779,14 +799,21 @@ async def execute(nb, exercise: Exercise, kernel: Kernel, limits: Limits, refs: 
     return results, notes
 
 
-def _after(run: CellRun, index: int, limit: float, notes: list[str]) -> str:
-    """Note how cell ``index`` ended; return why the notebook cannot go on (``""`` when it can)."""
+def _after(run: CellRun, index: int, timed_out: str, notes: list[str]) -> str:
+    """Note how cell ``index`` ended; return why the notebook cannot go on (``""`` when it can).
+
+    Args:
+        run: how the cell ended.
+        index: the cell's index in the notebook.
+        timed_out: what its time limit says when it ran past it (:func:`~minipaged.checks.timeout_message`).
+        notes: the notebook's notes, appended to.
+    """
     if run.status == "timeout":
-        notes.append(f"cell {index} timed out after {limit:g} s and was interrupted")
+        notes.append(f"cell {index} {timed_out} and was interrupted")
     elif run.status == "killed":
-        notes.append(f"cell {index} timed out after {limit:g} s and did not stop within {KILL_GRACE:g} s of an "
+        notes.append(f"cell {index} {timed_out} and did not stop within {KILL_GRACE:g} s of an "
                      "interrupt: the kernel was killed, and the cells after it did not run")
-        return f"did not run: the kernel was killed after cell {index} timed out after {limit:g} s"
+        return f"did not run: the kernel was killed after cell {index} {timed_out}"
     elif run.status == "dead":
         notes.append(f"the kernel died while running cell {index} (os._exit, a crash or out of memory); "
                      "the cells after it did not run")
@@ -827,12 +854,12 @@ async def grade_notebook(submission: Submission, exercise: Exercise, limits: Lim
         if limits.confinement is None:
             threads = str(limits.threads)
             env = dict(os.environ, PYTHONPATH=str(package), OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
-            kernel = Kernel(cwd, env)
+            kernel = Kernel(cwd, env, threads=limits.threads)
         else:
             (Path(tmp) / "run").mkdir()
             cache = cache_root() if cache_root().is_dir() else None
             sandbox = sandboxes.Sandbox(package, cwd, Path(tmp, "run"), uid, limits.confinement, cache)
-            kernel = Kernel(cwd, sandbox.env(limits.threads), sandbox)
+            kernel = Kernel(cwd, sandbox.env(limits.threads), sandbox, limits.threads)
         results, run_notes = await execute(nb, exercise, kernel, limits, refs)
     return Graded(submission.learner, submission.path, exercise, results, notes + run_notes, _answers(nb, exercise),
                   copied_solutions(nb, exercise) + delegations(nb, exercise))
