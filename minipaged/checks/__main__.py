@@ -67,6 +67,7 @@ from minipaged.checks import (
     TODO,
     Check,
     CheckResult,
+    copies,
     instructor_side,
     reference_transcript,
 )
@@ -1012,10 +1013,11 @@ def write_gradebook(book: dict, prefix: Path) -> tuple[Path, Path]:
     csv_path, json_path = prefix.with_suffix(".csv"), prefix.with_suffix(".json")
     with open(csv_path, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
-        writer.writerow(["learner", *(_heading(book, name) for name in book["checks"]), "passed", "total"])
+        writer.writerow(["learner", *(_heading(book, name) for name in book["checks"]), "passed", "total", "flags"])
         for learner, row in book["learners"].items():
             statuses = [row["checks"][n]["status"] for n in book["checks"]]
-            writer.writerow([csv_cell(shown(v)) for v in (learner, *statuses, row["passed"], row["total"])])
+            flags = "; ".join(flag for notebook in row["flags"].values() for flag in notebook)
+            writer.writerow([csv_cell(shown(v)) for v in (learner, *statuses, row["passed"], row["total"], flags)])
     json_path.write_text(json.dumps(book, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     return csv_path, json_path
 
@@ -1119,6 +1121,7 @@ def main(argv: list[str] | None = None) -> int:
     graded, crashed, unread = [], [], []
     if gradable:
         graded, crashed, unread = asyncio.run(grade_all(gradable, exercises, limits, args.jobs))
+    copies.add_flags(graded, {s.learner: s.folder for s in gradable})
     graded += ungraded
     errors += unread
     for error in errors:
