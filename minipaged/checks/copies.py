@@ -53,7 +53,7 @@ _NAME = re.compile("«([^»]*)»")  # a marked identifier (neither sign can be i
 
 class _Marked(ast.NodeTransformer):
     """Every identifier marked as ``«name»`` (renamed later, per run), annotations and decorators
-    dropped, string and bytes constants blanked."""
+    dropped, string and bytes constants blanked (an f-string keeps its names: they are read)."""
 
     @staticmethod
     def _mark(name: str | None) -> str | None:
@@ -79,9 +79,6 @@ class _Marked(ast.NodeTransformer):
 
     def visit_Constant(self, node):
         return ast.Constant("") if isinstance(node.value, (str, bytes)) else node
-
-    def visit_JoinedStr(self, node):
-        return ast.Constant("")
 
     def visit_FunctionDef(self, node):
         node.name, node.returns, node.decorator_list = self._mark(node.name), None, []
