@@ -21,10 +21,11 @@ For each notebook, the grader:
    cases and on hidden ones drawn from the grading seed, and prints the probe's transcript as JSON;
 4. decides each verdict in its own process: it checks the transcript's exact types, runs the
    reference on the same cases and compares. Nothing the kernel prints, reads or writes is a verdict.
-5. flags, for the instructor to look at, a learner's cell that is the model solution with identifiers
-   renamed (:func:`copied_solutions`) or that imports, subclasses or calls a package module its exercise
-   rebuilds (:func:`delegations`, the modules from the chapter's ``chNN.REBUILDS``). Flags are static
-   analysis, not verdicts and not a security boundary; they leave the verdicts as they are.
+5. flags, for the instructor to look at, a learner's piece or cell that is a copy of the model answer, of
+   another function of the package or of a classmate's (:mod:`minipaged.checks.copies`), and a cell that
+   imports, subclasses or calls a package module its exercise rebuilds (:func:`delegations`, the modules from
+   the chapter's ``chNN.REBUILDS``). Flags are static analysis, not verdicts and not a security boundary;
+   they leave the verdicts as they are.
 
 A cell past its limit (N seconds of CPU time on each of the kernel's threads, counted over its process tree,
 or a wall-clock backstop of ``WALL_FACTOR`` times N for a cell that waits) is interrupted; if it does not stop
@@ -70,6 +71,7 @@ from minipaged.checks import (
     WALL_FACTOR,
     Check,
     CheckResult,
+    copies,
     instructor_side,
     reference_transcript,
     timeout_message,
@@ -127,7 +129,6 @@ class Exercise:
     previous: dict[str, str | None]  # check cell id -> id of the solution cell before it
     questions: dict[str, tuple[str, str]]  # markdown cell id -> (question title, model answer)
     framing: dict[str, tuple[str, str]] = field(default_factory=dict)  # question cell id -> text around the answer
-    solution_shapes: dict[str, str] = field(default_factory=dict)  # renamed AST of a task cell -> its cell id
     rebuilds: tuple[str, ...] = ()  # the package modules the exercise rebuilds (its chapter's ``REBUILDS``)
     given: frozenset[str] = frozenset()  # what the solution's own cells import from them (``module.name``)
 
@@ -289,54 +290,12 @@ def check_calls(source: str) -> list[CheckCall]:
     return calls
 
 
-class _Renamer(ast.NodeTransformer):
-    """Every identifier replaced by its order of first appearance, so that renaming does not change the shape."""
-
-    def __init__(self):
-        self.names: dict[str, str] = {}
-
-    def _name(self, name: str) -> str:
-        return self.names.setdefault(name, f"v{len(self.names)}")
-
-    def visit_Name(self, node):
-        return ast.copy_location(ast.Name(self._name(node.id), node.ctx), node)
-
-    def visit_arg(self, node):
-        node.arg = self._name(node.arg)
-        node.annotation = None
-        return node
-
-    def visit_Attribute(self, node):
-        self.generic_visit(node)
-        node.attr = self._name(node.attr)
-        return node
-
-    def visit_FunctionDef(self, node):
-        node.name = self._name(node.name)
-        node.returns = None
-        if node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant):
-            node.body = node.body[1:] or [ast.Pass()]  # a docstring is not code
-        self.generic_visit(node)
-        return node
-
-    def visit_ClassDef(self, node):
-        node.name = self._name(node.name)
-        self.generic_visit(node)
-        return node
-
-
-def shape(source: str) -> str | None:
-    """The cell's AST with identifiers renamed and docstrings dropped, as text; ``None`` if it does not parse."""
-    tree = _tree(source)
-    return None if tree is None else ast.dump(_Renamer().visit(tree), annotate_fields=False)
-
-
 def load_exercise(solution_path: Path) -> Exercise:
     """The check cells, free-text questions and task cells of the exercise whose solution is ``solution_path``."""
     import importlib
 
     nb = _read(solution_path)
-    check_cells, previous, questions, framing, shapes, before = [], {}, {}, {}, {}, None
+    check_cells, previous, questions, framing, before = [], {}, {}, {}, None
     title = ""
     for cell in nb.cells:
         if cell.cell_type == "markdown" and cell.source.startswith("#"):
@@ -347,8 +306,6 @@ def load_exercise(solution_path: Path) -> Exercise:
                 raise GradeError(f"{solution_path}: check cell {cell.id} also holds a solution; split the cell")
             check_cells.append(CheckCell(cell.id, cell.source, calls))
             previous[cell.id] = before
-        elif cell.cell_type == "code" and "### BEGIN SOLUTION" in cell.source and shape(cell.source):
-            shapes[shape(cell.source)] = cell.id
         if cell.cell_type == "markdown":
             for answer in _ANSWER.findall(cell.source):
                 questions[cell.id] = (title, answer.strip())
@@ -360,7 +317,7 @@ def load_exercise(solution_path: Path) -> Exercise:
     rebuilds = tuple(getattr(importlib.import_module(f"minipaged.checks.ch{solution_path.name[:2]}"), "REBUILDS", ()))
     given = frozenset(name for cell in nb.cells if cell.cell_type == "code" and not _solution_only(cell)
                       for name in _imported(cell.source))  # a reveal's imports are not the learner's to use
-    return Exercise(solution_path, check_cells, previous, questions, framing, shapes, rebuilds, given)
+    return Exercise(solution_path, check_cells, previous, questions, framing, rebuilds, given)
 
 
 def find_exercise(path: Path, exercises: dict[str, Exercise]) -> Exercise:
@@ -422,18 +379,6 @@ def syntax_errors(nb) -> list[str]:
         except SyntaxError as exc:
             notes.append(f"cell {index} (id {cell.get('id')}) has a syntax error at line {exc.lineno}: {exc.msg}")
     return notes
-
-
-def copied_solutions(nb, exercise: Exercise) -> list[str]:
-    """A flag for every code cell whose AST equals a model solution's once identifiers are renamed."""
-    check_ids = {c.cell_id for c in exercise.check_cells}
-    flags = []
-    for cell in nb.cells:
-        if cell.cell_type == "code" and cell.get("id") not in check_ids:
-            twin = exercise.solution_shapes.get(shape(cell.source) or "")
-            if twin is not None:
-                flags.append(f"cell {cell.get('id')} is the model solution's cell {twin} with identifiers renamed")
-    return flags
 
 
 def _solution_only(cell) -> bool:
@@ -525,8 +470,8 @@ class _Delegation(ast.NodeVisitor):
 def delegations(nb, exercise: Exercise) -> list[str]:
     """A flag for every learner's code cell that imports, subclasses or calls a module the exercise rebuilds.
 
-    The learner's cells are those :func:`copied_solutions` reads (every code cell but the check cells), in
-    order, so an import in one cell is known in the next. What the solution's own cells import is allowed
+    The learner's cells are every code cell but the check cells, in order, so an import in one cell is known
+    in the next. What the solution's own cells import is allowed
     (chapter 02's ``OutOfBlocks``), except its ``solution-only`` cells' (a reveal that shows the package's
     version), which are skipped as the generator drops them; a cell that does not parse is skipped. Static
     analysis: a flag for a person to look at, which a determined learner can evade, never a verdict.
@@ -862,7 +807,7 @@ async def grade_notebook(submission: Submission, exercise: Exercise, limits: Lim
             kernel = Kernel(cwd, sandbox.env(limits.threads), sandbox, limits.threads)
         results, run_notes = await execute(nb, exercise, kernel, limits, refs)
     return Graded(submission.learner, submission.path, exercise, results, notes + run_notes, _answers(nb, exercise),
-                  copied_solutions(nb, exercise) + delegations(nb, exercise))
+                  delegations(nb, exercise))
 
 
 def _not_graded(submission: Submission, exercise: Exercise, status: str, note: str) -> Graded:
@@ -1039,10 +984,11 @@ def write_gradebook(book: dict, prefix: Path) -> tuple[Path, Path]:
     csv_path, json_path = prefix.with_suffix(".csv"), prefix.with_suffix(".json")
     with open(csv_path, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
-        writer.writerow(["learner", *(_heading(book, name) for name in book["checks"]), "passed", "total"])
+        writer.writerow(["learner", *(_heading(book, name) for name in book["checks"]), "passed", "total", "flags"])
         for learner, row in book["learners"].items():
             statuses = [row["checks"][n]["status"] for n in book["checks"]]
-            writer.writerow([csv_cell(shown(v)) for v in (learner, *statuses, row["passed"], row["total"])])
+            flags = "; ".join(flag for notebook in row["flags"].values() for flag in notebook)
+            writer.writerow([csv_cell(shown(v)) for v in (learner, *statuses, row["passed"], row["total"], flags)])
     json_path.write_text(json.dumps(book, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     return csv_path, json_path
 
@@ -1146,6 +1092,7 @@ def main(argv: list[str] | None = None) -> int:
     graded, crashed, unread = [], [], []
     if gradable:
         graded, crashed, unread = asyncio.run(grade_all(gradable, exercises, limits, args.jobs))
+    copies.add_flags(graded, {s.learner: s.folder for s in gradable})
     graded += ungraded
     errors += unread
     for error in errors:
