@@ -719,20 +719,7 @@ async def execute(nb, exercise: Exercise, kernel: Kernel, limits: Limits, refs: 
                 cases, public, want = await asyncio.to_thread(refs.get, check)
                 run = await kernel.run(_probe_code(call, marker, cases), limit, min(WALL_FACTOR * limit, left))
                 timed_out = timeout_message(limit, run.cpu, kernel.threads)
-                if run.status in ("timeout", "killed"):
-                    results[check.name] = Outcome(FAIL, timed_out)
-                elif run.status == "dead":
-                    results[check.name] = Outcome(FAIL, "the kernel died while this check ran")
-                else:
-                    got = _transcript(run.stdout, marker)
-                    if isinstance(got, Unreadable):
-                        results[check.name] = Outcome(FAIL, f"no usable answer came back (its transcript is {got.why})")
-                    elif got is None:
-                        why = f": {run.error}" if run.error else ""
-                        results[check.name] = Outcome(FAIL, f"did not run: its check cell raised before the check{why}")
-                    else:
-                        verdict: CheckResult = await asyncio.to_thread(check.verdict, cases, got, want, public)
-                        results[check.name] = Outcome(verdict.status, verdict.message)
+                results[check.name] = await _judged(run, marker, timed_out, check, cases, public, want)
                 stopped = _after(run, index, timed_out, notes)
                 if stopped:
                     break
@@ -742,6 +729,23 @@ async def execute(nb, exercise: Exercise, kernel: Kernel, limits: Limits, refs: 
         if name not in results:
             results[name] = Outcome(FAIL, stopped or "did not run: its check cell never ran")
     return results, notes
+
+
+async def _judged(run: CellRun, marker: str, timed_out: str, check: Check, cases: list, public: int,
+                  want: dict) -> Outcome:
+    """The verdict on a probe's ``run``, judged in the grader's process against the reference's ``want``."""
+    if run.status in ("timeout", "killed"):
+        return Outcome(FAIL, timed_out)
+    if run.status == "dead":
+        return Outcome(FAIL, "the kernel died while this check ran")
+    got = _transcript(run.stdout, marker)
+    if isinstance(got, Unreadable):
+        return Outcome(FAIL, f"no usable answer came back (its transcript is {got.why})")
+    if got is None:
+        why = f": {run.error}" if run.error else ""
+        return Outcome(FAIL, f"did not run: its check cell raised before the check{why}")
+    verdict: CheckResult = await asyncio.to_thread(check.verdict, cases, got, want, public)
+    return Outcome(verdict.status, verdict.message)
 
 
 def _after(run: CellRun, index: int, timed_out: str, notes: list[str]) -> str:
