@@ -352,8 +352,7 @@ FILLED = {"02": ("02_blocks_and_block_tables.ipynb", ["ch02.allocator", "ch02.en
           "05": ("05_continuous_batching.ipynb", ["ch05.schedule_running", "ch05.scheduler"], ["02", "03", "05"]),
           "06": ("06_prefix_sharing_cow.ipynb", ["ch06.block_keys", "ch06.prefix_cache", "ch06.constant_time",
                                                  "ch06.cow_table"], ["02", "03", "05", "06"]),
-          "07": ("07_tradeoffs.ipynb", ["ch07.min_utilization", "ch07.block_size_choice", "ch07.pool_prediction"],
-                 ["02", "03", "05", "06", "07"]),
+          "07": ("07_tradeoffs.ipynb", ["ch07.min_utilization"], ["02", "03", "05", "06", "07"]),
           "08": ("08_beyond.ipynb", ["ch08.speculator"], ["02", "03", "05", "06", "08"])}
 
 
