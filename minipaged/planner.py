@@ -336,25 +336,40 @@ def plan(model: acc.ModelSpec | str, gpu_memory: int | str, gpu_memory_utilizati
 
 def min_utilization(model: acc.ModelSpec | str, gpu_memory: int | str, *, max_model_len: int,
                     **kwargs) -> float | None:
-    """The smallest ``gpu_memory_utilization`` at which one ``max_model_len`` sequence fits; ``None`` if none does.
+    """The smallest ``gpu_memory_utilization`` at which vLLM starts and holds one ``max_model_len`` sequence.
 
-    The request must cover the weights, the activation peak, the non-torch memory and the
-    ceil(max_model_len / B) blocks of one full-length sequence.
+    :func:`plan` answers forwards (this setting: does it start?); this answers the deployer's question
+    backwards (this length: what setting?). "Starts" is :attr:`Plan.starts`: the outcome is ``"ok"``, so
+    start-up got through every check of :func:`plan`, the last of which is that one ``max_model_len``
+    sequence fits the pool.
 
     Args:
         model: a ``ModelSpec`` or a name in ``accounting.MODEL_PRESETS``.
         gpu_memory: the GPU's total memory in bytes, or a name in :data:`GPU_PRESETS`.
         max_model_len: the length that must fit.
-        **kwargs: the other arguments of :func:`plan` (``kv_dtype``, ``block_size``, ``weight_bytes``, ...).
+        **kwargs: the other arguments of :func:`plan` (``kv_dtype``, ``block_size``, ``weight_bytes``,
+            ``activation_bytes``, ``non_torch_bytes``, ``other_bytes``), passed on unchanged.
+
+    Returns:
+        A float ``u`` in (0, 1], or None. ``u`` is the smallest float at which
+        ``plan(model, gpu_memory, u, max_model_len=max_model_len, **kwargs).starts`` is True: it starts at
+        ``u`` and does not at ``math.nextafter(u, 0.0)``, the float just below. ``plan`` requests
+        ``floor(gpu bytes × u)`` bytes, computed in floats, so the boundary is a float, not a fraction:
+        two settings that round to the same request are the same setting, and the answer is unique.
+        None when no ``u`` in (0, 1] starts; never a number above 1.0.
     """
+    ### BEGIN SOLUTION (Exercise 07, Task 7.1)
     p = plan(model, gpu_memory, 1.0, max_model_len=max_model_len, **kwargs)
     need = p.weight_bytes + p.activation_bytes + p.non_torch_bytes + p.blocks_per_sequence * p.block_bytes
-    if need > p.gpu_bytes:
+    if need > p.free_bytes:  # more than the whole GPU, or than what other processes leave free
         return None
     util = need / p.gpu_bytes
     while math.floor(p.gpu_bytes * util) < need:  # the float may land a byte short
         util = math.nextafter(util, 2.0)
+    while math.floor(p.gpu_bytes * math.nextafter(util, 0.0)) >= need:  # or the float below may reach it too
+        util = math.nextafter(util, 0.0)
     return util
+    ### END SOLUTION
 
 
 def reported_case(max_model_len: int = 29_000) -> Plan:

@@ -296,8 +296,8 @@ def test_the_handout_has_no_answers_and_its_checks_agree(tmp_path, monkeypatch):
     from minipaged import exercises
     from minipaged.checks.instructor import ch07
 
-    monkeypatch.setattr(ch07, "watermark_ablation", lambda: {"preemptions": "fewer", "mean_running": "fewer",
-                                                             "ttft_p99": "more"})
+    monkeypatch.setattr(ch07, "pool_ablation", lambda: {"preemptions": "more", "mean_running": "fewer",
+                                                        "ttft_p99": "more", "tpot_p50": "fewer"})
     handout = tmp_path / "handout"
     exercises.release(handout)
     assert not (handout / "solutions").exists() and not (handout / "tests").exists()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 
+from minipaged import accounting as acc
 from minipaged import planner
 from minipaged.accounting import allocated_slots
 from minipaged.checks.ch07 import (
@@ -17,32 +19,67 @@ from minipaged.checks.ch07 import (
 )
 from minipaged.checks.instructor import Side
 
-GiB = planner.GiB
-PLAN_CASES = [
-    # model, GPU bytes, utilisation, weights, activations, non-torch, KV dtype, block size
-    ["Llama-3-8B", 80 * GiB, 0.9, 16 * GiB, 1 * GiB, GiB // 2, "fp16", 16],
-    ["Llama-3-8B", 80 * GiB, 0.9, 16 * GiB, 1 * GiB, GiB // 2, "fp8", 16],
-    ["Llama-2-7B", 24 * GiB, 0.9, 13 * GiB, 2 * GiB, GiB // 3, "fp16", 32],
-    ["Llama-2-70B", 80 * GiB, 0.95, 40 * GiB, 3 * GiB, GiB, "bf16", 16],
-    ["OPT-13B", 40 * GiB, 0.5, 24 * GiB, 1 * GiB, GiB // 2, "fp16", 16],  # the weights alone take more
-    ["Falcon-7B", 24 * GiB, 0.85, 14 * GiB, 5 * GiB // 4, GiB // 4, "fp16", 128],
+GiB, MiB = planner.GiB, planner.MiB
+
+
+def _case(model, gpu_memory, max_model_len, **kwargs) -> dict:
+    return {"model": model, "gpu_memory": gpu_memory, "max_model_len": max_model_len, "kwargs": kwargs}
+
+
+def _whole_gpu_weights(model: str, gpu: int, max_model_len: int, block_size: int, act: int, non_torch: int) -> int:
+    """The weights that make a start need exactly the whole GPU (the answer is 1.0)."""
+    blocks = acc.blocks_needed(max_model_len, block_size) * block_size * acc.kv_bytes_per_token(model, 2)
+    return gpu - act - non_torch - blocks
+
+
+_REPORTED = {k: v for k, v in planner.REPORTED_CASE.items() if k not in ("model", "gpu_memory",
+                                                                          "gpu_memory_utilization")}
+UTIL_CASES = [
+    # vLLM issue #10517's RTX 3090: what setting would have started at 29,000 tokens
+    _case("Llama-3-8B", planner.REPORTED_CASE["gpu_memory"], 29_000, **_REPORTED),
+    # the same with 5 × 7,919 bytes more of weights: need / GPU bytes lands a byte short of the need
+    _case("Llama-3-8B", 24_141 * MiB, 4_000, kv_dtype="fp16", block_size=16, weight_bytes=14 * GiB + 5 * 7_919,
+          activation_bytes=GiB, non_torch_bytes=GiB // 2),
+    # and with 1,592 × 7,919 bytes: the float just below need / GPU bytes still reaches the need
+    _case("Llama-3-8B", 24_141 * MiB, 4_000, kv_dtype="fp16", block_size=16, weight_bytes=14 * GiB + 1_592 * 7_919,
+          activation_bytes=GiB, non_torch_bytes=GiB // 2),
+    # a second instance: 30 GiB already held by another process; a length that is not whole blocks
+    _case("Llama-3-8B", "A100 (80 GiB)", 8_000, kv_dtype="fp8", block_size=32, activation_bytes=3 * GiB // 2,
+          non_torch_bytes=GiB // 3, other_bytes=30 * GiB),
+    # the weights alone are more than the GPU
+    _case("Llama-2-70B", "A100 (80 GiB)", 4_096, kv_dtype="fp16", block_size=16),
+    # fits the GPU, but not what the other process leaves free
+    _case("Llama-2-7B", "L4 (24 GiB)", 16_384, kv_dtype="fp16", block_size=16, weight_bytes=13 * GiB,
+          activation_bytes=GiB, non_torch_bytes=GiB // 4, other_bytes=6 * GiB),
+    # exactly the whole GPU
+    _case("Falcon-7B", 24 * GiB, 2_000, kv_dtype="fp16", block_size=128, activation_bytes=5 * GiB // 4,
+          non_torch_bytes=GiB // 4, weight_bytes=_whole_gpu_weights("Falcon-7B", 24 * GiB, 2_000, 128,
+                                                                    5 * GiB // 4, GiB // 4)),
 ]
 
 
-def kv_blocks(model, gpu, util, weights, act, non_torch, kv_dtype, block_size) -> int:
-    return planner.plan(model, gpu, util, max_model_len=1, kv_dtype=kv_dtype, block_size=block_size,
-                        weight_bytes=weights, activation_bytes=act, non_torch_bytes=non_torch).num_blocks
-
-
-def _hidden_plans(rng):
+def _hidden_utils(rng) -> list:
     cases = []
-    for _ in range(4):
+    for i in range(8):
         model = rng.choice(["Llama-3-8B", "Llama-2-7B", "OPT-13B", "Falcon-7B"])
-        gpu = rng.choice([24, 40, 48, 80]) * GiB
-        weights = rng.randrange(4, 30) * GiB // 2
-        cases.append([model, gpu, rng.choice([0.5, 0.8, 0.9, 0.95]), weights, rng.randrange(1, 9) * GiB // 4,
-                      rng.randrange(1, 5) * GiB // 4, rng.choice(["fp16", "bf16", "fp8"]), rng.choice([8, 16, 32])])
+        gpu = rng.choice([24, 40, 48, 80]) * GiB - rng.randrange(0, 600) * MiB - rng.randrange(1 << 20)
+        B, m = rng.choice([8, 16, 32, 128]), rng.randrange(256, 32_768)
+        act, non_torch = rng.randrange(1, 9) * GiB // 4 + rng.randrange(MiB), rng.randrange(1, 5) * GiB // 8 + 7
+        kw = dict(kv_dtype=rng.choice(["fp16", "bf16", "fp8"]), block_size=B, activation_bytes=act,
+                  non_torch_bytes=non_torch, weight_bytes=rng.randrange(4, 40) * GiB // 2 + rng.randrange(1 << 24))
+        if i == 6:  # the answer is 1.0
+            m = min(m, 4_096)
+            kw.update(kv_dtype="fp16", weight_bytes=_whole_gpu_weights(model, gpu, m, B, act, non_torch))
+        elif i == 7:  # no setting starts
+            kw["weight_bytes"] = gpu - act - rng.randrange(GiB)
+        elif rng.random() < 0.4:
+            kw["other_bytes"] = rng.randrange(1, gpu // GiB) * GiB // 2
+        cases.append(_case(model, gpu, m, **kw))
     return cases
+
+
+def choose_block_size() -> int:
+    return next(B for B in CANDIDATES if not requirements(B))
 
 
 def utilisation(lengths, B) -> float:
@@ -51,22 +88,6 @@ def utilisation(lengths, B) -> float:
 
 def shared_prefix_tokens(prefix_len, prompt_len, B) -> int:
     return min(prefix_len // B, (prompt_len - 1) // B) * B
-
-
-MEASURE_CASES = [{"utilisation": [lengths, B]} for lengths, B in
-                 [([17], 16), ([16, 32, 48], 16), ([1, 2, 3], 4), (WORKLOAD_LENGTHS, 32), (WORKLOAD_LENGTHS, 128)]]
-MEASURE_CASES += [{"shared": list(c)} for c in
-                  ((200, 230, 16), (200, 230, 64), (80, 100, 128), (64, 64, 16), (64, 65, 16), (0, 9, 4))]
-
-
-def _hidden_measures(rng):
-    cases = [{"utilisation": [[rng.randrange(1, 400) for _ in range(rng.randrange(1, 8))], rng.choice([4, 16, 32])]}
-             for _ in range(3)]
-    for _ in range(4):
-        B = rng.choice([4, 8, 16, 64])
-        prefix = rng.choice([B * rng.randrange(0, 6), rng.randrange(0, 300)])
-        cases.append({"shared": [prefix, prefix + rng.choice([0, 1, rng.randrange(2, 40)]), B]})
-    return cases
 
 
 def requirements(block_size: int) -> list[str]:
@@ -88,20 +109,17 @@ def _choice_cases():
     return [{"missed": {str(B): requirements(B) for B in CANDIDATES}}]
 
 
-def choose_block_size() -> int:
-    return next(B for B in CANDIDATES if not requirements(B))
-
-
 @lru_cache(maxsize=1)
-def watermark_ablation() -> dict[str, str]:
-    """Each predicted measure's direction from the baseline to a 30% watermark (ShareGPT-like, virtual clock)."""
+def pool_ablation() -> dict[str, str]:
+    """Each predicted measure's direction from the baseline to a pool of half its blocks (ShareGPT-like, virtual
+    clock): the chapter's ablations keep the pool; this one changes only the pool."""
     from minipaged import tradeoffs  # chapter 07, reached by name: its import builds nothing heavy
 
     workload, prompts = tradeoffs.regime_workload("sharegpt_like")
     model = tradeoffs.sweep_model()
     base = tradeoffs.run_engine(model, tradeoffs.BASE_CONFIG, workload, prompts)
-    config = tradeoffs.ablation_config(next(a for a in tradeoffs.ABLATIONS if a.name == "watermark 30%"), workload)
-    ablated = tradeoffs.run_engine(model, config, workload, prompts)
+    half = replace(tradeoffs.BASE_CONFIG, num_blocks=tradeoffs.BASE_CONFIG.num_blocks // 2)
+    ablated = tradeoffs.run_engine(model, half, workload, prompts)
     return {k: "same" if ablated[k] == base[k] else ("more" if ablated[k] > base[k] else "fewer") for k in PREDICTED}
 
 
@@ -110,8 +128,7 @@ def _no_hidden(rng) -> list:
 
 
 SIDES = {
-    "kv_blocks": Side(lambda: PLAN_CASES, _hidden_plans, lambda: (kv_blocks,)),
-    "block_size_measures": Side(lambda: MEASURE_CASES, _hidden_measures, lambda: (utilisation, shared_prefix_tokens)),
+    "min_utilization": Side(lambda: UTIL_CASES, _hidden_utils, lambda: (planner.min_utilization,)),
     "block_size_choice": Side(_choice_cases, _no_hidden, lambda: (choose_block_size,)),
-    "watermark_prediction": Side(lambda: [{}], _no_hidden, lambda: (lambda: dict(watermark_ablation()),)),
+    "pool_prediction": Side(lambda: [{}], _no_hidden, lambda: (lambda: dict(pool_ablation()),)),
 }
