@@ -89,6 +89,8 @@ MISSING = "MISSING"
 KILL_GRACE = 5.0  # seconds a cell gets to stop after an interrupt before its kernel is killed
 CELL_SLACK = 15.0  # a learner's own cell may run this much longer than a check
 MAX_OUTPUT = 32 * 2**20  # characters of a cell's stdout the grader keeps (the last ones)
+IOPUB_GRACE = 5.0  # seconds a cell's output may still arrive after its shell reply
+MAX_MESSAGE = 16 * 2**20  # bytes of one message from a kernel that the grader receives; a bigger one is dropped
 MAX_FILE = 64 * 2**20  # bytes of a handed-in file (a notebook, a piece file) the grader reads at most
 READ_TIMEOUT = 10.0  # seconds a handed-in file gets to be read
 UNGRADED = "UNGRADED"  # the status of every check of a notebook whose files the grader could not read
@@ -509,6 +511,26 @@ class CellRun:
     stdout: str = ""
     error: str = ""
     cpu: bool = True
+    lost_output: bool = False  # its output stopped reaching the grader (a message over MAX_MESSAGE was dropped)
+    _out: list[str] = field(default_factory=list, repr=False)
+    _size: int = 0
+
+    def take(self, msg: dict) -> bool:
+        """Keep what an iopub message of the cell says (the last :data:`MAX_OUTPUT` characters of its stdout, its
+        error); True at its ``idle`` status, the cell's end."""
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "stream" and content.get("name") == "stdout":
+            self._out.append(content.get("text", ""))
+            self._size += len(self._out[-1])
+            while self._size > MAX_OUTPUT and len(self._out) > 1:
+                self._size -= len(self._out.pop(0))
+        elif kind == "error":
+            self.error = f"{content.get('ename')}: {content.get('evalue')}"[:500]
+        return kind == "status" and content.get("execution_state") == "idle"
+
+    def ended(self, status: str) -> CellRun:
+        self.status, self.stdout = status, "".join(self._out)
+        return self
 
 
 class Kernel:
@@ -531,6 +553,7 @@ class Kernel:
         self.km = self.kc = None
 
     async def start(self) -> None:
+        import zmq
         from jupyter_client import AsyncKernelManager
 
         if self.sandbox is None:
@@ -542,6 +565,9 @@ class Kernel:
         await self.km.start_kernel(env=self.env, cwd=str(self.cwd), stdout=subprocess.DEVNULL,
                                    stderr=subprocess.DEVNULL)
         self.kc = self.km.client()
+        # A message bigger than this (one huge print) is dropped by ZeroMQ before the grader reads it: the socket
+        # reconnects and the cell's later messages arrive, so the grader's memory stays bounded.
+        self.kc.context.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
         self.kc.start_channels()
         await self.kc.wait_for_ready(timeout=120)
 
@@ -554,42 +580,52 @@ class Kernel:
     async def run(self, code: str, limit: float, wall: float | None = None) -> CellRun:
         """Execute ``code``; once it has used ``limit`` seconds of CPU time per thread, or run ``wall`` seconds
         (default :data:`~minipaged.checks.WALL_FACTOR` times ``limit``), interrupt it; kill the kernel if it runs
-        :data:`KILL_GRACE` more."""
+        :data:`KILL_GRACE` more. The cell has ended at its ``idle`` status, or :data:`IOPUB_GRACE` s after its
+        shell reply when that status never comes (a message too big for the grader was dropped with it)."""
         msg_id = self.kc.execute(code, store_history=False, allow_stdin=False)
         loop = asyncio.get_running_loop()
         root = getattr(self.km.provisioner, "pid", None)
         used = (lambda: tree_cpu_seconds(root) / self.threads) if root is not None else (lambda: 0.0)
         start, cpu_start = loop.time(), used()
         deadline = start + (WALL_FACTOR * limit if wall is None else wall)
-        interrupted, out, error, size, cpu = None, [], "", 0, True
+        run, interrupted, replied = CellRun("ok"), None, None
         while True:
             now = loop.time()
             if interrupted is None and (now >= deadline or used() - cpu_start >= limit):
-                cpu = now < deadline
+                run.cpu = now < deadline
                 await self.km.interrupt_kernel()
                 interrupted = now
             if interrupted is not None and now >= interrupted + KILL_GRACE:
                 await self.km.shutdown_kernel(now=True)
-                return CellRun("killed", "".join(out), error, cpu)
+                return run.ended("killed")
             try:
                 msg = await self.kc.get_iopub_msg(timeout=0.25)
             except queue.Empty:
                 if not await self.km.is_alive():
-                    return CellRun("dead", "".join(out), error, cpu)
+                    return run.ended("dead")
+                replied = replied or (await self._replied(msg_id, run) and now)
+                if replied and now >= replied + IOPUB_GRACE:  # the output channel dropped a message: connect anew
+                    self.kc.stop_channels()
+                    self.kc = self.km.client()
+                    self.kc.start_channels()
+                    run.lost_output = True
+                    return run.ended("timeout" if interrupted is not None else ("error" if run.error else "ok"))
                 continue
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            kind, content = msg["msg_type"], msg["content"]
-            if kind == "stream" and content.get("name") == "stdout":
-                out.append(content.get("text", ""))
-                size += len(out[-1])
-                while size > MAX_OUTPUT and len(out) > 1:
-                    size -= len(out.pop(0))
-            elif kind == "error":
-                error = f"{content.get('ename')}: {content.get('evalue')}"[:500]
-            elif kind == "status" and content.get("execution_state") == "idle":
-                return CellRun("timeout" if interrupted is not None else ("error" if error else "ok"), "".join(out),
-                               error, cpu)
+            if msg["parent_header"].get("msg_id") == msg_id and run.take(msg):
+                return run.ended("timeout" if interrupted is not None else ("error" if run.error else "ok"))
+
+    async def _replied(self, msg_id: str, run: CellRun) -> bool:
+        """Whether the shell reply to ``msg_id`` has come (an error it reports goes in ``run``); others are dropped."""
+        while True:
+            try:
+                reply = await self.kc.get_shell_msg(timeout=0)
+            except queue.Empty:
+                return False
+            if reply["parent_header"].get("msg_id") == msg_id:
+                content = reply["content"]
+                if content.get("status") == "error" and not run.error:
+                    run.error = f"{content.get('ename')}: {content.get('evalue')}"[:500]
+                return True
 
 
 def exercise_package(target: Path, exercise: str) -> Path:
@@ -757,6 +793,9 @@ def _after(run: CellRun, index: int, timed_out: str, notes: list[str]) -> str:
         timed_out: what its time limit says when it ran past it (:func:`~minipaged.checks.timeout_message`).
         notes: the notebook's notes, appended to.
     """
+    if run.lost_output:
+        notes.append(f"cell {index} sent the grader a message of more than {MAX_MESSAGE // 2**20} MiB (one huge "
+                     "print?): it was dropped, with what the cell printed after it")
     if run.status == "timeout":
         notes.append(f"cell {index} {timed_out} and was interrupted")
     elif run.status == "killed":
