@@ -111,7 +111,7 @@ def test_bad_markers_are_refused_with_the_file_and_line(source, match):
         find_holes(source, "m.py")
 
 
-def test_the_package_marks_the_pieces_of_exercises_02_05_06_and_08():
+def test_the_package_marks_the_pieces_of_exercises_01_02_05_06_and_08():
     holes = {h.piece: h for hs in package_holes(ROOT).values() for h in hs}
     assert {"NgramSpeculator.schedule_drafts", "rollback_drafts"} <= set(holes)
     assert {(h.exercise, h.task) for h in holes.values() if "rollback" in h.piece or "draft" in h.piece} == {
@@ -124,7 +124,10 @@ def test_the_package_marks_the_pieces_of_exercises_02_05_06_and_08():
     assert (holes["block_keys"].task, holes["extra_keys"].task) == ("6.1", "6.1")
     assert {(h.exercise, h.task) for h in holes.values() if h.piece.startswith(("Scheduler.", "FCFSQueue."))} == {
         ("05", "5.1"), ("05", "5.2")}
-    assert exercises.piece_files() == ["minipaged/attention.py", "minipaged/blocks.py", "minipaged/prefix_cache.py",
+    assert {h.piece: (h.exercise, h.task) for h in holes.values() if h.exercise == "01"} == {
+        "fixed_breakdown": ("01", "1.1"), "paged_breakdown": ("01", "1.2")}
+    assert exercises.piece_files() == ["minipaged/accounting.py", "minipaged/attention.py", "minipaged/blocks.py",
+                                       "minipaged/prefix_cache.py",
                                        "minipaged/request_queue.py", "minipaged/scheduler.py",
                                        "minipaged/speculative.py", "kernels/paged_attention.py"]
 
@@ -343,7 +346,8 @@ def test_the_grader_grades_the_piece_files_a_learner_hands_in(tmp_path):
 
 
 # exercise: its notebooks' name, its checks, and the exercises whose pieces its chapter runs on
-FILLED = {"02": ("02_blocks_and_block_tables.ipynb", ["ch02.allocator", "ch02.engine", "ch02.constant_time"], ["02"]),
+FILLED = {"01": ("01_kv_cache_memory.ipynb", ["ch01.fixed_breakdown", "ch01.paged_breakdown"], ["01"]),
+          "02": ("02_blocks_and_block_tables.ipynb", ["ch02.allocator", "ch02.engine", "ch02.constant_time"], ["02"]),
           "03": ("03_paged_attention_pytorch.ipynb", ["ch03.paged_attention", "ch03.vectorised", "ch03.engine"],
                  ["02", "03"]),
           "05": ("05_continuous_batching.ipynb", ["ch05.schedule_running", "ch05.scheduler"], ["02", "03", "05"]),
