@@ -25,7 +25,7 @@ from numbers import Integral
 
 import numpy as np
 
-from minipaged.block_math import blocks_needed
+from minipaged.block_math import blocks_needed, ceil_div
 from minipaged.validation import check_int
 from minipaged.workload import MAX_DRAWS, WorkloadPreset, check_num_draws, get_length_preset
 
@@ -362,6 +362,76 @@ class CapacityReport:
         return f"{head}\n{self.table()}\n{verdict}"
 
 
+def fixed_breakdown(lengths: Sequence[int], budget_bytes: int, max_len: int, slot_bytes: int) -> Breakdown:
+    """Where every byte of ``budget_bytes`` goes when each admitted sequence reserves ``max_len`` slots.
+
+    Exercise 01, Task 1.1: the fixed-reservation half of :func:`capacity`'s decision. Sequences are
+    admitted in the order of ``lengths``, each while its reservation still fits in what the earlier
+    ones left; the first that does not fit stops admission (no later one is tried). A length above
+    ``max_len`` counts as ``max_len``: the server stops a sequence there.
+
+    Args:
+        lengths: the sequences' lengths in tokens, in arrival order (ints >= 0; may be empty).
+        budget_bytes: the KV memory to fill (an int >= 0, up to 2**60 and more: stay in integers).
+        max_len: the slots each sequence reserves (>= 1).
+        slot_bytes: the bytes of one slot, one token's K and V in every layer (>= 1).
+
+    Returns:
+        ``Breakdown("fixed", num_seqs, effective_kv, 0, reservation_waste, 0, unused)``, every part in bytes
+        (ints): ``num_seqs`` the admitted prefix's length; ``effective_kv`` the slots its tokens fill;
+        ``reservation_waste`` its reserved but empty slots; ``unused`` the rest. The parts sum to
+        ``budget_bytes``, and ``unused`` is less than one reservation whenever a sequence was refused.
+    """
+    ### BEGIN SOLUTION (Exercise 01, Task 1.1)
+    reservation = max_len * slot_bytes
+    num_seqs = min(len(lengths), budget_bytes // reservation)
+    tokens = sum(min(n, max_len) for n in lengths[:num_seqs])
+    held = num_seqs * reservation
+    return Breakdown("fixed", num_seqs, tokens * slot_bytes, 0, held - tokens * slot_bytes, 0, budget_bytes - held)
+    ### END SOLUTION
+
+
+def paged_breakdown(lengths: Sequence[int], budget_bytes: int, block_size: int, max_len: int,
+                    slot_bytes: int) -> Breakdown:
+    """Where every byte of ``budget_bytes`` goes when each admitted sequence holds whole blocks and a block-table row.
+
+    Exercise 01, Task 1.2: the paged half of :func:`capacity`'s decision. Sequences are admitted in
+    the order of ``lengths`` while what each costs still fits in what the earlier ones left; the
+    first that does not fit stops admission (no later, smaller one is tried). A sequence of ``n``
+    tokens (``n`` cut at ``max_len``, where the server stops it) costs
+
+    - its ``A_B(n) = B · ceil(n / B)`` slots, ``n`` of them holding tokens and the rest tail waste, and
+    - one block-table row: ``ceil(max_len / B)`` int32 entries (``BLOCK_TABLE_ENTRY_BYTES`` each), the row
+      a sequence that may grow to ``max_len`` needs, whatever its length now.
+
+    Args:
+        lengths: the sequences' lengths in tokens, in arrival order (ints >= 0; may be empty).
+        budget_bytes: the KV memory to fill (an int >= 0, up to 2**60 and more: stay in integers).
+        block_size: B, the slots of one block (>= 1).
+        max_len: the longest a sequence may grow (>= 1).
+        slot_bytes: the bytes of one slot, one token's K and V in every layer (>= 1).
+
+    Returns:
+        ``Breakdown("paged", num_seqs, effective_kv, tail_waste, 0, block_table, unused)``, every part in
+        bytes (ints): the admitted prefix's tokens, its tail waste (under ``B`` slots per sequence), its
+        block-table rows, and the rest. The parts sum to ``budget_bytes``, and ``unused`` is less than
+        what the first refused sequence would cost.
+    """
+    ### BEGIN SOLUTION (Exercise 01, Task 1.2)
+    row_bytes = BLOCK_TABLE_ENTRY_BYTES * ceil_div(max_len, block_size)
+    num_seqs = tokens = slots = 0
+    for n in lengths:
+        n = min(n, max_len)
+        held = block_size * ceil_div(n, block_size)
+        if (slots + held) * slot_bytes + (num_seqs + 1) * row_bytes > budget_bytes:
+            break
+        num_seqs, tokens, slots = num_seqs + 1, tokens + n, slots + held
+    table = num_seqs * row_bytes
+    return Breakdown("paged", num_seqs, tokens * slot_bytes, (slots - tokens) * slot_bytes, 0, table,
+                     budget_bytes - slots * slot_bytes - table)
+    ### END SOLUTION
+
+
 def capacity(model: ModelSpec | str, budget_bytes: int, block_size: int, max_len: int,
              preset: str | WorkloadPreset, dtype=None, seed: int = 0) -> CapacityReport:
     """How many sequences of a length preset fit in ``budget_bytes`` of KV cache.
@@ -371,7 +441,8 @@ def capacity(model: ModelSpec | str, budget_bytes: int, block_size: int, max_len
     does not fit. Fixed reservation charges ``max_len`` slots each; paging
     charges whole blocks plus an int32 block-table row of ceil(max_len / B)
     entries each. The budget is KV memory only: weights and activations are
-    assumed to be paid already.
+    assumed to be paid already. The decision itself is :func:`fixed_breakdown`
+    and :func:`paged_breakdown` on the sampled lengths (exercise 01 builds them).
 
     Args:
         model: a ``ModelSpec`` or a name in ``MODEL_PRESETS``.
@@ -399,17 +470,11 @@ def capacity(model: ModelSpec | str, budget_bytes: int, block_size: int, max_len
         raise ValueError(f"budget_bytes = {budget:,} holds up to {limit:,} sequences, more than the limit of "
                          f"{MAX_DRAWS:,} sampled sequences (workload.MAX_DRAWS): lower budget_bytes")
     lengths = sample_lengths(preset, limit + 1, m, seed)
-
-    k = budget // (m * slot)
-    eff = int(lengths[:k].sum()) * slot
-    fixed = Breakdown("fixed", k, eff, 0, k * m * slot - eff, 0, budget - k * m * slot)
-
-    slots = (lengths + B - 1) // B * B  # A_B(n) of each sequence
-    k = int(np.searchsorted(np.cumsum(slots * slot + row), budget, side="right"))
-    eff = int(lengths[:k].sum()) * slot
-    held = int(slots[:k].sum()) * slot
-    paged = Breakdown("paged", k, eff, held - eff, 0, k * row, budget - held - k * row)
-    return CapacityReport(spec, budget, B, m, b, preset, seed, fixed, paged, lengths[: max(k, fixed.num_seqs) + 1])
+    order = lengths.tolist()  # plain ints: the breakdowns stay exact at any budget
+    fixed = fixed_breakdown(order, budget, m, slot)
+    paged = paged_breakdown(order, budget, B, m, slot)
+    return CapacityReport(spec, budget, B, m, b, preset, seed, fixed, paged,
+                          lengths[: max(paged.num_seqs, fixed.num_seqs) + 1])
 
 
 # ----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from minipaged import checks
+from minipaged.accounting import Breakdown
 from minipaged.blocks import BlockAllocator
 from minipaged.checks import (
     FAIL,
@@ -30,61 +31,67 @@ from minipaged.checks import (
     reference_transcript,
     same,
 )
+from minipaged.checks.instructor.ch01 import largest_max_len
 
 pytestmark = pytest.mark.exercises
 
 
-def new_blocks(n, k, b):
-    return -(-(n + k) // b) - -(-n // b)
+def fixed(lengths, budget, max_len, slot):
+    """A right Task 1.1 (exercise 01's first check is the example), one reservation at a time unlike the package."""
+    k = 0
+    while k < len(lengths) and (k + 1) * max_len * slot <= budget:
+        k += 1
+    kv = sum(min(n, max_len) for n in lengths[:k]) * slot
+    return Breakdown("fixed", k, kv, 0, k * max_len * slot - kv, 0, budget - k * max_len * slot)
 
 
 def test_pass_prints_one_line(capsys):
-    result = ch01.check_new_blocks(new_blocks)
+    result = ch01.check_fixed_breakdown(fixed)
     assert result.passed and bool(result)
-    assert capsys.readouterr().out == (
-        "✅ PASS   ch01.new_blocks: 14 appends, partly filled last blocks and 2**60-scale lengths included\n")
+    assert capsys.readouterr().out == ("✅ PASS   ch01.fixed_breakdown: 8 budgets: exact fits, lengths past max_len, "
+                                       "fewer lengths than reservations, 2**60 bytes\n")
 
 
 def test_wrong_answer_names_the_case_and_gives_the_hint(capsys):
-    result = ch01.check_new_blocks(lambda n, k, b: (n + k) // b - n // b)
+    result = ch01.check_fixed_breakdown(lambda ls, b, m, s: fixed(ls, b - 1, m, s) if b else fixed(ls, b, m, s))
     out = capsys.readouterr().out
     assert not result.passed and result.status == FAIL
-    assert "new_blocks(0, 1, 16): returned 0, expected 1" in out
-    assert f"hint: {ch01.HINTS['1.2'][0]}" in out and "Traceback" not in out
+    assert "fixed_breakdown([5, 12, 3, 9, 2, 7], budget_bytes=100, max_len=8, slot_bytes=2): the parts sum to" in out
+    assert f"hint: {ch01.SPEC_HINTS['sum']}" in out and "Traceback" not in out
 
 
 def test_not_implemented_is_its_own_status(capsys):
-    def stub(n, k, b):
-        raise NotImplementedError("Task 1.2 is not implemented yet.")
+    def stub(lengths, budget, max_len, slot):
+        raise NotImplementedError("Task 1.1 is not implemented yet.")
 
-    result = ch01.check_new_blocks(stub)
+    result = ch01.check_fixed_breakdown(stub)
     assert result.status == TODO
-    assert capsys.readouterr().out.startswith("⏳ NOT IMPLEMENTED YET   ch01.new_blocks: Task 1.2")
+    assert capsys.readouterr().out.startswith("⏳ NOT IMPLEMENTED YET   ch01.fixed_breakdown: Task 1.1")
 
 
 def test_crash_in_learner_code_is_summarised_not_dumped(capsys):
-    def crashes(n, k, b):
-        return n / undefined_name  # noqa: F821
+    def crashes(lengths, budget, max_len, slot):
+        return budget / undefined_name  # noqa: F821
 
-    result = ch01.check_new_blocks(crashes)
+    result = ch01.check_fixed_breakdown(crashes)
     out = capsys.readouterr().out
     assert result.status == FAIL
     assert "your code raised NameError" in out and "in crashes, line" in out and "Traceback" not in out
 
 
 def test_a_crash_shows_the_arguments_the_learners_code_was_called_with(capsys):
-    def outer(n, k, b):
-        return inner(torch.zeros(2, 3), list(range(100)), b)
+    def outer(lengths, budget, max_len, slot):
+        return inner(torch.zeros(2, 3), list(range(100)), max_len)
 
     def inner(t, long, b):
-        return [long[b * 10] for _ in range(1)]  # IndexError: b is 16 in the first case (in a comprehension)
+        return [long[b * 20] for _ in range(1)]  # IndexError: b is 8 in the first case (in a comprehension)
 
-    result = ch01.check_new_blocks(outer)
+    result = ch01.check_fixed_breakdown(outer)
     assert result.status == FAIL
     # The innermost frame of the learner's code, with its arguments: a tensor by shape, a long value cut short.
     assert "(in inner, line" in result.message
     assert "called with t=tensor(shape=[2, 3], dtype=float32), long=[0, 1, 2," in result.message
-    assert "..., b=16)" in result.message and len(result.message) < 400
+    assert "..., b=8)" in result.message and len(result.message) < 400
 
 
 def test_a_judge_gives_the_hint_for_its_own_failure():
@@ -112,16 +119,16 @@ def test_a_judge_gives_the_hint_for_its_own_failure():
 def test_an_infinite_loop_times_out_inside_the_notebook_too(monkeypatch, capsys):
     monkeypatch.setenv(checks.TIMEOUT_ENV, "0.5")
 
-    def loops(n, k, b):
+    def loops(lengths, budget, max_len, slot):
         while True:
             try:
                 pass
             except Exception:  # a learner's catch-all does not swallow the time limit
                 pass
 
-    result = ch01.check_new_blocks(loops)
+    result = ch01.check_fixed_breakdown(loops)
     assert result.status == FAIL and result.message.startswith("timed out after 0.5 s")
-    assert ch01.check_new_blocks(new_blocks).passed  # the alarm is gone afterwards
+    assert ch01.check_fixed_breakdown(fixed).passed  # the alarm is gone afterwards
 
 
 class Yes(int):
@@ -139,13 +146,14 @@ class YesList(list):
         return True
 
 
-@pytest.mark.parametrize("answer", [lambda n, k, b: Yes(0), lambda n, k, b: np.int64(new_blocks(n, k, b)),
-                                    lambda n, k, b: bool(new_blocks(n, k, b)),
-                                    lambda n, k, b: float(new_blocks(n, k, b))],
+@pytest.mark.parametrize("answer", [lambda *a: Yes(0), lambda *a: np.int64(largest_max_len(*a)),
+                                    lambda *a: bool(largest_max_len(*a)), lambda *a: float(largest_max_len(*a))],
                          ids=["int subclass that equals anything", "numpy int", "bool", "float"])
 def test_only_the_exact_type_passes(answer, capsys):
-    """Kind 1: a value that says it is equal, or is equal only by Python's loose ``==``, is not an int."""
-    assert ch01.check_new_blocks(answer).status == FAIL
+    """Kind 1: a value that says it is equal, or is equal only by Python's loose ``==``, is not an int (Task 1.3's
+    answer, which its probe records as it is returned)."""
+    assert ch01.check_largest_max_len(largest_max_len).passed
+    assert ch01.check_largest_max_len(answer).status == FAIL
 
 
 def test_a_list_that_equals_anything_is_refused(capsys):
@@ -177,13 +185,13 @@ def test_plain_data_is_checked_by_exact_type():
 
 @pytest.mark.parametrize("forged", [
     "PASS", None, [], {"schema": SCHEMA, "check": "ch01.other", "observations": [], "end": {"kind": "done"}},
-    {"schema": SCHEMA, "check": "ch01.new_blocks", "observations": {}, "end": {"kind": "done"}},
-    {"schema": SCHEMA, "check": "ch01.new_blocks", "observations": [], "end": {"kind": "passed"}},
-    {"schema": SCHEMA, "check": "ch01.new_blocks", "observations": [], "end": {"kind": "done"}},
+    {"schema": SCHEMA, "check": "ch01.fixed_breakdown", "observations": {}, "end": {"kind": "done"}},
+    {"schema": SCHEMA, "check": "ch01.fixed_breakdown", "observations": [], "end": {"kind": "passed"}},
+    {"schema": SCHEMA, "check": "ch01.fixed_breakdown", "observations": [], "end": {"kind": "done"}},
 ], ids=["a word", "null", "a list", "another check", "observations not a list", "an unknown end", "empty"])
 def test_a_forged_or_empty_transcript_fails_and_never_crashes(forged):
-    cases, want = expected("ch01.new_blocks")
-    result = ch01.check_new_blocks.verdict(cases, forged, want, len(cases))
+    cases, want = expected("ch01.fixed_breakdown")
+    result = ch01.check_fixed_breakdown.verdict(cases, forged, want, len(cases))
     assert result.status == FAIL and result.message
 
 
@@ -197,26 +205,31 @@ def test_a_malformed_observation_fails_and_never_crashes():
 
 def test_a_hidden_case_fails_without_its_expected_value():
     """Kind 6: in grading, a hidden case's FAIL names its inputs but not the value the reference gave."""
-    side = instructor_side("ch01.new_blocks")
+    side = instructor_side("ch01.fixed_breakdown")
     public = side.public()
-    hidden = [[2**60 + 5, 3, 16]]
+    hidden = [{"lengths": [5, 2**40, 7], "budget_bytes": 2**60 + 5, "max_len": 2**30, "slot_bytes": 2**20}]
     cases = public + hidden
-    want = reference_transcript("ch01.new_blocks", cases)
-    table = {tuple(c): new_blocks(*c) for c in public}
-    got = ch01.check_new_blocks.transcript(cases, (lambda n, k, b: table.get((n, k, b), 7),))
-    result = ch01.check_new_blocks.verdict(cases, got, want, len(public))
-    assert result.status == FAIL and result.message.startswith("hidden case 1 (new_blocks(1152921504606846981, 3, 16))")
-    assert "returned" not in result.message and str(new_blocks(*hidden[0])) not in result.message.split(")")[-1]
-    assert ch01.check_new_blocks.verdict(public, got | {"observations": got["observations"][:-1]},
-                                         reference_transcript("ch01.new_blocks", public), len(public)).passed
+    want = reference_transcript("ch01.fixed_breakdown", cases)
+    table = {repr(c): fixed(*c.values()) for c in public}  # every public answer; none for the rest
+    got = ch01.check_fixed_breakdown.transcript(cases, (lambda *a: table.get(repr(dict(zip(hidden[0], a))),
+                                                                             Breakdown("fixed", 1, 0, 0, 0, 0, 0)),))
+    result = ch01.check_fixed_breakdown.verdict(cases, got, want, len(public))
+    assert result.status == FAIL and result.message.startswith(
+        "hidden case 1 (fixed_breakdown([5, 1099511627776, 7], budget_bytes=1152921504606846981, max_len=1073741824, "
+        "slot_bytes=1048576))")
+    right = fixed(*hidden[0].values())
+    assert "returned" not in result.message and f"{right.unused:,}" not in result.message
+    assert str(right.num_seqs) not in result.message.split(")")[-1]
+    assert ch01.check_fixed_breakdown.verdict(public, got | {"observations": got["observations"][:-1]},
+                                              reference_transcript("ch01.fixed_breakdown", public), len(public)).passed
 
 
 def test_the_kernels_entry_point_prints_one_parsable_transcript(capsys):
-    cases, _ = expected("ch01.new_blocks")
-    checks.probe_json("@@m@@", "ch01.new_blocks", json.dumps(cases), new_blocks)
+    cases, _ = expected("ch01.fixed_breakdown")
+    checks.probe_json("@@m@@", "ch01.fixed_breakdown", json.dumps(cases), fixed)
     line = capsys.readouterr().out.strip()
     transcript = json.loads(line.removeprefix("@@m@@"))
-    assert transcript["check"] == "ch01.new_blocks" and len(transcript["observations"]) == len(cases)
+    assert transcript["check"] == "ch01.fixed_breakdown" and len(transcript["observations"]) == len(cases)
 
 
 def _check_names() -> list[str]:
@@ -279,9 +292,9 @@ def test_staged_hints(capsys):
 
 
 def test_stub_hint_is_not_repeated(capsys):
-    def stub(n, k, b):
-        raise NotImplementedError("Task 1.2 is not implemented yet. Hint: round up")
+    def stub(lengths, budget, max_len, slot):
+        raise NotImplementedError("Task 1.1 is not implemented yet. Hint: admit in order")
 
-    ch01.check_new_blocks(stub)
+    ch01.check_fixed_breakdown(stub)
     out = capsys.readouterr().out
-    assert "Hint: round up" in out and f"hint: {ch01.HINTS['1.2'][0]}" not in out
+    assert "Hint: admit in order" in out and f"hint: {ch01.HINTS['1.1'][0]}" not in out

@@ -246,12 +246,13 @@ HELPER = """def spread(lengths, size):
 
 
 def test_a_class_of_three_shows_its_copies_in_the_flags_column(tmp_path):
-    """ann hands in the model solution of exercise 01; bo and cy share a helper cell (cy's renamed); all PASS."""
+    """ann hands in the model solution of exercise 01 (the notebook and the repository's accounting.py); bo and cy
+    their own pieces and Task 1.3 (the same short ones, too short to judge) and share a helper cell (cy's renamed);
+    all PASS."""
+    from test_grader import RIGHT, RIGHT_PIECES, accounting
+
     solution = nbformat.read(ROOT / "solutions" / "01_kv_cache_memory.ipynb", as_version=4)
-    right = {"01-03": "def blocks_that_fit(b, L, h, d, s, B):\n    return b // (2 * L * h * d * s * B)",
-             "01-06": "def new_blocks(n, k, b):\n    return (n + k + b - 1) // b - (n + b - 1) // b",
-             "01-09": "def best_block_size(lengths, candidates):\n"
-                      "    return min(candidates, key=lambda b: (sum(-(-n // b) * b for n in lengths), -b))"}
+    right = RIGHT
     helpers = {"ann": None, "bo": HELPER, "cy": HELPER.replace("wasted", "lost").replace("total", "count")}
     for who, helper in helpers.items():
         nb = nbformat.read(ROOT / "exercises" / "01_kv_cache_memory.ipynb", as_version=4)
@@ -263,15 +264,17 @@ def test_a_class_of_three_shows_its_copies_in_the_flags_column(tmp_path):
             cell = nbformat.v4.new_code_cell(helper)
             cell.id = "helper"
             nb.cells.append(cell)
-        (tmp_path / "submissions" / who).mkdir(parents=True)
+        (tmp_path / "submissions" / who / "minipaged").mkdir(parents=True)
         nbformat.write(nb, tmp_path / "submissions" / who / "01_kv_cache_memory.ipynb")
+        (tmp_path / "submissions" / who / "minipaged" / "accounting.py").write_text(
+            (ROOT / "minipaged" / "accounting.py").read_text() if who == "ann" else accounting(RIGHT_PIECES))
     prefix = tmp_path / "book"
     status = grader.main(["grade", str(tmp_path / "submissions"), "--gradebook", str(prefix), "--jobs", "3"])
     book = json.loads(prefix.with_suffix(".json").read_text())
     rows = {row[0]: row for row in csv.reader(prefix.with_suffix(".csv").read_text().splitlines())}
     assert status == 0 and rows["learner"][-1] == "flags"
-    assert rows["ann"][-1] == "; ".join(f"copy of the model answer: cell {i} (1.00)" for i in ("01-03", "01-06",
-                                                                                             "01-09"))
+    assert rows["ann"][-1] == ("copy of the model answer: paged_breakdown (1.00); "
+                               "copy of the model answer: cell 01-09 (1.00)")  # fixed_breakdown's is too short
     assert rows["bo"][-1] == "same as learner 'cy': cell helper (1.00)"
     assert rows["cy"][-1] == "same as learner 'bo': cell helper (1.00)"
     assert book["learners"]["bo"]["flags"] == {"01_kv_cache_memory.ipynb": ["same as learner 'cy': cell helper (1.00)"]}

@@ -8,7 +8,7 @@ import threading
 
 import nbformat
 import pytest
-from test_grader import CHECKS, RIGHT, ROOT, grade, notebook, statuses, write
+from test_grader import CHECKS, ROOT, WRONG_FIXED, grade, notebook, statuses, write
 
 from minipaged.checks import SCHEMA, CheckFailed, check, expect_close
 from minipaged.checks import __main__ as grader
@@ -47,7 +47,7 @@ def test_a_piece_file_that_is_not_a_regular_file_makes_that_exercise_ungraded(tm
     """Kind 8 in the package files a learner hands in: a FIFO where ``minipaged/blocks.py`` goes never blocks."""
     exercise02 = nbformat.read(ROOT / "exercises" / "02_blocks_and_block_tables.ipynb", as_version=4)
     write(tmp_path, "ada", notebook({}))
-    write(tmp_path, "fifo", exercise02, "02_blocks_and_block_tables.ipynb")
+    write(tmp_path, "fifo", exercise02, "02_blocks_and_block_tables.ipynb", pieces={})
     (tmp_path / "submissions" / "fifo" / "minipaged").mkdir()
     os.mkfifo(tmp_path / "submissions" / "fifo" / "minipaged" / "blocks.py")
     status, book, _ = grade(tmp_path, "--jobs", "2")
@@ -85,10 +85,10 @@ ESCAPE = "\x1b[2K\x1b[1Gada      PASS"
 def test_a_name_with_terminal_codes_is_printed_escaped(tmp_path, capsys):
     """Kind 9: a learner folder named with escape codes cannot repaint a row, in the table, the details or CSV."""
     write(tmp_path, "ada", notebook({}))
-    write(tmp_path, ESCAPE, notebook({"01-06": "def new_blocks(n, k, b):\n    return 0"}))
+    write(tmp_path, ESCAPE, notebook({}), pieces={"1.1": WRONG_FIXED})
     status, book, csv_text = grade(tmp_path, "--jobs", "2")
     assert status == 1
-    assert statuses(book, ESCAPE) == ["PASS", "FAIL", "PASS"]  # the JSON keeps the name as it is
+    assert statuses(book, ESCAPE) == ["FAIL", "PASS", "PASS"]  # the JSON keeps the name as it is
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\x1b" not in csv_text
     assert "\\x1b[2K\\x1b[1Gada" in out and "\\x1b[2K\\x1b[1Gada" in csv_text
@@ -110,7 +110,7 @@ DEEP = ("import builtins\n_print = builtins.print\n"
 def test_a_transcript_nested_past_the_parser_fails_its_learner_not_the_run(tmp_path):
     """Kind 10: a transcript JSON cannot decode is a FAIL for that learner; the run exits 1, not 3."""
     write(tmp_path, "ada", notebook({}))
-    write(tmp_path, "deep", notebook({"01-03": DEEP + RIGHT["01-03"]}))
+    write(tmp_path, "deep", notebook({"01-01": DEEP + notebook({}).cells[2].source}))  # before every check
     status, book, _ = grade(tmp_path, "--jobs", "2")
     assert status == 1
     assert statuses(book, "ada") == ["PASS"] * 3

@@ -14,7 +14,7 @@ import sys
 import time
 
 import pytest
-from test_grader import ROOT, grade, notebook, statuses, write
+from test_grader import NO_WORKED_CELLS, ROOT, grade, notebook, statuses, write
 
 from minipaged.checks import WALL_FACTOR, timeout_message
 from minipaged.checks import __main__ as grader
@@ -69,16 +69,15 @@ def test_the_reference_passes_on_a_busy_machine_under_a_limit_its_wall_clock_tim
 
 
 def test_a_loop_runs_out_of_cpu_time_and_a_wait_runs_into_the_backstop(tmp_path):
-    loop = "def new_blocks(n, k, b):\n    while True:\n        pass"
-    wait = "import time\ndef new_blocks(n, k, b):\n    time.sleep(3600)"
-    write(tmp_path, "loop", notebook({"01-06": loop}))
-    write(tmp_path, "wait", notebook({"01-06": wait}))
+    # Task 1.1's piece; the notebooks leave out chapter 01's worked cells, which would loop or wait too.
+    write(tmp_path, "loop", notebook(NO_WORKED_CELLS), pieces={"1.1": "while True:\n    pass"})
+    write(tmp_path, "wait", notebook(NO_WORKED_CELLS), pieces={"1.1": "import time\ntime.sleep(3600)"})
     status, book, _ = grade(tmp_path, "--jobs", "2", "--check-timeout", "0.5")
     assert status == 1
-    assert statuses(book, "loop") == statuses(book, "wait") == ["PASS", "FAIL", "PASS"]
-    loop_message = book["learners"]["loop"]["checks"]["ch01.new_blocks"]["message"]
+    assert statuses(book, "loop") == statuses(book, "wait") == ["FAIL", "PASS", "PASS"]
+    loop_message = book["learners"]["loop"]["checks"]["ch01.fixed_breakdown"]["message"]
     assert loop_message.startswith("timed out after 0.5 s of CPU time")
-    assert book["learners"]["wait"]["checks"]["ch01.new_blocks"]["message"] == timeout_message(0.5, False, 1)
+    assert book["learners"]["wait"]["checks"]["ch01.fixed_breakdown"]["message"] == timeout_message(0.5, False, 1)
     assert f"after {0.5 * WALL_FACTOR:g} s" in timeout_message(0.5, False, 1)
 
 

@@ -2,9 +2,10 @@
 and the class around it is graded as before.
 
 A class of three learners of exercise 01 (pure Python, so a kernel run is short): ``ann`` the attacker, graded
-first, then ``bo`` (right) and ``cy`` (a wrong ``new_blocks``). The attacker's first task cell tries the attack
-and keeps its right ``blocks_that_fit`` only if the attack failed: the sandbox cannot be seen from the test
-except through the verdicts, so ``ann`` PASSes every check exactly when the sandbox held.
+first, then ``bo`` (right) and ``cy`` (a wrong ``fixed_breakdown`` in the accounting.py they hand in). The
+attacker's Task 1.3 cell tries the attack and keeps its right ``largest_max_len`` only if the attack failed: the
+sandbox cannot be seen from the test except through the verdicts, so ``ann`` PASSes every check exactly when the
+sandbox held.
 """
 
 import os
@@ -13,7 +14,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from test_grader import RIGHT, WRONG_NEW, grade, notebook, statuses, write
+from test_grader import NO_WORKED_CELLS, RIGHT, WRONG_FIXED, grade, notebook, statuses, write
 
 from minipaged.checks import sandbox
 
@@ -25,19 +26,19 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def attacked(attack: str) -> str:
-    """Task 1.1's cell: ``attack`` (which sets ``escaped``), then a right answer that is deleted if it escaped."""
-    return f"escaped = []\n{attack}\n{RIGHT['01-03']}\nif escaped:\n    print(escaped)\n    del blocks_that_fit"
+    """Task 1.3's cell: ``attack`` (which sets ``escaped``), then a right answer that is deleted if it escaped."""
+    return f"escaped = []\n{attack}\n{RIGHT['01-09']}\nif escaped:\n    print(escaped)\n    del largest_max_len"
 
 
 def grade_class(tmp_path, attack: str, *args: str, honest: str = "") -> dict:
-    """Grade ann (``attack``), bo and cy (``honest`` before bo's and cy's right Task 1.1) one at a time; check that
+    """Grade ann (``attack``), bo and cy (``honest`` before bo's and cy's right Task 1.3) one at a time; check that
     bo and cy get their verdicts, and return the gradebook."""
-    write(tmp_path, "ann", notebook({"01-03": attacked(attack)}))
-    write(tmp_path, "bo", notebook({"01-03": attacked(honest)}))
-    write(tmp_path, "cy", notebook({"01-03": attacked(honest), "01-06": WRONG_NEW}))
+    write(tmp_path, "ann", notebook({"01-09": attacked(attack)}))
+    write(tmp_path, "bo", notebook({"01-09": attacked(honest)}))
+    write(tmp_path, "cy", notebook({"01-09": attacked(honest)}), pieces={"1.1": WRONG_FIXED})
     status, book, _ = grade(tmp_path, "--seed", "5", *args)
     assert status in (0, 1)
-    assert statuses(book, "bo") == ["PASS"] * 3 and statuses(book, "cy") == ["PASS", "FAIL", "PASS"]
+    assert statuses(book, "bo") == ["PASS"] * 3 and statuses(book, "cy") == ["FAIL", "PASS", "PASS"]
     return book
 
 
@@ -158,11 +159,12 @@ def test_what_a_learner_writes_is_gone_for_the_next(tmp_path):
 
 def test_a_check_past_its_limit_is_interrupted_and_the_kernel_goes_on(tmp_path):
     """A SIGINT to the kernel's process group would kill bwrap and the kernel with it: the sandboxed kernel is
-    interrupted on its control channel, and the checks after the loop still run in it."""
-    write(tmp_path, "ann", notebook({"01-06": "def new_blocks(n, k, b):\n    while True:\n        pass"}))
+    interrupted on its control channel, and the checks after the loop still run in it. (ann's notebook has no
+    worked cells of chapter 01, which would call the loop too.)"""
+    write(tmp_path, "ann", notebook(NO_WORKED_CELLS), pieces={"1.1": "while True:\n    pass"})
     write(tmp_path, "bo", notebook({}))
     status, book, _ = grade(tmp_path, "--check-timeout", "1.5")
-    assert status == 1 and statuses(book, "ann") == ["PASS", "FAIL", "PASS"] and statuses(book, "bo") == ["PASS"] * 3
-    timed_out = book["learners"]["ann"]["checks"]["ch01.new_blocks"]["message"]
+    assert status == 1 and statuses(book, "ann") == ["FAIL", "PASS", "PASS"] and statuses(book, "bo") == ["PASS"] * 3
+    timed_out = book["learners"]["ann"]["checks"]["ch01.fixed_breakdown"]["message"]
     assert timed_out.startswith("timed out after 1.5 s of CPU time")
-    assert book["learners"]["ann"]["notes"]["01_kv_cache_memory.ipynb"] == [f"cell 8 {timed_out} and was interrupted"]
+    assert book["learners"]["ann"]["notes"]["01_kv_cache_memory.ipynb"] == [f"cell 4 {timed_out} and was interrupted"]

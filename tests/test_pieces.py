@@ -111,7 +111,7 @@ def test_bad_markers_are_refused_with_the_file_and_line(source, match):
         find_holes(source, "m.py")
 
 
-def test_the_package_marks_the_pieces_of_exercises_02_05_06_07_and_08():
+def test_the_package_marks_the_pieces_of_exercises_01_02_05_06_07_and_08():
     holes = {h.piece: h for hs in package_holes(ROOT).values() for h in hs}
     assert {"NgramSpeculator.schedule_drafts", "rollback_drafts"} <= set(holes)
     assert {(h.exercise, h.task) for h in holes.values() if "rollback" in h.piece or "draft" in h.piece} == {
@@ -126,10 +126,12 @@ def test_the_package_marks_the_pieces_of_exercises_02_05_06_07_and_08():
         ("05", "5.1"), ("05", "5.2")}
     assert [(h.piece, h.exercise, h.task) for h in holes.values() if h.exercise == "07"] == [
         ("min_utilization", "07", "7.1")]  # plan, its forward arithmetic, stays given: the chapter teaches it
-    assert exercises.piece_files() == ["minipaged/attention.py", "minipaged/blocks.py", "minipaged/planner.py",
-                                       "minipaged/prefix_cache.py", "minipaged/request_queue.py",
-                                       "minipaged/scheduler.py", "minipaged/speculative.py",
-                                       "kernels/paged_attention.py"]
+    assert {h.piece: (h.exercise, h.task) for h in holes.values() if h.exercise == "01"} == {
+        "fixed_breakdown": ("01", "1.1"), "paged_breakdown": ("01", "1.2")}
+    assert exercises.piece_files() == ["minipaged/accounting.py", "minipaged/attention.py", "minipaged/blocks.py",
+                                       "minipaged/planner.py", "minipaged/prefix_cache.py",
+                                       "minipaged/request_queue.py", "minipaged/scheduler.py",
+                                       "minipaged/speculative.py", "kernels/paged_attention.py"]
 
 
 def test_the_package_marks_exercise_03s_pieces():
@@ -281,7 +283,7 @@ def test_untouched_stubs_do_not_pass_and_reveal_fills_them_as_a_learner_would(ha
         ("05", ["FCFSQueue.victim", "Scheduler._chunk"]),
         ("06", ["BlockTable._copy_on_write", "extra_keys"]),
         ("08", ["rollback_drafts", "NgramSpeculator.schedule_drafts"])]
-    assert exercises.main(["reveal", "01", str(workspace)]) == 2  # builds no piece: one line, nothing written
+    assert exercises.main(["reveal", "09", str(workspace)]) == 2  # builds no piece: one line, nothing written
 
 
 def _check_attention(package: Path) -> list[str]:
@@ -346,7 +348,8 @@ def test_the_grader_grades_the_piece_files_a_learner_hands_in(tmp_path):
 
 
 # exercise: its notebooks' name, its checks, and the exercises whose pieces its chapter runs on
-FILLED = {"02": ("02_blocks_and_block_tables.ipynb", ["ch02.allocator", "ch02.engine", "ch02.constant_time"], ["02"]),
+FILLED = {"01": ("01_kv_cache_memory.ipynb", ["ch01.fixed_breakdown", "ch01.paged_breakdown"], ["01"]),
+          "02": ("02_blocks_and_block_tables.ipynb", ["ch02.allocator", "ch02.engine", "ch02.constant_time"], ["02"]),
           "03": ("03_paged_attention_pytorch.ipynb", ["ch03.paged_attention", "ch03.vectorised", "ch03.engine"],
                  ["02", "03"]),
           "05": ("05_continuous_batching.ipynb", ["ch05.schedule_running", "ch05.scheduler"], ["02", "03", "05"]),

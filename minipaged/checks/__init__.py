@@ -454,7 +454,7 @@ def check(name: str, hint: str = "", label=None, summary="{n} cases", formative:
 
 
 def find(name: str) -> Check:
-    """The :class:`Check` called ``name`` (``"ch01.new_blocks"``), from its chapter's module."""
+    """The :class:`Check` called ``name`` (``"ch01.fixed_breakdown"``), from its chapter's module."""
     chapter, _, short = name.partition(".")
     module = importlib.import_module(f"minipaged.checks.{chapter}")
     for value in vars(module).values():

@@ -242,7 +242,7 @@ def without(units: list[str], given: list[str]) -> list[str]:
 
 @dataclass
 class Piece:
-    """One piece's fingerprint: ``name`` (``"BlockTable.append_tokens"``, ``"cell 01-03"``), its items, and
+    """One piece's fingerprint: ``name`` (``"BlockTable.append_tokens"``, ``"cell 01-09"``), its items, and
     (for a notebook cell) its whole text with names renamed, for the equality of a piece too short to judge."""
 
     name: str
