@@ -404,6 +404,9 @@ def paged_breakdown(lengths: Sequence[int], budget_bytes: int, block_size: int, 
     - one block-table row: ``ceil(max_len / B)`` int32 entries (``BLOCK_TABLE_ENTRY_BYTES`` each), the row
       a sequence that may grow to ``max_len`` needs, whatever its length now.
 
+    ``ceil_div`` (imported here from :mod:`minipaged.block_math`) is an exact integer ceiling. The arguments
+    come checked from :func:`capacity`: the piece need not check them again.
+
     Args:
         lengths: the sequences' lengths in tokens, in arrival order (ints >= 0; may be empty).
         budget_bytes: the KV memory to fill (an int >= 0, up to 2**60 and more: stay in integers).

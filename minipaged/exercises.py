@@ -170,18 +170,13 @@ def stub_source(source: str, path: str, exercises: Collection[str] | None = None
     if not holes:
         return source
     lines = source.splitlines()
-    for hole in reversed(holes):
+    for hole in reversed(holes):  # the import stays with its raise: once both go, nothing unused is left behind
         lines[hole.start - 1 : hole.end] = [
-            f"{hole.indent}# Exercise {hole.exercise}, Task {hole.task}: your code here (delete the raise)",
+            f"{hole.indent}# Exercise {hole.exercise}, Task {hole.task}: your code here, in place of these two lines",
+            f"{hole.indent}from minipaged.pieces import PieceNotBuilt",
             f"{hole.indent}raise PieceNotBuilt({hole.exercise!r}, {hole.task!r}, {hole.piece!r}, {path!r})",
         ]
-    return _import_after_future(lines) + ("\n" if source.endswith("\n") else "")
-
-
-def _import_after_future(lines: list[str]) -> str:
-    """The file's lines with ``from minipaged.pieces import PieceNotBuilt`` after its ``__future__`` import."""
-    at = next((i + 1 for i, line in enumerate(lines) if line.startswith("from __future__ import")), 0)
-    return "\n".join(lines[:at] + ["", "from minipaged.pieces import PieceNotBuilt"] + lines[at:])
+    return "\n".join(lines) + ("\n" if source.endswith("\n") else "")
 
 
 def package_holes(root: Path) -> dict[Path, list[Hole]]:
