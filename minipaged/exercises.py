@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import importlib
 import json
 import re
@@ -357,7 +358,9 @@ def lay_pieces(reference: str, theirs: str, exercises: Collection[str], where: s
 
     A file whose pieces are all theirs to build is taken whole, as is one that does not parse (its error
     is the learner's). Otherwise each top-level class or function that holds one of those pieces is the
-    learner's, with whatever helpers the learner gave it; the rest stays the reference's.
+    learner's, with whatever helpers the learner gave it; the rest stays the reference's, and so does each
+    method of such a class that another exercise builds (``BlockTable``'s exercise 02 methods when exercise
+    06's ``_copy_on_write`` is graded), so one exercise's mistake never fails another's checks.
 
     Args:
         reference: the repository's text of the file.
@@ -379,6 +382,11 @@ def lay_pieces(reference: str, theirs: str, exercises: Collection[str], where: s
             node = mine[name]
             first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
             text = _replace_function(text, name, theirs.splitlines()[first - 1 : node.end_lineno], where)
+    others = dict.fromkeys(h.piece for h in holes if h.exercise not in exercises and "." in h.piece
+                           and h.piece.split(".")[0] in tops and h.piece.split(".")[0] in mine)  # fmt: skip
+    for piece in others:  # another exercise's method in a class taken from the learner: the model answer's
+        with contextlib.suppress(ReleaseError):  # one the learner deleted stays deleted
+            text = _replace_function(text, piece, _function_source(reference, piece), where)
     return text
 
 

@@ -99,6 +99,40 @@ def test_one_exercises_pieces_are_stubbed_or_taken_from_a_learner_with_the_class
     assert exercises.graded_pieces("02") == ("02",) and exercises.graded_pieces("09") == ("02", "03", "05", "06")
 
 
+SHARED = '''class Table:
+    def grow(self, n):
+        ### BEGIN SOLUTION (Exercise 02, Task 2.1)
+        return n + 1
+        ### END SOLUTION
+
+    def copy(self):
+        ### BEGIN SOLUTION (Exercise 06, Task 6.5)
+        return "copied"
+        ### END SOLUTION
+'''
+SHARED_THEIRS = '''class Table:
+    def grow(self, n):
+        return n  # exercise 02, wrong
+
+    def copy(self):
+        return self._copy_helper()
+
+    def _copy_helper(self):  # theirs
+        return "copied"
+'''
+
+
+def test_a_class_with_two_exercises_pieces_is_theirs_for_the_graded_one_and_the_model_answer_for_the_other():
+    laid = exercises.lay_pieces(SHARED, SHARED_THEIRS, ("06",), "m.py")
+    namespace = {}
+    exec(compile(laid, "table.py", "exec"), namespace)
+    table = namespace["Table"]()
+    assert table.copy() == "copied" and table.grow(1) == 2  # their 06 method with their helper; 02's is the model's
+    graded_02 = {}
+    exec(compile(exercises.lay_pieces(SHARED, SHARED_THEIRS, ("02",), "m.py"), "table.py", "exec"), graded_02)
+    assert graded_02["Table"]().grow(1) == 1  # grading 02 takes their (wrong) grow
+
+
 BEGIN = "    ### BEGIN SOLUTION (Exercise 02, Task 2.1)"
 END = "    ### END SOLUTION"
 
