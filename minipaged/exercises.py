@@ -436,7 +436,24 @@ def workspace(target: Path) -> bool:
                                "--no-build-isolation", "-e", str(target.resolve())], capture_output=True, text=True)
         if done.returncode:  # the build's own warnings are noise when it works
             raise ReleaseError(f"{target}: installing the handout into .venv failed: {done.stderr[-500:]}")
+        _jupyter_commands(python)
     return made
+
+
+def _jupyter_commands(python: Path) -> None:
+    """``jupyter``, ``jupyter-lab``, ``jupyter-nbconvert``, ... in the workspace's ``bin``, each run by the workspace's
+    own ``python`` (this environment's would import the repository's package, the answers): ``jupyter nbconvert``
+    finds its subcommand there, and a kernel it starts is the workspace's."""
+    from importlib.metadata import entry_points
+
+    for point in entry_points(group="console_scripts"):
+        if point.name == "jupyter" or point.name.startswith("jupyter-"):
+            module, _, attr = point.value.partition(":")
+            script = python.parent / point.name
+            script.write_text(f"#!{python}\nimport sys\nfrom importlib import import_module\n\n"
+                              f"main = import_module({module!r})\nfor part in {attr!r}.split('.'):\n"
+                              "    main = getattr(main, part)\nsys.exit(main())\n")
+            script.chmod(0o755)
 
 
 REVEALED = Path(".minipaged") / "revealed.json"  # in a workspace: what ``reveal`` filled in, and when

@@ -389,6 +389,7 @@ FILLED = {"01": ("01_kv_cache_memory.ipynb", ["ch01.fixed_breakdown", "ch01.page
           "02": ("02_blocks_and_block_tables.ipynb", ["ch02.allocator", "ch02.engine", "ch02.constant_time"], ["02"]),
           "03": ("03_paged_attention_pytorch.ipynb", ["ch03.paged_attention", "ch03.vectorised", "ch03.engine"],
                  ["02", "03"]),
+          "04": ("04_triton_kernel.ipynb", ["ch04.decode_kernel"], ["02", "03", "04"]),
           "05": ("05_continuous_batching.ipynb", ["ch05.schedule_running", "ch05.scheduler"], ["02", "03", "05"]),
           "06": ("06_prefix_sharing_cow.ipynb", ["ch06.block_keys", "ch06.prefix_cache", "ch06.constant_time",
                                                  "ch06.cow_table"], ["02", "03", "05", "06"]),
@@ -406,13 +407,18 @@ def test_the_handout_filled_the_learners_way_runs_the_chapter_and_the_exercise(h
     for number in needs:
         assert exercises.main(["reveal", number, str(workspace)]) == 0
     env = {"PYTHONPATH": str(workspace), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "OMP_NUM_THREADS": "2"}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval",
+    python = sys.executable
+    if exercise == "04":  # minipaged.kernels is the handout's kernels/ only in an environment of the handout's own
+        assert exercises.main(["workspace", str(workspace)]) == 0  # (under PYTHONPATH, the repository's install
+        python = str(workspace / ".venv" / "bin" / "python")  # maps it to the repository's own)
+        del env["PYTHONPATH"]
+    done = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval",
                            "--nbval-current-env", "--nbval-sanitize-with", str(ROOT / "nbval_sanitize.cfg"),
                            f"notebooks/{name}"], cwd=workspace, env=env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:]
     ran = tmp_path / "ran.ipynb"
-    done = subprocess.run([sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute",
+    done = subprocess.run([python, "-m", "nbconvert", "--to", "notebook", "--execute",
                            "--allow-errors", "--output", str(ran), f"exercises/{name}"], cwd=workspace,
                           env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
@@ -441,6 +447,11 @@ def test_a_workspace_has_an_environment_of_its_own_whose_package_is_the_handouts
                               env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}, capture_output=True, text=True,
                               timeout=120)  # fmt: skip
         assert done.returncode == 0 and done.stdout.strip(), (tool, done.stderr[-500:])
+    jupyter = target / ".venv" / "bin" / "jupyter"  # `jupyter nbconvert` finds its subcommand, run by the workspace
+    assert jupyter.read_text().startswith(f"#!{target / '.venv' / 'bin' / 'python'}\n")
+    done = subprocess.run([str(jupyter), "nbconvert", "--version"], cwd=target, capture_output=True, text=True,
+                          env={"PATH": f"{target / '.venv' / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path)}, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip(), done.stderr[-500:]
     mine = target / "minipaged" / "speculative.py"
     mine.write_text(mine.read_text() + "# the learner's work\n")
     assert exercises.main(["workspace", str(target)]) == 0  # reopened: the work is kept
