@@ -62,8 +62,9 @@ _MD_SOLUTION = re.compile(r"<!-- BEGIN SOLUTION -->.*?<!-- END SOLUTION -->", re
 
 BANNER = (
     "> **Exercise version.** Generated from `solutions/{name}` by `python -m minipaged.exercises`. "
-    "Where a task names a package file, replace each `raise PieceNotBuilt(...)` in it with your code; where a "
-    "cell of this notebook has a `raise NotImplementedError(...)`, replace that. Then run the check cells."
+    "Where a task names a package file, replace each stub in it (an import and a `raise PieceNotBuilt(...)`) with "
+    "your code; where a cell of this notebook has a `raise NotImplementedError(...)`, replace that. Then run the "
+    "check cells."
 )
 
 
