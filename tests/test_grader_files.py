@@ -10,7 +10,7 @@ import nbformat
 import pytest
 from test_grader import CHECKS, ROOT, WRONG_FIXED, grade, notebook, statuses, write
 
-from minipaged.checks import SCHEMA, CheckFailed, check, expect_close
+from minipaged.checks import SCHEMA, CheckFailed, check, expect_close, handin
 from minipaged.checks import __main__ as grader
 
 pytestmark = pytest.mark.exercises
@@ -62,19 +62,19 @@ def test_a_piece_file_that_is_not_a_regular_file_makes_that_exercise_ungraded(tm
 def test_reading_refuses_what_is_too_big_and_gives_up_on_a_stalled_read(tmp_path, monkeypatch):
     path = tmp_path / "big.ipynb"
     path.write_bytes(b"x" * 11)
-    assert grader.read_handed_in(path, limit=11) == b"x" * 11
+    assert handin.read_handed_in(path, limit=11) == b"x" * 11
     with pytest.raises(grader.GradeError, match="more than the 10 bytes"):
-        grader.read_handed_in(path, limit=10)
+        handin.read_handed_in(path, limit=10)
     stalled = threading.Event()
 
     def stall(*args, **kwargs):  # an open that does not return until the test ends (a stalled network mount)
         stalled.wait()
         raise OSError("gone")
 
-    monkeypatch.setattr(grader.os, "open", stall)
+    monkeypatch.setattr(handin.os, "open", stall)
     try:
         with pytest.raises(grader.GradeError, match="could not be read within 0.2 s"):
-            grader.read_handed_in(path, timeout=0.2)
+            handin.read_handed_in(path, timeout=0.2)
     finally:
         stalled.set()
 
@@ -95,8 +95,8 @@ def test_a_name_with_terminal_codes_is_printed_escaped(tmp_path, capsys):
 
 
 def test_shown_escapes_every_character_a_terminal_would_act_on():
-    assert grader.shown("bo") == "bo" and grader.shown("Zoë 李") == "Zoë 李"
-    assert grader.shown("a\nb\rc\x07\u202ed") == "a\\nb\\rc\\x07\\u202ed"
+    assert handin.shown("bo") == "bo" and handin.shown("Zoë 李") == "Zoë 李"
+    assert handin.shown("a\nb\rc\x07\u202ed") == "a\\nb\\rc\\x07\\u202ed"
 
 
 DEEP = ("import builtins\n_print = builtins.print\n"

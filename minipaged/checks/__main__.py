@@ -30,11 +30,10 @@ For each notebook, the grader:
 A cell past its limit (N seconds of CPU time on each of the kernel's threads, counted over its process tree,
 or a wall-clock backstop of ``WALL_FACTOR`` times N for a cell that waits) is interrupted; if it does not stop
 within :data:`KILL_GRACE` s the kernel is killed. The check FAILs with "timed out after N s of CPU time", a
-dead kernel FAILs the rest of its notebook,
-and the batch goes on. It prints one table (a row per learner, a column per check) and writes it
-as ``PREFIX.csv`` and ``PREFIX.json``; the JSON also holds every failure message, the notes and
-flags on each notebook, and the model answer to every free-text question beside each learner's
-answer (``--instructor`` prints those too). The exit status is 0 when every check passed, 1 when
+dead kernel FAILs the rest of its notebook, and the batch goes on. It prints one table (a row per learner, a
+column per check) and writes it as ``PREFIX.csv`` and ``PREFIX.json``; the JSON also holds every failure
+message, the notes and flags on each notebook, and the model answer to every free-text question beside each
+learner's answer (``--instructor`` prints those too). The exit status is 0 when every check passed, 1 when
 some did not, 2 when an input could not be graded, 3 when the grader itself failed on a notebook.
 """
 
@@ -52,7 +51,6 @@ import random
 import re
 import secrets
 import shutil
-import stat
 import subprocess
 import sys
 import tempfile
@@ -78,6 +76,7 @@ from minipaged.checks import (
 )
 from minipaged.checks import sandbox as sandboxes
 from minipaged.checks.cpu_time import tree_cpu_seconds
+from minipaged.checks.handin import GradeError, read_handed_in, shown
 from minipaged.cli import positive_int
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -90,15 +89,10 @@ KILL_GRACE = 5.0  # seconds a cell gets to stop after an interrupt before its ke
 CELL_SLACK = 15.0  # a learner's own cell may run this much longer than a check
 MAX_OUTPUT = 32 * 2**20  # characters of a cell's stdout the grader keeps (the last ones)
 IOPUB_GRACE = 5.0  # seconds a cell's output may still arrive after its shell reply
+CPU_SAMPLE = 0.25  # seconds between two readings of a kernel's CPU time
 MAX_MESSAGE = 16 * 2**20  # bytes of one message from a kernel that the grader receives; a bigger one is dropped
-MAX_FILE = 64 * 2**20  # bytes of a handed-in file (a notebook, a piece file) the grader reads at most
-READ_TIMEOUT = 10.0  # seconds a handed-in file gets to be read
 UNGRADED = "UNGRADED"  # the status of every check of a notebook whose files the grader could not read
 _CSV_FORMULA = ("=", "+", "-", "@", "\t", "\r")
-
-
-class GradeError(ValueError):
-    """A path that cannot be graded: missing, not a notebook, no exercise for its chapter, or a duplicate."""
 
 
 @dataclass
@@ -192,47 +186,6 @@ class Limits:
 # ---------------------------------------------------------------------------
 
 
-def read_handed_in(path: Path, limit: int = MAX_FILE, timeout: float = READ_TIMEOUT) -> bytes:
-    """The bytes of a handed-in file, read only if it is a regular file of at most ``limit`` bytes.
-
-    A symbolic link (to a classmate's file, or to ``/dev/zero``), a FIFO, a device, a socket or a folder is
-    never opened for reading (``O_NOFOLLOW | O_NONBLOCK``, then ``fstat``), and a read that takes more than
-    ``timeout`` seconds (a stalled network mount) is given up; each raises :class:`GradeError` saying why.
-    """
-    def kind(mode: int) -> str:
-        for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
-                           (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")):
-            if test(mode):
-                return name
-        return "not a regular file"
-
-    def read(box: dict) -> None:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError as exc:  # ELOOP: a symbolic link
-            box["error"] = "a symbolic link" if path.is_symlink() else (exc.strerror or str(exc))
-            return
-        with os.fdopen(fd, "rb") as f:
-            mode = os.fstat(fd).st_mode
-            data = f.read(limit + 1) if stat.S_ISREG(mode) else b""
-        if not stat.S_ISREG(mode):
-            box["error"] = kind(mode)
-        elif len(data) > limit:
-            box["error"] = f"more than the {limit:,} bytes a handed-in file may have"
-        else:
-            box["data"] = data
-
-    box: dict = {}
-    reader = threading.Thread(target=read, args=(box,), daemon=True)
-    reader.start()
-    reader.join(timeout)
-    if reader.is_alive():
-        raise GradeError(f"{shown(path)}: could not be read within {timeout:g} s")
-    if "error" in box:
-        raise GradeError(f"{shown(path)}: {box['error']}, not a file the grader reads")
-    return box["data"]
-
-
 def _read(path: Path):
     import nbformat
 
@@ -251,13 +204,6 @@ def _read(path: Path):
         why = f"{type(exc).__name__}: {shown(first)}" if first else f"{type(exc).__name__} in its nbformat fields"
         raise GradeError(f"{shown(path)}: not a notebook ({why})") from None
     return nb
-
-
-def shown(text) -> str:
-    """``text`` safe to print on a terminal or in a CSV cell: every character that is not printable (a control
-    code such as the escape that starts a terminal sequence, a newline, a bidirectional override) is written as
-    its Python escape, ``\\x1b``, so no name or message can repaint or forge another line."""
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in str(text))
 
 
 def _code(source: str) -> str:
@@ -333,8 +279,7 @@ def find_exercise(path: Path, exercises: dict[str, Exercise]) -> Exercise:
             known = ", ".join(sorted(p.name[:2] for p in SOLUTIONS.glob("[0-9][0-9]_*.ipynb")))
             raise GradeError(
                 f"{shown(path)}: no exercise for chapter {shown(repr(chapter))}; a submission's name starts with its "
-                f"chapter "
-                f"({known})"
+                f"chapter ({known})"
             )
     return exercises[chapter]
 
@@ -565,8 +510,8 @@ class Kernel:
         await self.km.start_kernel(env=self.env, cwd=str(self.cwd), stdout=subprocess.DEVNULL,
                                    stderr=subprocess.DEVNULL)
         self.kc = self.km.client()
-        # A message bigger than this (one huge print) is dropped by ZeroMQ before the grader reads it: the socket
-        # reconnects and the cell's later messages arrive, so the grader's memory stays bounded.
+        # A message bigger than this (one huge print) is dropped by ZeroMQ before the grader reads it, so the
+        # grader's memory stays bounded; the channel stays silent after it, and :meth:`run` connects anew.
         self.kc.context.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
         self.kc.start_channels()
         await self.kc.wait_for_ready(timeout=120)
@@ -588,10 +533,12 @@ class Kernel:
         used = (lambda: tree_cpu_seconds(root) / self.threads) if root is not None else (lambda: 0.0)
         start, cpu_start = loop.time(), used()
         deadline = start + (WALL_FACTOR * limit if wall is None else wall)
-        run, interrupted, replied = CellRun("ok"), None, None
+        run, interrupted, replied, sampled, spent = CellRun("ok"), None, None, start, False
         while True:
             now = loop.time()
-            if interrupted is None and (now >= deadline or used() - cpu_start >= limit):
+            if now >= sampled + CPU_SAMPLE:  # /proc is walked a few times a second, not once per message
+                sampled, spent = now, used() - cpu_start >= limit
+            if interrupted is None and (now >= deadline or spent):
                 run.cpu = now < deadline
                 await self.km.interrupt_kernel()
                 interrupted = now

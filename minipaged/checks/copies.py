@@ -41,6 +41,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from minipaged.checks.handin import GradeError, read_handed_in
+
 K = 3  # statements per item
 MIN_ITEMS = 6  # a piece with fewer items (8 statements) is too short to judge (a cell: unless it equals the model)
 THRESHOLD = 0.8  # a pair at this similarity or above is flagged
@@ -376,10 +378,10 @@ def model_cells(number: str) -> tuple[dict[str, list[str]], tuple[Piece, ...]]:
 
 
 def _text(path: Path) -> str:
-    """A learner's file, or ``""`` if it is not a regular file of at most :data:`MAX_BYTES`."""
+    """A learner's file, or ``""`` if it is not a regular file of at most :data:`MAX_BYTES` (the grader's reader)."""
     try:
-        return path.read_text(errors="replace") if path.is_file() and path.stat().st_size <= MAX_BYTES else ""
-    except OSError:
+        return read_handed_in(path, MAX_BYTES).decode("utf-8", errors="replace")
+    except GradeError:
         return ""
 
 
