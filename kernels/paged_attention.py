@@ -25,7 +25,8 @@ Design, in the order the chapter builds it:
    ``HEAD_DIM_PAD`` lanes, the ones past ``head_dim`` masked off.
 3. **Online softmax in fp32.** A running max ``m``, running denominator ``l`` and
    unnormalised output ``acc`` are rescaled whenever a tile raises the max, so the
-   softmax never needs all scores at once.
+   softmax never needs all scores at once. One tile's step is :func:`attend_tile`,
+   which the prefill kernel calls too.
 4. **Split-KV (flash-decoding).** With few sequences and long contexts the grid
    above has too few programs to keep a GPU busy. A third grid axis cuts each
    sequence into ``num_splits`` ranges; each program writes its partial
@@ -119,6 +120,42 @@ def load_kv_tile(
 
 
 @triton.jit
+def attend_tile(q, k, v, visible, m_i, l_i, acc, scale):
+    """One tile's step of the online softmax, for every row of ``q`` at once: the state after the tile.
+
+    Shared by the decode and the prefill kernel: what their loops do with each tile they load. A row is one
+    query head of one query token; ``ROWS`` and ``TILE`` are powers of two of at least 16 (``tl.dot``'s).
+
+    Args:
+        q: ``[ROWS, HEAD_DIM_PAD]`` queries, fp32 if the caller's ``DOT_FP32`` is set (padding rows and lanes 0).
+        k, v: ``[TILE, HEAD_DIM_PAD]``, the tile's K and V rows from :func:`load_kv_tile`, in the same dtype
+            as ``q`` (masked positions hold 0).
+        visible: bool, ``[ROWS, TILE]`` or ``[1, TILE]`` for every row alike: which keys of the tile each row
+            attends to. An invisible key weighs exactly nothing, whatever its score.
+        m_i: ``[ROWS]`` fp32, each row's running max of its visible scores so far (``-inf`` before any).
+        l_i: ``[ROWS]`` fp32, each row's running sum of ``exp(score - m_i)``.
+        acc: ``[ROWS, HEAD_DIM_PAD]`` fp32, each row's running sum of ``exp(score - m_i) * v``.
+        scale: the softmax scale; a score is ``q · k * scale``.
+
+    Returns:
+        ``(m_i, l_i, acc)`` after the tile: ``acc / l_i`` is each row's attention over every key it has seen
+        visible so far. Both products (``q · Kᵀ`` and ``p · V``) are ``tl.dot``s with
+        ``input_precision="ieee"``. A row must see at least one key in the first tile its loop visits, or its
+        max stays ``-inf`` and ``-inf - (-inf)`` makes it NaN; after that, a tile it cannot see adds nothing.
+    """
+    ### BEGIN SOLUTION (Exercise 04, Task 4.1)
+    scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [ROWS, TILE], fp32
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp(m_i - m_new)  # rescales what was summed under the old max
+    p = tl.exp(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, l_i, acc
+    ### END SOLUTION
+
+
+@triton.jit
 def store_partials(
     part_m_ptr, part_l_ptr, part_acc_ptr, m_i, l_i, acc, seq, heads, row_ok, split, dims, dim_ok, num_heads,
     HEAD_DIM: tl.constexpr,
@@ -172,12 +209,11 @@ def _paged_decode_kernel(
     ``[GROUP_PAD, HEAD_DIM_PAD]`` query matrix (padding rows and lanes load 0 and are never stored), so that
     each K/V row it reads serves the whole group. The sequence's ``cdiv(seq_len, TILE)`` tiles of ``TILE``
     positions are shared out in runs of ``cdiv(cdiv(seq_len, TILE), NUM_SPLITS)`` whole tiles, one run per
-    split, in split order; a split may own none. Each tile's K and V come from :func:`load_kv_tile`, and both
-    of its products (the scores ``q · Kᵀ · scale`` and the weighted sum of V) are ``tl.dot``s with
-    ``input_precision="ieee"``. An online softmax in fp32 keeps, per row, a running max ``m``, a running sum
-    ``l`` of ``exp(score - m)`` and an unnormalised ``acc``, the sum of ``exp(score - m) * v``: after each
-    tile ``acc / l`` is the attention over the positions seen so far. Positions at or past the end of the
-    run are never read and weigh nothing.
+    split, in split order; a split may own none. Each tile's K and V come from :func:`load_kv_tile`, and
+    :func:`attend_tile` takes the tile into the online softmax's fp32 state, per row a running max ``m``, a
+    running sum ``l`` of ``exp(score - m)`` and an unnormalised ``acc``, the sum of ``exp(score - m) * v``:
+    after each tile ``acc / l`` is the attention over the positions seen so far. Positions at or past the
+    end of the run are never read and weigh nothing.
 
     With ``NUM_SPLITS == 1`` the program stores ``acc / l`` into ``out`` at the group's query heads, in
     ``out``'s dtype; otherwise :func:`store_partials` stores the run's ``(m, l, acc)``, with ``m = -inf``,
@@ -218,15 +254,8 @@ def _paged_decode_kernel(
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, valid, kv_head, dims, dim_ok, stride_kb, stride_kt,
             stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd, stride_btb, BLOCK_SIZE, DOT_FP32)
 
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [GROUP_PAD, TILE], fp32
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        # Every tile holds at least one valid token, so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)  # rescales what was summed under the old max
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+        # Every tile holds at least one valid token, so the state stays finite from the first tile on.
+        m_i, l_i, acc = attend_tile(q, k, v, valid[None, :], m_i, l_i, acc, scale)
 
     if NUM_SPLITS == 1:
         out = acc / l_i[:, None]
@@ -379,9 +408,9 @@ def launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits
         tile: tokens per loop step, a power of two >= 16 on a GPU.
 
     Raises:
-        PieceNotBuilt: the kernel's body is still exercise 04's stub (a learner's handout).
+        PieceNotBuilt: the kernel's body or :func:`attend_tile` is still exercise 04's stub (a learner's handout).
     """
-    todo = unbuilt(_paged_decode_kernel)  # a stub's raise cannot run inside a kernel: say it here, in one line
+    todo = unbuilt(attend_tile) or unbuilt(_paged_decode_kernel)  # a raise cannot run in a kernel: say it here
     if todo is not None:
         raise todo
     num_seqs, num_heads, head_dim = q.shape

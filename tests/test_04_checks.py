@@ -223,3 +223,68 @@ def test_count_dots_counts_each_tl_dot_and_needs_the_interpreter(monkeypatch):
     with pytest.raises(RuntimeError, match="interpreter"):
         with count_dots():
             pass
+
+
+# --------------------------------------------------------------------------- ch04.prefill_kernel: the learner's step
+# The prefill kernel is given; it runs the learner's attend_tile with the causal mask as `visible`.
+
+
+@triton.jit
+def _step_ignores_visible(q, k, v, visible, m_i, l_i, acc, scale):
+    scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(scores - m_new[:, None])
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+
+
+@triton.jit
+def _step_without_rescale(q, k, v, visible, m_i, l_i, acc, scale):
+    scores = tl.where(visible, tl.dot(q, tl.trans(k), input_precision="ieee") * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    p = tl.exp(scores - m_new[:, None])
+    return m_new, l_i + tl.sum(p, axis=1), acc + tl.dot(p, v, input_precision="ieee")
+
+
+@triton.jit
+def _step_masking_the_weights(q, k, v, visible, m_i, l_i, acc, scale):
+    """Right, another way: a finite floor for the max, and the weights of invisible keys set to 0 after exp."""
+    scores = tl.dot(q * scale, tl.trans(k), input_precision="ieee")
+    m_new = tl.maximum(m_i, tl.max(tl.where(visible, scores, -1.0e30), axis=1))
+    p = tl.where(visible, tl.exp(scores - m_new[:, None]), 0.0)
+    alpha = tl.exp(m_i - m_new)
+    return m_new, alpha * l_i + tl.sum(p, axis=1), alpha[:, None] * acc + tl.dot(p, v, input_precision="ieee")
+
+
+@triton.jit
+def _stub_step(q, k, v, visible, m_i, l_i, acc, scale):
+    # What a release leaves in the learner's attend_tile (minipaged.exercises.stub_source)
+    raise PieceNotBuilt('04', '4.1', 'attend_tile', 'kernels/paged_attention.py')
+
+
+def test_the_packages_step_passes(capsys):
+    from minipaged.kernels.paged_attention import attend_tile
+
+    assert ch04.check_prefill_kernel(attend_tile).status == PASS
+    assert capsys.readouterr().out.startswith("✅ PASS   ch04.prefill_kernel")
+
+
+def test_a_step_that_masks_the_weights_instead_of_the_scores_passes():
+    assert ch04.check_prefill_kernel(_step_masking_the_weights).status == PASS
+
+
+def test_a_step_that_ignores_visible_fails_naming_the_causal_mask():
+    result = ch04.check_prefill_kernel(_step_ignores_visible)
+    assert result.status == FAIL and "visible (the causal mask) was not applied" in result.message, result
+    assert "sequence 0 (27 new of 40 tokens), its query at position 13, query head 0" in result.message, result
+
+
+def test_a_step_without_the_rescale_fails_where():
+    result = ch04.check_prefill_kernel(_step_without_rescale)
+    assert result.status == FAIL and "where the float64 reference attends to keys 0.." in result.message, result
+    assert "visible" in result.hint
+
+
+def test_a_stubbed_step_is_not_implemented_yet():
+    result = ch04.check_prefill_kernel(_stub_step)
+    assert result.status == TODO and "attend_tile is not built yet: exercise 04, Task 4.1" in result.message, result

@@ -57,6 +57,9 @@ HINTS = {
 
 HEAD_DIM = 16
 TOL = {"atol": 1e-5, "rtol": 1e-4}
+PREFILL_HINT = ("attend_tile is the whole step for each row: the prefill kernel hands it the causal mask as visible, "
+                "one row per query token and head, and a key that a row may not see must weigh exactly 0 in that "
+                "row, whatever its score")
 
 # The mistakes of the final division, which the launcher's merge does when there are several splits.
 SINGLE_SPLIT = ("no_division", "divide_in_loop")
@@ -342,3 +345,95 @@ def emulate(case, paged, seq: int, head: int, *, kv_head: int | None = None, mis
     top = max(m for m, _, _ in parts)
     weights = [_exp(m - top) for m, _, _ in parts]
     return sum(w * acc for w, (_, _, acc) in zip(weights, parts)) / sum(w * l for w, (_, l, _) in zip(weights, parts))
+
+
+# --------------------------------------------------------------------------- ch04.prefill_kernel
+
+
+def prefill_case(case):
+    """The mixed batch of a prefill case: chunks, whole prompts and decode rows, on the CPU."""
+    return make_paged_case(case["seq_lens"], num_new_tokens=case["new_tokens"], block_size=case["block_size"],
+                           num_heads=case["num_heads"], num_kv_heads=case["num_kv_heads"], head_dim=HEAD_DIM,
+                           seed=case["seed"])  # fmt: skip
+
+
+def _prefill_label(c) -> str:
+    return (f"mixed batch seq_lens={c['seq_lens']}, new tokens={c['new_tokens']}, block_size={c['block_size']}, "
+            f"{c['num_heads']} query heads on {c['num_kv_heads']} KV heads")
+
+
+@check("ch04.prefill_kernel", hint=PREFILL_HINT, label=_prefill_label,
+       summary="{n} mixed batches (chunks, whole prompts, decode rows; MHA and GQA) in the prefill kernel")
+def check_prefill_kernel(case, step):
+    """The package's prefill kernel (``paged_prefill_attention``) with ``step`` as its ``attend_tile``, on a case.
+
+    ``step`` is the learner's ``@triton.jit`` ``attend_tile`` (a stub is reported as not implemented yet). ``case``
+    is ``{"seq_lens", "new_tokens", "block_size", "num_heads", "num_kv_heads", "seed"}``: each sequence's last
+    ``new_tokens`` positions are its queries, as in a chunked-prefill step. The observation is the output.
+    """
+    from minipaged.kernels import prefill_attention
+
+    todo = unbuilt(step)
+    if todo is not None:
+        raise todo
+    paged = prefill_case(case)
+    given = prefill_attention.attend_tile
+    prefill_attention.attend_tile = step  # the kernel looks its step up when it runs (interpreted) or compiles
+    try:
+        out = prefill_attention.paged_prefill_attention(*paged.prefill_args)
+    except Exception as exc:
+        todo = _not_implemented(exc)
+        if todo is not None:
+            raise todo from None
+        raise
+    finally:
+        prefill_attention.attend_tile = given
+    return out if isinstance(out, torch.Tensor) else repr(out)[:200]
+
+
+@check_prefill_kernel.judge
+def _judge_prefill(case, got, want):
+    out, expected = as_tensor(got), as_tensor(want)
+    if out is None:
+        raise CheckFailed(f"the prefill kernel returned {got}, expected a torch.Tensor")
+    if out.shape != expected.shape or out.dtype != expected.dtype:
+        raise CheckFailed(f"the prefill kernel returned a {out.dtype} tensor of shape {list(out.shape)}, expected "
+                          f"{expected.dtype} {list(expected.shape)} (q's shape and dtype)")  # fmt: skip
+    paged = prefill_case(case)
+    exact = paged.reference(dtype=torch.float64)
+    bad = ~torch.isclose(out.double(), exact, **TOL).all(dim=2)  # [num_tokens, num_heads]
+    if not bad.any():
+        return
+    token, head = (int(i) for i in bad.nonzero()[0])
+    starts = paged.query_start_loc.tolist()
+    seq = max(i for i in range(len(starts) - 1) if starts[i] <= token)
+    n, new = case["seq_lens"][seq], case["new_tokens"][seq]
+    position = n - new + token - starts[seq]
+    where = (f"sequence {seq} ({new} new of {n} tokens), its query at position {position}, query head {head}")
+    seen = _ignoring_visible(paged, case, seq, token - starts[seq], head)
+    if _matches(out[token, head].double(), seen):
+        raise CheckFailed(f"{where}: it weighed every position its query tile reads, the ones after {position} and the "
+                          "zeros past the tile's end too: visible (the causal mask) was not applied", PREFILL_HINT)
+    kind = "NaN" if out[token, head].isnan().any() else "a wrong value"
+    raise CheckFailed(f"{where}: {kind}, where the float64 reference attends to keys 0..{position}", PREFILL_HINT)
+
+
+def _ignoring_visible(paged, case, seq: int, query: int, head: int):
+    """The row a step that ignores ``visible`` gives in the package's prefill kernel (float64).
+
+    Query ``query`` of sequence ``seq``'s chunk sits in query tile ``query // BLOCK_Q``, whose loop reads keys up to
+    ``kv_end`` in tiles of ``KV_TILE``; the positions past ``kv_end`` load zeros (score 0, value 0).
+    """
+    from minipaged.kernels.prefill_attention import KV_TILE, query_tile
+
+    group = case["num_heads"] // case["num_kv_heads"]
+    block_q, _ = query_tile(group)
+    n, new = case["seq_lens"][seq], case["new_tokens"][seq]
+    kv_end = min(n, n - new + (query // block_q + 1) * block_q)
+    padded = math.ceil(kv_end / KV_TILE) * KV_TILE
+    k = torch.zeros(padded, HEAD_DIM, dtype=torch.float64)
+    v = torch.zeros_like(k)
+    k[:kv_end] = paged.keys[seq][:kv_end, head // group].double()
+    v[:kv_end] = paged.values[seq][:kv_end, head // group].double()
+    token = int(paged.query_start_loc[seq]) + query
+    return torch.softmax(k @ paged.q[token, head].double() * HEAD_DIM**-0.5, 0) @ v

@@ -50,4 +50,34 @@ def _hidden(rng):
     return [kernel_case, _engine_case(requests, num_splits=rng.choice([1, 2]))]
 
 
-SIDES = {"decode_kernel": Side(lambda: CASES, _hidden, reference)}
+def prefill_reference():
+    """The package's ``attend_tile``, the step its prefill kernel runs."""
+    from minipaged.kernels.paged_attention import attend_tile
+
+    return (attend_tile,)
+
+
+def _prefill_case(seq_lens, new_tokens, block_size, heads, seed):
+    return {"seq_lens": seq_lens, "new_tokens": new_tokens, "block_size": block_size, "num_heads": heads[0],
+            "num_kv_heads": heads[1], "seed": seed}
+
+
+# A chunk of 27 whose context ends mid-block, a decode row, a whole prompt of 40 (several key tiles of 32 and a
+# query tile); then a GQA group of 4, whose query tiles are 16 tokens.
+PREFILL_CASES = [
+    _prefill_case([40, 9, 40], [27, 1, 40], 8, (2, 2), seed=5),
+    _prefill_case([70, 33, 5], [20, 33, 2], 4, (8, 2), seed=6),
+]
+
+
+def _prefill_hidden(rng):
+    seq_lens = [rng.randrange(1, 80) for _ in range(3)]
+    new_tokens = [rng.randrange(1, n + 1) for n in seq_lens]
+    heads = rng.choice([(2, 2), (4, 2), (8, 2), (4, 1)])
+    return [_prefill_case(seq_lens, new_tokens, rng.choice([4, 8, 16]), heads, seed=rng.randrange(2**16))]
+
+
+SIDES = {
+    "decode_kernel": Side(lambda: CASES, _hidden, reference),
+    "prefill_kernel": Side(lambda: PREFILL_CASES, _prefill_hidden, prefill_reference),
+}
