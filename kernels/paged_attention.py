@@ -131,8 +131,10 @@ def attend_tile(q, k, v, visible, m_i, l_i, acc, scale):
         k, v: ``[TILE, HEAD_DIM_PAD]``, the tile's K and V rows from :func:`load_kv_tile`, in the same dtype
             as ``q`` (masked positions hold 0).
         visible: bool, ``[ROWS, TILE]`` or ``[1, TILE]`` for every row alike: which keys of the tile each row
-            attends to. An invisible key weighs exactly nothing, whatever its score.
-        m_i: ``[ROWS]`` fp32, each row's running max of its visible scores so far (``-inf`` before any).
+            attends to. An invisible key weighs exactly nothing in that row, whatever its score (where the tile
+            has no key, :func:`load_kv_tile` loaded zeros into ``k`` and ``v``).
+        m_i: ``[ROWS]`` fp32, each row's running max, which ``l_i`` and ``acc`` are relative to: the largest
+            visible score so far (``-inf`` before any), or any larger number that keeps ``exp`` in range.
         l_i: ``[ROWS]`` fp32, each row's running sum of ``exp(score - m_i)``.
         acc: ``[ROWS, HEAD_DIM_PAD]`` fp32, each row's running sum of ``exp(score - m_i) * v``.
         scale: the softmax scale; a score is ``q · k * scale``.
@@ -140,8 +142,10 @@ def attend_tile(q, k, v, visible, m_i, l_i, acc, scale):
     Returns:
         ``(m_i, l_i, acc)`` after the tile: ``acc / l_i`` is each row's attention over every key it has seen
         visible so far. Both products (``q · Kᵀ`` and ``p · V``) are ``tl.dot``s with
-        ``input_precision="ieee"``. A row must see at least one key in the first tile its loop visits, or its
-        max stays ``-inf`` and ``-inf - (-inf)`` makes it NaN; after that, a tile it cannot see adds nothing.
+        ``input_precision="ieee"``, and a ``tl.dot``'s operands share a dtype: the fp32 weights ``p`` go to
+        ``v``'s dtype (a no-op under ``DOT_FP32``; fp16 or bf16 into the tensor cores on a GPU). A row must see
+        at least one key in the first tile its loop visits, or its max stays ``-inf`` and ``-inf - (-inf)``
+        makes it NaN; after that, a tile it cannot see adds nothing.
     """
     ### BEGIN SOLUTION (Exercise 04, Task 4.1)
     scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [ROWS, TILE], fp32
@@ -171,7 +175,8 @@ def store_partials(
         seq, split: the program's sequence and split.
         heads: ``[GROUP_PAD]``, the query head of each row; ``row_ok`` the rows that are real (not padding).
         dims, dim_ok: the head-dim lanes and which of them are real.
-        num_heads: query heads in all.
+        num_heads: query heads in all: in the decode kernel, ``tl.num_programs(1) * GROUP`` (its grid's second
+            axis is the KV heads).
         HEAD_DIM: the real head dim (the workspace's last dimension).
         NUM_SPLITS: splits per (sequence, KV head).
     """

@@ -174,7 +174,8 @@ def stub_source(source: str, path: str, exercises: Collection[str] | None = None
     lines = source.splitlines()
     for hole in reversed(holes):  # the import stays with its raise: once both go, nothing unused is left behind
         lines[hole.start - 1 : hole.end] = [
-            f"{hole.indent}# Exercise {hole.exercise}, Task {hole.task}: your code here, in place of these two lines",
+            f"{hole.indent}# Exercise {hole.exercise}, Task {hole.task}: your code here, "
+            "in place of the two lines below",
             f"{hole.indent}from minipaged.pieces import PieceNotBuilt",
             f"{hole.indent}raise PieceNotBuilt({hole.exercise!r}, {hole.task!r}, {hole.piece!r}, {path!r})",
         ]
