@@ -12,8 +12,9 @@ Design, in the order the chapter builds it:
 1. **One program per (sequence, KV head).** With grouped-query attention the
    ``num_heads // num_kv_heads`` query heads of a group read the *same* K/V, so one
    program loads each K/V tile once and serves the whole group with ``tl.dot``.
-   ``tl.dot`` needs every dimension ≥ 16, so the group is padded to ``GROUP_PAD``
-   rows (padding rows hold zeros and are never stored).
+   The group is padded to ``GROUP_PAD`` >= 16 rows (padding rows hold zeros and are
+   never stored): a tensor-core instruction computes 16 rows or more anyway, and Triton
+   before PR #7451 refused a ``tl.dot`` with fewer.
 2. **Walk the sequence tile by tile.** A tile is ``KV_TILE`` tokens, independent of how
    the cache is paged: each token's physical block comes from the block table
    (``block_tables[seq, token // block_size]``), so with 16-token blocks one tile reads
