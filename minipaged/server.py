@@ -30,6 +30,8 @@ import json
 import threading
 import time
 import uuid
+import warnings
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -170,6 +172,7 @@ class EngineLoop:
                              registry=self.registry, buckets=LATENCY_BUCKETS)  # fmt: skip
         self._inbox: list[tuple[str, Job]] = []
         self._jobs: list[Job] = []
+        self._watchers: list = []
         self._wake = threading.Condition()
         self._stopped = False
         self._thread = threading.Thread(target=self.run, name="minipaged-engine", daemon=True) if thread else None
@@ -189,6 +192,16 @@ class EngineLoop:
             self._wake.notify()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
+
+    def watch(self, fn: Callable[[object], None]) -> Callable[[], None]:
+        """Call ``fn(engine)`` after every step, on the loop's thread, between two steps; returns the unsubscribe.
+
+        Between steps the engine's state is whole (no step is half done), so ``fn`` may read it, but it must not
+        change it, and it delays the next step by its own time. An ``fn`` that raises is unsubscribed, with a
+        warning: serving goes on.
+        """
+        self._watchers.append(fn)
+        return lambda: self._watchers.remove(fn) if fn in self._watchers else None
 
     def _send(self, kind: str, job: Job) -> None:
         with self._wake:
@@ -212,7 +225,17 @@ class EngineLoop:
                     engine.step()
                 except Exception as exc:  # the step was undone: fail what was running, keep serving
                     self._fail_running(exc)
+                self._notify_watchers(engine)
             self._deliver()
+
+    def _notify_watchers(self, engine) -> None:
+        for fn in list(self._watchers):
+            try:
+                fn(engine)
+            except Exception as exc:  # a watcher's fault never stops serving
+                self._watchers.remove(fn)
+                warnings.warn(f"engine watcher {fn!r} raised {type(exc).__name__}: {exc}; it is unsubscribed",
+                              RuntimeWarning, stacklevel=2)  # fmt: skip
 
     def _add(self, job: Job) -> None:
         try:

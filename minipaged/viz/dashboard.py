@@ -46,6 +46,7 @@ __all__ = [
     "engine_series",
     "preemption_events",
     "render_dashboard",
+    "timelines",
     "EngineDashboard",
 ]
 
@@ -255,7 +256,8 @@ def preemption_events(history) -> list[tuple[int, str]]:
     return [(i, "preempt") for i, r in enumerate(history) if _field(r, "preemptions") > 0]
 
 
-def _timelines(history, step: int, extra_events=()) -> tuple[str, str]:
+def timelines(history, step: int, extra_events=()) -> tuple[str, str]:
+    """The dashboard's two timelines (pool fractions, sequence counts) of step records, marked at ``step``."""
     fractions, counts = engine_series(history)
     events = sorted(preemption_events(history) + list(extra_events), key=lambda e: e[0])
     cache = render_timeline(
@@ -268,7 +270,7 @@ def _timelines(history, step: int, extra_events=()) -> tuple[str, str]:
 
 def render_dashboard(snapshot: EngineSnapshot, history, *, columns: int | None = None, title: str = "engine") -> str:
     """The whole dashboard as one static HTML string: queues, block map and both timelines."""
-    cache, load = _timelines(history, snapshot.step)
+    cache, load = timelines(history, snapshot.step)
     return (
         f'<div class="minipaged-dashboard-static"><p><b>{escape(title)}</b></p>'
         f"{render_queues(snapshot)}<br/>{render_block_map(snapshot.pool, columns=columns)}<br/>{cache}<br/>{load}</div>"
@@ -316,7 +318,7 @@ class EngineDashboard(BlockMapView):
         snap = self.engine_snapshot()
         history = self.sim.engine.metrics.history
         others = [e for e in self.events if e[1] != "preempt"]  # preemptions come from the step records
-        cache, load = _timelines(history, snap.step, others)
+        cache, load = timelines(history, snap.step, others)
         return {
             "queues": render_queues(snap),
             "map": render_block_map(self.with_marks(snap.pool), columns=self._columns),
