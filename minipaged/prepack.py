@@ -2,16 +2,20 @@
 
 On a CPU a decode step is mostly matmuls of a few rows (one per sequence) against big weights:
 reading the weights is the cost. Two things make that read cheaper, both done once, when the model
-is loaded, and both what vLLM's CPU build does (``vllm/model_executor/layers/utils.py``,
-``dispatch_cpu_unquantized_gemm``):
+is loaded, and both what vLLM does on a CPU:
 
 - **Fused projections.** Q, K and V are three matmuls of the same input, gate and up two. Their
   weights stacked into one (``[q; k; v]``) make one matmul, whose output is split again: one call and
-  one pass over the input instead of three.
+  one pass over the input instead of three. vLLM's models are written that way
+  (``vllm/model_executor/models/llama.py``: ``qkv_proj`` is one ``QKVParallelLinear``, ``gate_up_proj``
+  one ``MergedColumnParallelLinear``, and ``load_weights`` stacks the checkpoint's weights into them).
 - **Prepacked weights.** oneDNN, PyTorch's CPU kernel library, reorders a weight into the blocked
-  layout its matmul reads fastest (``torch.ops.mkldnn._reorder_linear_weight``), once; each call then
-  runs ``torch.ops.mkldnn._linear_pointwise`` on it. ``torch.nn.functional.linear`` reorders nothing
-  and, for a float32 weight, was measured about 3 times slower on a decode step's shapes.
+  layout its matmul reads fastest (``torch.ops.mkldnn._reorder_linear_weight``), once, and each call
+  here then runs ``torch.ops.mkldnn._linear_pointwise`` on it. vLLM's CPU build prepares a oneDNN
+  matmul per linear layer after loading, with a binding of its own
+  (``vllm/model_executor/layers/utils.py``, ``dispatch_cpu_unquantized_gemm``, which stacks nothing).
+  ``torch.nn.functional.linear`` reorders nothing and, for a float32 weight, was measured about 3 times
+  slower on a decode step's shapes.
 
 :func:`prepack` changes the model in place and keeps everything else as it was: the parameters
 and their Hugging Face names (``state_dict``, :func:`~minipaged.checkpoint.save_pretrained`), the
