@@ -79,12 +79,11 @@ def test_the_monitor_records_the_pool_filling_and_draining_then_replays_it(serve
     used = [sum(1 for c in snap.pool.refcounts if c) for snap, _ in monitor.frames]
     running = [len(snap.running) for snap, _ in monitor.frames]
     assert max(running) >= 2 and max(used) > 0 and used[-1] == 0  # concurrent requests, and every block back
-    assert monitor.slider.value == monitor.slider.max == len(monitor.frames) - 1  # the replay starts at the end
+    assert monitor.slider.value == 0 and monitor.slider.max == len(monitor.frames) - 1  # the replay starts over
     busiest = monitor.busiest()
     assert used[busiest] == max(used)
-    monitor.slider.value = 0
     first = monitor.panels["map"].value
-    assert monitor.step() and monitor.slider.value == 1 and "replay, frame 2 of" in monitor.status.value
+    assert monitor.step() and monitor.slider.value == 1 and "replay, frame 1 of 0–" in monitor.status.value
     monitor.slider.value = busiest
     assert monitor.panels["map"].value != first and 'data-step' in monitor.panels["map"].value
     monitor.slider.value = monitor.slider.max

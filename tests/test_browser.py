@@ -588,3 +588,34 @@ def test_ch07_planner_follows_its_controls(lab, page):
     assert not no_tracebacks_in(page, PLANNER), "a planner callback raised"
     assert not page.js_errors, f"JavaScript errors on the page: {page.js_errors}"
     screenshot(page, page.locator(PLANNER).first, "ch07.png")
+
+
+CH08 = "notebooks/08_beyond.ipynb"
+MONITOR = ".minipaged-server-monitor"
+
+
+def test_ch08_server_monitor_watches_then_replays(lab, page):
+    """The served engine's monitor: live while the notebook's clients run, then Step and Play replay the run."""
+    require_notebook(CH08, "ServerMonitor")
+    copy = lab.root / CH08
+    original = copy.read_bytes()
+    svg = f"{MONITOR} svg.minipaged-blockmap"
+    open_and_run_all(page, lab, CH08, svg, timeout_ms=120_000)
+    step_button = page.locator(f"{MONITOR} .minipaged-step").first
+    page.wait_for_function("(sel) => { const b = document.querySelector(sel); return b && !b.disabled; }",
+                           arg=f"{MONITOR} .minipaged-step", timeout=120_000)  # fmt: skip
+    view = page.locator(MONITOR).first
+    view.scroll_into_view_if_needed()
+    first = svg_state(page, svg)
+    step_button.click()
+    stepped = wait_for_change(page, svg, first, first["step"] + 1)
+    assert stepped["step"] == first["step"] + 1
+    page.locator(f"{MONITOR} .minipaged-play button:has(i.fa-play)").first.click()
+    played = wait_for_change(page, svg, stepped, stepped["step"] + 8)
+    page.locator(f"{MONITOR} .minipaged-play button:has(i.fa-pause)").first.click()
+    assert played["cells"] != first["cells"], "Play advanced data-step but the pool never changed"
+    screenshot(page, view, "ch08_monitor.png")
+    errors = no_tracebacks_in(page, MONITOR)
+    assert not errors, f"a widget callback raised: {errors}"
+    assert not page.js_errors, f"JavaScript errors on the page: {page.js_errors}"
+    assert copy.read_bytes() == original, f"the browser session saved {CH08}: autosave must stay off"

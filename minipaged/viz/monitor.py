@@ -6,8 +6,8 @@ two steps (so the state it copies is whole), it records a frame: an
 :class:`~minipaged.viz.dashboard.EngineSnapshot` (queues, pool, block tables) and the step's
 :class:`~minipaged.metrics.StepRecord`. While it watches, the widget shows the newest frame a few
 times a second: requests queue, blocks fill the pool, and drain as clients finish or leave. After
-:meth:`ServerMonitor.stop`, the recorded frames replay under the course's usual controls (Step,
-Play/Pause, ms/step, and a slider over the frames). ``static()`` is one frame as plain HTML, for a
+:meth:`ServerMonitor.stop`, the recorded frames replay from the first under the course's usual controls
+(Step, Play/Pause, and a slider over the frames). ``static()`` is one frame as plain HTML, for a
 notebook read without a kernel.
 
 In a notebook::
@@ -70,10 +70,12 @@ class ServerMonitor:
         widgets.jslink((self.play, "value"), (self.slider, "value"))
         self.step_button.add_class("minipaged-step")
         self.play.add_class("minipaged-play")
-        self.slider.observe(lambda change: self.show(change["new"]), names="value")
-        self.step_button.on_click(lambda _b: self.step())
+        self.out = widgets.Output()  # a callback's traceback shows here, under the panels
+        capture = self.out.capture()
+        self.slider.observe(capture(lambda change: self.show(change["new"])), names="value")
+        self.step_button.on_click(capture(lambda _b: self.step()))
         controls = widgets.HBox([self.step_button, self.play, self.slider])
-        self.widget = widgets.VBox([controls, self.status, *(self.panels[n] for n in self.PANELS)],
+        self.widget = widgets.VBox([controls, self.status, *(self.panels[n] for n in self.PANELS), self.out],
                                    layout=widgets.Layout(width="100%"))  # fmt: skip
         self.widget.add_class(self.CSS_CLASS)
         self._set_live(True)
@@ -102,15 +104,14 @@ class ServerMonitor:
         return not self._stop.is_set()
 
     def stop(self) -> None:
-        """Stop recording; the frames so far replay under Step, Play and the slider, from the last one."""
+        """Stop recording; the frames so far replay under Step, Play and the slider, from the first."""
         self._unwatch()
         self._stop.set()
         self._thread.join()
-        last = max(len(self.frames) - 1, 0)
-        self.slider.max = self.play.max = last
+        self.slider.max = self.play.max = max(len(self.frames) - 1, 0)
         self._set_live(False)
-        self.slider.value = self.play.value = last
-        self.show(last)
+        self.slider.value = self.play.value = 0
+        self.show(0)
 
     def _set_live(self, live: bool) -> None:
         for control in (self.step_button, self.play, self.slider):
@@ -145,7 +146,7 @@ class ServerMonitor:
 
     def _status(self, index: int) -> str:
         snap = self.frames[index][0]
-        state = "watching the server" if self.live else f"replay, frame {index + 1} of {len(self.frames)}"
+        state = "watching the server" if self.live else f"replay, frame {index} of 0–{len(self.frames) - 1}"
         return (f"{state} · step {snap.step} · t = {snap.time:.2f} s · {len(snap.running)} running, "
                 f"{len(snap.waiting)} waiting · {_used(snap)} of {snap.pool.num_blocks} blocks in use · "
                 f"{snap.num_finished} finished · {snap.num_preemptions} preemptions")  # fmt: skip
