@@ -519,8 +519,8 @@ def saving_grid(model: ModelSpec | str, presets: Sequence[str | WorkloadPreset],
                 block_size: int = 16, max_len: int = 2048, dtype=None, seed: int = 0) -> list[SavingRow]:
     """KV bytes of one batch under fixed reservation vs paging, per length preset and batch size.
 
-    Each batch is ``batch_size`` fresh lengths (seeded). The block table is
-    left out here, as in the claim being tested.
+    Each batch is ``batch_size`` fresh lengths, drawn with a seed of its own, so that no two batches
+    share lengths. The block table is left out here, as in the claim being tested.
 
     Args:
         model: a ``ModelSpec`` or a name in ``MODEL_PRESETS``.
@@ -529,16 +529,17 @@ def saving_grid(model: ModelSpec | str, presets: Sequence[str | WorkloadPreset],
         block_size: B, tokens per block.
         max_len: the reservation per sequence; sampled lengths are cut off there.
         dtype: bytes per number (default: the model's own).
-        seed: the seed of every batch's lengths.
+        seed: the seed of the first batch size's lengths; the k-th batch size (from 0) draws with ``seed + k``.
     """
     B = check_int(block_size, "block_size", minimum=1)
+    seed = check_int(seed, "seed")
     slot = kv_bytes_per_token(model, dtype)
     rows = []
     for preset in presets:
         preset = get_length_preset(preset)
         exp = expected_saving(preset, B, max_len)
-        for bs in batch_sizes:
-            lengths = sample_lengths(preset, check_int(bs, "batch_size", minimum=1), max_len, seed)
+        for k, bs in enumerate(batch_sizes):
+            lengths = sample_lengths(preset, check_int(bs, "batch_size", minimum=1), max_len, seed + k)
             rows.append(SavingRow(preset.name, int(bs), fixed_slots(lengths, max_len) * slot,
                                   paged_slots(lengths, B) * slot, exp))
     return rows

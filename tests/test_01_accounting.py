@@ -284,6 +284,13 @@ def test_saving_depends_on_distribution_not_batch_size():
             assert abs(r.saving - expected[name]) < 0.05, (name, r)
 
 
+def test_saving_grid_draws_every_batch_afresh():
+    # two batches are two draws, not one seed twice (with one seed, a batch's prompts began every larger batch's)
+    rows = acc.saving_grid("Llama-2-7B", ["uniform"], [64, 64], seed=0)
+    assert rows[0].paged_bytes != rows[1].paged_bytes
+    assert rows[0].paged_bytes == acc.saving_grid("Llama-2-7B", ["uniform"], [64], seed=0)[0].paged_bytes  # seeded
+
+
 def test_expected_saving_matches_formula_for_a_constant_length():
     const = wl.WorkloadPreset("880", wl.Constant(800), wl.Constant(80))
     # 880 tokens in 2048: A_16 = 880, saving = 1 - 880/2048 = 57.0%
