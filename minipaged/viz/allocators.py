@@ -75,9 +75,9 @@ def plot_block_size_sweep(sweep: Mapping[int, Mapping[str, float]], title: str =
     right.set_yscale("log", base=2)
     right.set_xticks(sizes, [str(b) for b in sizes])
     right.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))  # 4,096, not 2^12
-    style.axes(left, "block size B (tokens)", "tail waste, all running sequences (slots)",
+    style.axes(left, "block size B (tokens)", "tail waste (slots)\nof all running sequences",
                title="tail waste grows with B (linear axes)")
-    style.axes(right, "block size B (tokens)", "block tables, all running sequences (bytes)",
+    style.axes(right, "block size B (tokens)", "block tables (bytes)\nof all running sequences",
                title="block tables shrink as 1/B (log axes)")
     if title:
         fig.suptitle(title)
