@@ -340,6 +340,32 @@ def test_static_link_lines_are_visible_in_every_sequence_colour():
         assert _contrast(seen, "#ffffff") >= 1.8, color
 
 
+def test_block_map_draws_its_links_beneath_every_block_so_no_line_covers_an_id():
+    # SVG paints in document order: the links come first, and the blocks they cross are opaque
+    alloc, tables = example()
+    root = parse(render_block_map(PoolSnapshot.from_allocator(alloc, tables)))
+    order = list(root.iter())
+    first_link = order.index(find_class(root, "links", "g")[0])
+    blocks = find_class(root, "lblock", "g") + find_class(root, "cell", "g")
+    assert blocks and all(order.index(g) > first_link for g in blocks)
+    for g in blocks:
+        box = next(r for r in g if r.tag == NS + "rect")
+        assert box.get("fill").startswith("#") and box.get("fill-opacity") is None and box.get("opacity") is None
+
+
+@pytest.mark.parametrize("lengths", [[], [3], [9, 3]])
+def test_block_map_column_titles_never_overlap(lengths):
+    # the pool's title starts past the end of the tables' title, however short the tables are (or none)
+    alloc = BlockAllocator(32, 8)
+    tables = {}
+    for i, n in enumerate(lengths):
+        tables[i] = BlockTable(alloc, i)
+        tables[i].append_tokens(n)
+    texts = list(parse(render_block_map(PoolSnapshot.from_allocator(alloc, tables))).iter(NS + "text"))
+    left, right = (next(t for t in texts if (t.text or "").startswith(head)) for head in ("block tables", "physical"))
+    assert float(right.get("x")) >= float(left.get("x")) + 0.62 * float(left.get("font-size")) * len(left.text)
+
+
 def test_block_map_logical_tail_block_is_partly_filled():
     alloc, tables = example()
     root = parse(render_block_map(PoolSnapshot.from_allocator(alloc, tables)))

@@ -42,6 +42,8 @@ def test_block_size_sweep_uses_two_panels_one_unit_each():
     fig = va.plot_block_size_sweep(sweep)
     left, right = fig.axes
     assert "slots" in left.get_ylabel() and "bytes" in right.get_ylabel()
+    # each is a total over the running sequences, not a per-sequence figure: the axes say so
+    assert all("all running sequences" in ax.get_ylabel() for ax in (left, right))
     np.testing.assert_array_equal(left.lines[0].get_ydata(), [0.0, 80.0])
     np.testing.assert_array_equal(right.lines[0].get_ydata(), [800.0, 50.0])
 

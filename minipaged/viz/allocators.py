@@ -52,14 +52,16 @@ def plot_history(sim: TraceSimulator, title: str = "") -> Figure:
 
 @style.styled
 def plot_block_size_sweep(sweep: Mapping[int, Mapping[str, float]], title: str = "") -> Figure:
-    """Two panels against the block size B: mean tail waste (slots) and mean block-table size (bytes).
+    """Two panels against the block size B: tail waste (slots) and block-table size (bytes), each summed
+    over the sequences running at a step and averaged over the steps.
 
     Separate panels, because slots and bytes are different units. Each panel's axes make its law a straight
     line: the tail waste grows in proportion to B, so its axes are linear; the tables shrink as 1/B, so
     theirs are both logarithmic (a slope of −1).
 
     Args:
-        sweep: block size -> ``{"tail waste": mean slots, "table bytes": mean bytes, ...}``.
+        sweep: block size -> ``{"tail waste": slots, "table bytes": bytes, ...}``, each the total over the
+            running sequences, averaged over the steps.
         title: the figure's title.
     """
     sizes = sorted(sweep)
@@ -73,8 +75,9 @@ def plot_block_size_sweep(sweep: Mapping[int, Mapping[str, float]], title: str =
     right.set_yscale("log", base=2)
     right.set_xticks(sizes, [str(b) for b in sizes])
     right.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))  # 4,096, not 2^12
-    style.axes(left, "block size B (tokens)", "mean tail waste (slots)", title="tail waste grows with B (linear axes)")
-    style.axes(right, "block size B (tokens)", "mean block-table size (bytes)",
+    style.axes(left, "block size B (tokens)", "tail waste (slots)\nof all running sequences",
+               title="tail waste grows with B (linear axes)")
+    style.axes(right, "block size B (tokens)", "block tables (bytes)\nof all running sequences",
                title="block tables shrink as 1/B (log axes)")
     if title:
         fig.suptitle(title)

@@ -372,12 +372,15 @@ def render_pool(snapshot: PoolSnapshot, *, columns: int | None = None, show_refc
 
 
 def _hover_style(seq_ids) -> str:
-    """CSS that brings one sequence's links forward while the pointer is on its row (live views only)."""
+    """CSS that brings one sequence's links forward while the pointer is on its row (live views only).
+
+    The links are drawn before the rows (beneath them), so the rule finds them from the picture's root.
+    """
     rules = [".minipaged-blockmap .seq{cursor:default}"]
     for seq_id in seq_ids:
         sid = str(seq_id)
         if sid.replace("-", "").replace("_", "").isalnum():  # ids that need no CSS escaping
-            rules.append(f'.minipaged-blockmap .seq[data-seq="{sid}"]:hover~.links .link[data-seq="{sid}"]'
+            rules.append(f'.minipaged-blockmap:has(.seq[data-seq="{sid}"]:hover) .link[data-seq="{sid}"]'
                          "{stroke-opacity:1;stroke-width:2.5}")
     return "<style>" + "".join(rules) + "</style>"
 
@@ -400,6 +403,14 @@ class _MapLayout:
     top: int = 48
 
 
+TABLES_HEAD, POOL_HEAD = "block tables (logical → physical)", "physical pool (block id, fill, ×refcount)"
+
+
+def text_width(text: str, font_size: float) -> float:
+    """An upper bound of ``text``'s width in px in the pictures' monospace font (0.62 em a character)."""
+    return 0.62 * font_size * len(text)
+
+
 def _map_layout(snap: PoolSnapshot, columns: int | None, max_rows: int) -> _MapLayout:
     cols = _grid_columns(snap.num_blocks, columns)
     pool_rows = max(1, math.ceil(snap.num_blocks / cols))
@@ -410,7 +421,7 @@ def _map_layout(snap: PoolSnapshot, columns: int | None, max_rows: int) -> _MapL
     pitch = min(25.0, max(9.0, 400 / max(longest, 1)))
     lcell, lgap, label_w, row_h, top = pitch - 3, 3, 78, 28, 48
     logical_w = label_w + max(longest, 1) * (lcell + lgap)
-    pool_x0 = logical_w + 70
+    pool_x0 = max(logical_w + 70, 8 + text_width(TABLES_HEAD, 10) + 20)  # never under the left column's title
     pool_w = cols * (CELL + GAP) - GAP
     prefix = bool(snap.cached or snap.marks)
     width = max(pool_x0 + max(pool_w, 270) + 10, 780 if prefix else 660)  # room for the caption and legend
@@ -432,9 +443,8 @@ def _map_head(snap: PoolSnapshot, lay: _MapLayout) -> list[str]:
             f' data-used="{snap.num_used}" data-seqs="{len(snap.tables)}"',
         ),
         f'<text class="caption" x="8" y="16" font-size="12" fill="{TEXT_COLOR}">{escape(caption)}</text>',
-        '<text x="8" y="32" font-size="10" fill="#666">block tables (logical → physical)</text>',
-        f'<text x="{fmt(lay.pool_x0)}" y="32" font-size="10" fill="#666">'
-        "physical pool (block id, fill, ×refcount)</text>",
+        f'<text class="head" x="8" y="32" font-size="10" fill="#666">{TABLES_HEAD}</text>',
+        f'<text class="head" x="{fmt(lay.pool_x0)}" y="32" font-size="10" fill="#666">{POOL_HEAD}</text>',
         _hover_style(lay.shown),
     ]
     if lay.longest and lay.lcell >= 14:  # the logical indices, once, above the rows
@@ -533,9 +543,10 @@ def render_block_map(
             f'<text class="more" x="8" y="{fmt(y + 15)}" font-size="10" fill="#666">'
             f"… and {len(lay.hidden)} more sequences</text>"
         )
-    parts += logical
-    # Links run beneath the pool cells; hovering a row (live views) brings its links forward.
+    # Links run beneath the logical blocks and the pool cells, which are opaque: a line that crosses a
+    # block never covers its id. Hovering a row (live views) brings its links forward.
     parts.append('<g class="links">' + "".join(links) + "</g>")
+    parts += logical
     parts += _pool_cells(snap, lay.cols, lay.pool_x0, lay.top, show_refcount)
     parts += _legend(8, lay.height - 8 - LEGEND_LINE * len(MAP_NOTES), snap, MAP_NOTES)
     parts.append("</svg>")
