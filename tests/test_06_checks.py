@@ -70,6 +70,15 @@ def keys_with_partial_block(token_ids, block_size, cache_salt=None, hash_fn=sha2
     return keys
 
 
+def keys_empty_salt_is_a_salt(token_ids, block_size, cache_salt=None, hash_fn=sha256):  # "" is no salt
+    keys, parent = [], None
+    for i in range(len(token_ids) // block_size):
+        extra = (cache_salt,) if i == 0 and cache_salt is not None else ()
+        parent = hash_block_tokens(parent, block_tokens(token_ids, i, block_size), extra, hash_fn)
+        keys.append(parent)
+    return keys
+
+
 def keys_salt_everywhere(token_ids, block_size, cache_salt=None, hash_fn=sha256):  # harmless for hits, not the key
     keys, parent = [], None
     for i in range(len(token_ids) // block_size):
@@ -527,6 +536,7 @@ class TodoTable(BlockTable):
         (ch06.check_block_keys, keys_without_parent, FAIL),
         (ch06.check_block_keys, keys_with_partial_block, FAIL),
         (ch06.check_block_keys, keys_salt_everywhere, FAIL),
+        (ch06.check_block_keys, keys_empty_salt_is_a_salt, FAIL),
         (ch06.check_block_keys, chapter_naive_keys, FAIL),
         (ch06.check_block_keys, todo, TODO),
         (ch06.check_prefix_cache, PrefixCachingAllocator, PASS),
@@ -622,6 +632,8 @@ def test_block_keys_failures_name_the_mistake(capsys):
     assert "parent" in ch06.check_block_keys(keys_without_parent).message
     assert "partly filled" in ch06.check_block_keys(keys_with_partial_block).message
     assert "the hash_fn given" in ch06.check_block_keys(keys_own_hash).message
+    assert "an empty salt is no salt" in ch06.check_block_keys(keys_empty_salt_is_a_salt).message
+    assert "block 0's only extra key" in ch06.check_block_keys(keys_salt_everywhere).message
 
 
 class RaisesOnMatch(OtherPrefixCache):

@@ -63,6 +63,14 @@ def test_marks_put_a_letter_on_the_cell_and_count_in_the_caption():
     assert "2 hit" in caption and "1 cow" in caption and "1 evict" in caption and "2 shared" in caption
 
 
+def test_captions_count_shared_blocks_once():
+    alloc, tables, spare = shared_prefix()
+    snap = PoolSnapshot.from_allocator(alloc, tables, cached={0, 1, spare}, marks={0: "hit"})
+    for svg in (render_pool(snap), render_block_map(snap)):
+        caption = ET.fromstring(svg).find(f"{NS}text").text
+        assert caption.count("shared") == 1 and "2 shared" in caption, caption
+
+
 def test_without_prefix_state_the_picture_is_the_chapter_02_one():
     alloc, tables, _ = shared_prefix()
     plain = render_block_map(PoolSnapshot.from_allocator(alloc, tables))

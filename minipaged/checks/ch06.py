@@ -236,6 +236,9 @@ def _judge_keys(case, got, want):
             if type(g) is list and len(g) == 3 and g[0] != w[0]:
                 raise CheckFailed(f"key {i} was hashed with parent {g[0]!r}, expected the key of block {i - 1} "
                                   "(block 0's parent is None)")
+            if type(g) is list and len(g) == 3 and g[2] != w[2]:
+                raise CheckFailed(f"key {i} has the extra keys {g[2]!r}, expected {w[2]!r}: the salt is block 0's "
+                                  "only extra key, and an empty salt is no salt")
             raise CheckFailed(f"key {i} is {g!r}, expected {w!r}")
 
 

@@ -334,12 +334,16 @@ MAP_NOTES = (
 )
 
 
-def _prefix_caption(snap: PoolSnapshot) -> str:
-    """The chapter 06 part of a caption: cached blocks and this step's marks (empty without prefix caching)."""
+def _prefix_caption(snap: PoolSnapshot, shared: bool = True) -> str:
+    """The chapter 06 part of a caption: cached blocks and this step's marks (empty without prefix caching).
+
+    ``shared`` adds the count of shared blocks; the pool's caption, which always has it, passes False.
+    """
     if not snap.cached and not snap.marks:
         return ""
     counts = {kind: sum(1 for k in snap.marks.values() if k == kind) for kind in MARKS}
-    return (f", {snap.num_shared} shared, {len(snap.cached)} cached ({snap.num_cached_free} free)"
+    return ((f", {snap.num_shared} shared" if shared else "")
+            + f", {len(snap.cached)} cached ({snap.num_cached_free} free)"
             + "".join(f", {n} {kind}" for kind, n in counts.items() if n))
 
 
@@ -359,7 +363,7 @@ def render_pool(snapshot: PoolSnapshot, *, columns: int | None = None, show_refc
     height = y0 + rows * (CELL + GAP) - GAP + 28 + LEGEND_LINE * len(POOL_NOTES)
     head = (
         f"pool: {snap.num_used}/{snap.num_blocks} blocks used, {snap.num_shared} shared, "
-        f"block_size {snap.block_size}{_prefix_caption(snap)}"
+        f"block_size {snap.block_size}{_prefix_caption(snap, shared=False)}"
     )
     parts = [
         svg_open("minipaged-pool", width, height, snap.step, f' data-used="{snap.num_used}"'),

@@ -31,6 +31,7 @@ def _keys_cases():
     cases = [{"name": name, "prompt": p, "block_size": 4, "cache_salt": None} for name, p in PROMPTS.items()]
     cases += [{"name": "a", "prompt": PROMPTS["a"], "block_size": 8, "cache_salt": None},
               {"name": "a", "prompt": PROMPTS["a"], "block_size": 4, "cache_salt": "tenant-1"},
+              {"name": "a", "prompt": PROMPTS["a"], "block_size": 4, "cache_salt": ""},  # an empty salt is no salt
               {"name": "empty", "prompt": [], "block_size": 4, "cache_salt": None}]
     return cases + [{"pair": [PROMPTS["a"], PROMPTS["c"]]}]
 
