@@ -10,6 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+import torch
 
 from minipaged import tradeoffs as T
 
@@ -60,3 +61,23 @@ def test_engine_rows_regenerate(record):
     contiguous = next(a for a in T.ABLATIONS if a.name == "contiguous")
     assert T.run_engine(model, T.ablation_config(contiguous, workload), workload, prompts) == \
         record["ablations"]["contiguous"]
+
+
+def test_every_ablation_changes_the_run(record):
+    """An ablation that runs the baseline's schedule on the virtual clock measures nothing (issue 42)."""
+    runs = record["ablations"]
+    assert [name for name, run in runs.items() if name != "baseline" and run == runs["baseline"]] == []
+
+
+def test_wall_tables_have_no_column_of_dashes(record):
+    """A column the run could not measure (the GPU's time on a machine without one) is left out, not dashed."""
+    for title, headers, rows in record["wall"].values():
+        for i, header in enumerate(headers):
+            assert any(row[i] != "-" for row in rows), f"{title}: column {header!r} is all '-'"
+
+
+def test_attention_rows_measure_the_gpu_only_on_a_gpu():
+    from minipaged.bench.sweep import attention_rows
+
+    (row,) = attention_rows((16,), [40, 70], repeats=1)
+    assert len(row) == 6 + torch.cuda.is_available()
