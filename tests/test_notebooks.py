@@ -59,3 +59,23 @@ def test_chapter_has_a_figure(path):
     nb = nbformat.read(path, as_version=4)
     mimes = {m for c in nb.cells if c.cell_type == "code" for o in c.outputs for m in o.get("data", {})}
     assert mimes & {"image/png", "image/svg+xml", "text/html"}, "a picture says more than a table"
+
+
+# A kernel a chapter writes in the open is the lesson itself, printed whole as the Triton tutorials print theirs.
+WHOLE = {("04_triton_kernel.ipynb", "pf._paged_prefill_kernel")}
+LONGEST_DUMP = 50  # the package's longest function (tests/test_size_targets.py), without its long docstring
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=ids)
+def test_a_printed_source_is_the_lines_the_argument_needs(path):
+    """No show_source dump longer than LONGEST_DUMP lines (docstring=False keeps a long docstring's first line)."""
+    long = []
+    for cell in nbformat.read(path, as_version=4).cells:
+        if cell.cell_type != "code" or "show_source" not in cell.source:
+            continue
+        targets = re.findall(r"show_source\(([\w.]+)", cell.source)
+        for out in cell.get("outputs", []):
+            text = out.get("data", {}).get("text/markdown", "")
+            if text.count("\n") > LONGEST_DUMP and not any((path.name, t) in WHOLE for t in targets):
+                long.append(f"{targets}: {text.count(chr(10))} lines")
+    assert not long, f"{path.name} prints long sources: {long}"
