@@ -190,6 +190,33 @@ def engine_table(runs: dict, recompute: dict | None = None) -> str:
     return format_table(headers, rows)
 
 
+def wall_tables(block_sizes, repeats: int, engine_repeats: int, device: str) -> dict:
+    """The wall-clock half, printed as it runs: attention, swap against recompute, the engine, the ablations."""
+    wall = {}
+    seq_lens = [r.num_prompt_tokens + r.num_output_tokens for r in T.regime_trace("sharegpt_like")[:32]]
+    wall["attention"] = (
+        f"attention, one decode step of {len(seq_lens)} ShareGPT-like sequences ({sum(seq_lens)} context tokens, "
+        "8 heads x 64, fp32), wall clock" + ("" if device == "cuda" else "; no GPU in this run, so no GPU time"),
+        ["B", "torch CPU ms", "vs B=16", "Triton programs", "loop steps", "block-table reads",
+         *(["GPU us"] if device == "cuda" else [])],
+        attention_rows(block_sizes, seq_lens, repeats))
+    wall["swap"] = ("swap vs recompute of one preempted 256-token sequence (course-size model, CPU), wall clock",
+                    ["B", "swap out+in ms", "recompute ms", "recompute / swap"],
+                    swap_recompute_rows(block_sizes, 256, repeats))
+    wall["engine"] = ("engine per block size, sharegpt_like, wall clock",
+                      ["B", "tok/s", "vs B=16", "TTFT p99 ms", "TPOT p99 ms"],
+                      engine_wall_rows(block_sizes, engine_repeats))
+    wall["ablations"] = ("ablations, sharegpt_like, wall clock (ratios against the baseline of this run)",
+                         ["setting", "tok/s", "tok/s vs base", "TTFT p99 vs base", "TPOT p99 vs base", "preempt"],
+                         ablation_wall_rows(engine_repeats))
+    for title, headers, rows in wall.values():
+        print(f"\n{title}\n{format_table(headers, rows)}")
+        if title.startswith("attention") and device == "cpu":
+            print("GPU time: skipped, no CUDA device (the Triton interpreter's time says nothing about a GPU; "
+                  "the program and loop-step counts are the proxy)")
+    return wall
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m minipaged.bench sweep", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"block sizes {QUICK_BLOCK_SIZES} only")
@@ -206,29 +233,7 @@ def main(argv: list[str]) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"block sizes {list(block_sizes)}; device {device}; virtual clock {StepCost()}")
 
-    wall = {}
-    if not args.no_wall:
-        seq_lens = [r.num_prompt_tokens + r.num_output_tokens for r in T.regime_trace("sharegpt_like")[:32]]
-        wall["attention"] = (
-            f"attention, one decode step of {len(seq_lens)} ShareGPT-like sequences ({sum(seq_lens)} context tokens, "
-            "8 heads x 64, fp32), wall clock" + ("" if device == "cuda" else "; no GPU in this run, so no GPU time"),
-            ["B", "torch CPU ms", "vs B=16", "Triton programs", "loop steps", "block-table reads",
-             *(["GPU us"] if device == "cuda" else [])],
-            attention_rows(block_sizes, seq_lens, args.repeats))
-        wall["swap"] = ("swap vs recompute of one preempted 256-token sequence (course-size model, CPU), wall clock",
-                        ["B", "swap out+in ms", "recompute ms", "recompute / swap"],
-                        swap_recompute_rows(block_sizes, 256, args.repeats))
-        wall["engine"] = ("engine per block size, sharegpt_like, wall clock",
-                          ["B", "tok/s", "vs B=16", "TTFT p99 ms", "TPOT p99 ms"],
-                          engine_wall_rows(block_sizes, args.engine_repeats))
-        wall["ablations"] = ("ablations, sharegpt_like, wall clock (ratios against the baseline of this run)",
-                             ["setting", "tok/s", "tok/s vs base", "TTFT p99 vs base", "TPOT p99 vs base", "preempt"],
-                             ablation_wall_rows(args.engine_repeats))
-        for title, headers, rows in wall.values():
-            print(f"\n{title}\n{format_table(headers, rows)}")
-            if title.startswith("attention") and device == "cpu":
-                print("GPU time: skipped, no CUDA device (the Triton interpreter's time says nothing about a GPU; "
-                      "the program and loop-step counts are the proxy)")
+    wall = {} if args.no_wall else wall_tables(block_sizes, args.repeats, args.engine_repeats, device)
 
     record = {}
     if not args.no_virtual:
