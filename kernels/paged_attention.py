@@ -125,7 +125,8 @@ def attend_tile(q, k, v, visible, m_i, l_i, acc, scale):
     """One tile's step of the online softmax, for every row of ``q`` at once: the state after the tile.
 
     Shared by the decode and the prefill kernel: what their loops do with each tile they load. A row is one
-    query head of one query token; ``ROWS`` and ``TILE`` are powers of two of at least 16 (``tl.dot``'s).
+    query head of one query token; ``ROWS`` and ``TILE`` are powers of two (``tl.arange``'s), ``ROWS`` padded to 16
+    or more (``GROUP_PAD``, ``BLOCK_M``).
 
     Args:
         q: ``[ROWS, HEAD_DIM_PAD]`` queries, fp32 if the caller's ``DOT_FP32`` is set (padding rows and lanes 0).

@@ -76,7 +76,7 @@ def test_the_monitor_records_the_pool_filling_and_draining_then_replays_it(serve
     wait_until_idle(server)
     monitor.stop()
     assert not monitor.live and not monitor.step_button.disabled
-    used = [sum(1 for c in snap.pool.refcounts if c) for snap, _ in monitor.frames]
+    used = [snap.pool.num_used for snap, _ in monitor.frames]
     running = [len(snap.running) for snap, _ in monitor.frames]
     assert max(running) >= 2 and max(used) > 0 and used[-1] == 0  # concurrent requests, and every block back
     assert monitor.slider.value == 0 and monitor.slider.max == len(monitor.frames) - 1  # the replay starts over

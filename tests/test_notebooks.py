@@ -79,3 +79,17 @@ def test_a_printed_source_is_the_lines_the_argument_needs(path):
             if text.count("\n") > LONGEST_DUMP and not any((path.name, t) in WHOLE for t in targets):
                 long.append(f"{targets}: {text.count(chr(10))} lines")
     assert not long, f"{path.name} prints long sources: {long}"
+
+
+def test_source_text_without_the_docstring_keeps_its_first_line_and_the_code():
+    import minipaged
+    from minipaged.disagg import transfer_kv
+    from minipaged.viz import source_text
+
+    whole, short = source_text(transfer_kv), source_text(transfer_kv, docstring=False)
+    assert short.count("\n") < whole.count("\n") and short.splitlines()[0] == whole.splitlines()[0]
+    first = transfer_kv.__doc__.strip().splitlines()[0]
+    assert f'    """{first} …"""' in short.splitlines()[1]
+    assert whole.splitlines()[-1] == short.splitlines()[-1]  # the body is untouched
+    assert source_text(minipaged, docstring=False).startswith('"""minipaged:') and "…" in source_text(
+        minipaged, docstring=False).splitlines()[0]  # fmt: skip

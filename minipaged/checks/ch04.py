@@ -133,16 +133,21 @@ def _summary(cases, observations) -> str:
             f"and {len(cases) - kernels} engine run{'s' if len(cases) - kernels != 1 else ''}, token for token")
 
 
-def _launch(launch, q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, tile):
-    """``launch(...)``, with a stub's ``NotImplementedError`` dug out of the interpreter's error."""
-    scale = q.shape[2] ** -0.5 if scale is None else scale
+def _calling(fn, *args):
+    """``fn(*args)``, with a stub's ``NotImplementedError`` dug out of the interpreter's error."""
     try:
-        return launch(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, tile)
+        return fn(*args)
     except Exception as exc:
         todo = _not_implemented(exc)
         if todo is not None:
             raise todo from None
         raise
+
+
+def _launch(launch, q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, tile):
+    """``launch(...)`` through :func:`_calling`, with the default scale."""
+    scale = q.shape[2] ** -0.5 if scale is None else scale
+    return _calling(launch, q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, tile)
 
 
 @check("ch04.decode_kernel", hint=HINTS["4.1"][0], label=_label, summary=_summary)
@@ -367,25 +372,18 @@ def _prefill_label(c) -> str:
 def check_prefill_kernel(case, step):
     """The package's prefill kernel (``paged_prefill_attention``) with ``step`` as its ``attend_tile``, on a case.
 
-    ``step`` is the learner's ``@triton.jit`` ``attend_tile`` (a stub is reported as not implemented yet). ``case``
-    is ``{"seq_lens", "new_tokens", "block_size", "num_heads", "num_kv_heads", "seed"}``: each sequence's last
-    ``new_tokens`` positions are its queries, as in a chunked-prefill step. The observation is the output.
+    ``step`` is the learner's ``@triton.jit`` ``attend_tile`` (a stub is reported as not implemented yet, by the
+    launcher). ``case`` is ``{"seq_lens", "new_tokens", "block_size", "num_heads", "num_kv_heads", "seed"}``:
+    each sequence's last ``new_tokens`` positions are its queries, as in a chunked-prefill step. The observation
+    is the output.
     """
     from minipaged.kernels import prefill_attention
 
-    todo = unbuilt(step)
-    if todo is not None:
-        raise todo
     paged = prefill_case(case)
     given = prefill_attention.attend_tile
     prefill_attention.attend_tile = step  # the kernel looks its step up when it runs (interpreted) or compiles
     try:
-        out = prefill_attention.paged_prefill_attention(*paged.prefill_args)
-    except Exception as exc:
-        todo = _not_implemented(exc)
-        if todo is not None:
-            raise todo from None
-        raise
+        out = _calling(prefill_attention.paged_prefill_attention, *paged.prefill_args)
     finally:
         prefill_attention.attend_tile = given
     return out if isinstance(out, torch.Tensor) else repr(out)[:200]

@@ -148,14 +148,14 @@ class ServerMonitor:
         snap = self.frames[index][0]
         state = "watching the server" if self.live else f"replay, frame {index} of 0–{len(self.frames) - 1}"
         return (f"{state} · step {snap.step} · t = {snap.time:.2f} s · {len(snap.running)} running, "
-                f"{len(snap.waiting)} waiting · {_used(snap)} of {snap.pool.num_blocks} blocks in use · "
+                f"{len(snap.waiting)} waiting · {snap.pool.num_used} of {snap.pool.num_blocks} blocks in use · "
                 f"{snap.num_finished} finished · {snap.num_preemptions} preemptions")  # fmt: skip
 
     def busiest(self) -> int:
         """The index of the first frame with the most blocks in use (the fullest picture of the pool)."""
         if not self.frames:
             raise ValueError("no frame recorded yet")
-        used = [_used(snap) for snap, _ in self.frames]
+        used = [snap.pool.num_used for snap, _ in self.frames]
         return used.index(max(used))
 
     def static(self, index: int | None = None):
@@ -175,7 +175,3 @@ class ServerMonitor:
         if self.frames:  # JupyterLab shows the live widget; a viewer without widgets (GitHub) shows this picture
             bundle["text/html"] = self._static_html(self._shown if self._shown >= 0 else None)
         return bundle
-
-
-def _used(snap: EngineSnapshot) -> int:
-    return sum(1 for count in snap.pool.refcounts if count > 0)
